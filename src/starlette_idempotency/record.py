@@ -1,0 +1,144 @@
+"""The idempotency record and its wire form (standard library and orjson only).
+
+A record is plain data: the store keeps it, the middleware decides what it means. Its wire
+form, written by every store that keeps JSON, is flat and camelCase::
+
+    {"key": "8e03...", "status": "Completed", "requestFingerprint": "sha256:9f86...",
+     "fingerprintVersion": "1", "responseStatusCode": 201, "responseBody": "{...}",
+     "responseBodyEncoding": "utf-8", "responseHeaders": [["content-type", "application/json"]],
+     "responseContentType": "application/json", "createdAt": "2026-11-30T10:00:00.000Z",
+     "expiresAt": "2026-12-02T10:00:00.000Z", "ownerToken": "c1b0..."}
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+
+class RecordStatus(enum.StrEnum):
+    """The three states of an idempotency key."""
+
+    IN_PROGRESS = "InProgress"
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """The response of a finished request, as it is replayed."""
+
+    status_code: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    content_type: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyRecord:
+    """One idempotency key's state. Times are seconds since the epoch (UTC).
+
+    ``expires_at`` is the lock's end while the record is ``InProgress`` and the end of the
+    retention time once it is ``Completed`` or ``Failed``.
+    """
+
+    key: str
+    status: RecordStatus
+    request_fingerprint: str
+    owner_token: str
+    created_at: float
+    expires_at: float
+    fingerprint_version: str = "1"
+    response: StoredResponse | None = None
+
+    def is_expired(self, now: float) -> bool:
+        return now >= self.expires_at
+
+    def finished(
+        self, status: RecordStatus, response: StoredResponse, expires_at: float
+    ) -> IdempotencyRecord:
+        """This record moved to a final state with its response."""
+        return replace(self, status=status, response=response, expires_at=expires_at)
+
+
+def _format_time(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
+
+
+def _parse_time(text: str) -> float:
+    return datetime.fromisoformat(text).timestamp()
+
+
+def record_to_dict(record: IdempotencyRecord) -> dict[str, Any]:
+    """The record's wire form as a dict (JSON-ready)."""
+    response = record.response
+    body: str | None = None
+    encoding: str | None = None
+    if response is not None:
+        try:
+            body, encoding = response.body.decode("utf-8"), "utf-8"
+        except UnicodeDecodeError:
+            body, encoding = base64.b64encode(response.body).decode("ascii"), "base64"
+    return {
+        "key": record.key,
+        "status": record.status.value,
+        "requestFingerprint": record.request_fingerprint,
+        "fingerprintVersion": record.fingerprint_version,
+        "responseStatusCode": response.status_code if response else None,
+        "responseBody": body,
+        "responseBodyEncoding": encoding,
+        "responseHeaders": [list(pair) for pair in response.headers] if response else None,
+        "responseContentType": response.content_type if response else None,
+        "createdAt": _format_time(record.created_at),
+        "expiresAt": _format_time(record.expires_at),
+        "ownerToken": record.owner_token,
+    }
+
+
+def record_from_dict(data: dict[str, Any]) -> IdempotencyRecord:
+    """Parse a record's wire form; raises ``ValueError`` on a malformed one."""
+    try:
+        response = None
+        if data.get("responseStatusCode") is not None:
+            raw_body = data.get("responseBody") or ""
+            if data.get("responseBodyEncoding") == "base64":
+                body = base64.b64decode(raw_body, validate=True)
+            else:
+                body = raw_body.encode("utf-8")
+            response = StoredResponse(
+                status_code=int(data["responseStatusCode"]),
+                headers=tuple((str(k), str(v)) for k, v in data.get("responseHeaders") or ()),
+                body=body,
+                content_type=data.get("responseContentType"),
+            )
+        return IdempotencyRecord(
+            key=data["key"],
+            status=RecordStatus(data["status"]),
+            request_fingerprint=data["requestFingerprint"],
+            fingerprint_version=str(data.get("fingerprintVersion", "1")),
+            owner_token=data["ownerToken"],
+            created_at=_parse_time(data["createdAt"]),
+            expires_at=_parse_time(data["expiresAt"]),
+            response=response,
+        )
+    except (KeyError, TypeError, binascii.Error) as exc:
+        raise ValueError(f"malformed idempotency record: {exc!r}") from exc
+
+
+def dump_record(record: IdempotencyRecord) -> bytes:
+    """The record's wire form as JSON bytes."""
+    return orjson.dumps(record_to_dict(record))
+
+
+def load_record(raw: bytes | str) -> IdempotencyRecord:
+    """Parse JSON bytes written by :func:`dump_record`; raises ``ValueError`` when malformed."""
+    data = orjson.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("malformed idempotency record: not a JSON object")
+    return record_from_dict(data)

@@ -1,0 +1,85 @@
+"""The store protocol every backend implements.
+
+A store knows nothing of HTTP: it keeps :class:`IdempotencyRecord` values under storage keys and
+offers a few atomic primitives. Every write after the acquire is fenced by the owner token, so a
+request whose lock expired and was taken over can neither overwrite nor delete its successor's
+record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from starlette_idempotency.record import IdempotencyRecord
+
+DEFAULT_KEY_PREFIX = "idempotency"
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireResult:
+    """What :meth:`IdempotencyStore.try_acquire` found.
+
+    ``acquired`` is true when the caller now owns the key. Then ``record`` is the expired record
+    it took over, where the store can tell (else ``None``). When ``acquired`` is false,
+    ``record`` is the live record that holds the key.
+    """
+
+    acquired: bool
+    record: IdempotencyRecord | None = None
+
+
+@runtime_checkable
+class IdempotencyStore(Protocol):
+    """Atomic primitives over idempotency records, shared by all processes using the store.
+
+    ``key`` is the storage key built by the middleware (the store adds its own prefix). All
+    durations are in seconds and may be fractional.
+    """
+
+    #: A short name for logs and metrics labels ("memory", "redis", "postgres").
+    name: str
+
+    async def try_acquire(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float
+    ) -> AcquireResult:
+        """Write ``pending`` (an ``InProgress`` record) if the key is free, in one atomic step.
+
+        A free key is one that is absent or whose record has expired. Otherwise return the
+        existing record untouched.
+        """
+        ...
+
+    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+        """Store the ``Completed`` ``record`` for ``ttl`` seconds if its owner still holds the key.
+
+        Also stores it when the key is absent (the lock lapsed and nobody took it over).
+        Returns false, writing nothing, when another owner holds the key.
+        """
+        ...
+
+    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+        """Like :meth:`complete`, for a ``Failed`` record (a replayable business failure)."""
+        ...
+
+    async def release(self, key: str, owner_token: str) -> bool:
+        """Delete the key if ``owner_token`` still holds it.
+
+        Returns false when another owner holds the key (nothing is deleted), true otherwise.
+        """
+        ...
+
+    async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
+        """Extend the lock of an ``InProgress`` record held by ``owner_token`` to ``lock_ttl``.
+
+        Returns false when the lock is gone or held by someone else.
+        """
+        ...
+
+    async def get(self, key: str) -> IdempotencyRecord | None:
+        """The live record under ``key``, if any (for inspection and tests)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close what the store opened itself; a client or pool passed in stays open."""
+        ...
