@@ -1,0 +1,507 @@
+"""The pure-ASGI middleware that drives the idempotency state machine against a store.
+
+For a guarded request: validate the key, buffer and fingerprint the body, acquire the key as
+``InProgress``, run the app, and settle the outcome before the last body chunk reaches the
+client (complete, fail or release). A key already held answers with a replay, a 409 or a 422
+without running the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import HTTPConnection
+
+from starlette_idempotency._types import (
+    DEFAULT_HEADER_NAME,
+    ASGIApp,
+    Clock,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    system_clock,
+)
+from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
+from starlette_idempotency.fingerprint import (
+    is_json_content_type,
+    request_fingerprint,
+    storage_key,
+)
+from starlette_idempotency.keys import InvalidKey, parse_key
+from starlette_idempotency.policy import (
+    MARKS_SCOPE_KEY,
+    IdempotencyPolicy,
+    RequestMarks,
+    StoreErrorPolicy,
+    current_marks,
+)
+from starlette_idempotency.record import IdempotencyRecord, RecordStatus, StoredResponse
+from starlette_idempotency.responses import (
+    IN_PROGRESS_MESSAGE,
+    MISMATCH_MESSAGE,
+    STORE_UNAVAILABLE_MESSAGE,
+    ErrorFormat,
+    ErrorResponder,
+    Problem,
+    retry_after_seconds,
+    send_replay,
+    storable_headers,
+)
+from starlette_idempotency.routing import GuardedRoute, RouteResolver
+from starlette_idempotency.stores.base import IdempotencyStore
+
+logger = logging.getLogger(__name__)
+
+KeyScope = Callable[[HTTPConnection], "str | Awaitable[str | None] | None"]
+"""Returns the owner of a request's keys (a user or tenant id); sync or async."""
+
+# Statuses that say "try again" rather than "this is the outcome": the key is released.
+_TRANSIENT_STATUSES = frozenset({408, 429})
+# Without the decorator's start mark, these are what a step before the endpoint produces
+# (request validation, authentication), so they release the key instead of being stored.
+_PRE_ENDPOINT_STATUSES = frozenset({401, 403, 422})
+# Response extensions whose body bypasses http.response.body and so could not be stored.
+_UNCAPTURABLE_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
+
+_T = TypeVar("_T")
+_warned_anonymous = False
+
+
+class IdempotencyMiddleware:
+    """Makes decorated POST/PATCH routes safe to retry with an ``Idempotency-Key`` header.
+
+    Every ``@idempotent`` option can be given here as the default for all routes; see the
+    README for the meaning of each.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        store: IdempotencyStore,
+        header_name: str = DEFAULT_HEADER_NAME,
+        methods: Sequence[str] = ("POST", "PATCH"),
+        max_key_length: int = 255,
+        key_scope: KeyScope | None = None,
+        protect_all: bool = False,
+        error_format: ErrorFormat = "json",
+        problem_type: str = "about:blank",
+        max_body_bytes: int = 1024 * 1024,
+        store_timeout_seconds: float = 1.0,
+        ttl_hours: float = 24.0,
+        lock_ttl_seconds: float = 30.0,
+        required: bool = True,
+        exclude_fields: Sequence[str] = (),
+        fingerprint_headers: Sequence[str] = (),
+        on_store_error: StoreErrorPolicy = "fail_closed",
+        renew_lock: bool = True,
+        clock: Clock = system_clock,
+    ) -> None:
+        if max_key_length < 1 or max_body_bytes < 0 or store_timeout_seconds <= 0:
+            raise ConfigurationError(
+                "max_key_length, max_body_bytes and store_timeout_seconds must be positive"
+            )
+        self.app = app
+        self.store = store
+        self.header_name = header_name
+        self._header_bytes = header_name.lower().encode("latin-1")
+        self._methods = frozenset(method.upper() for method in methods)
+        self._max_key_length = max_key_length
+        self._key_scope = key_scope
+        self._max_body_bytes = max_body_bytes
+        self._store_timeout = store_timeout_seconds
+        self._clock = clock
+        defaults = IdempotencyPolicy(
+            ttl_hours=ttl_hours,
+            lock_ttl_seconds=lock_ttl_seconds,
+            required=required,
+            exclude_fields=tuple(exclude_fields),
+            fingerprint_headers=tuple(fingerprint_headers),
+            on_store_error=on_store_error,
+            renew_lock=renew_lock,
+        )
+        self._resolver = RouteResolver(defaults, protect_all=protect_all)
+        self._errors = ErrorResponder(
+            header_name=header_name, error_format=error_format, problem_type=problem_type
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in self._methods:
+            await self.app(scope, receive, send)
+            return
+        route = self._resolver.resolve(scope, self.app)
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        await _GuardedRequest(self, route, scope, receive, send).run()
+
+    async def call_store(self, operation: Callable[..., Awaitable[_T]], *args: Any) -> _T:
+        """Run one store call within ``store_timeout_seconds``; any failure is a StoreError."""
+        try:
+            async with asyncio.timeout(self._store_timeout):
+                return await operation(*args)
+        except StoreError:
+            raise
+        except TimeoutError as exc:
+            raise StoreTimeoutError(
+                f"idempotency store call took longer than {self._store_timeout}s"
+            ) from exc
+        except Exception as exc:
+            raise StoreError(f"idempotency store call failed: {exc!r}") from exc
+
+    async def scope_id(self, scope: Scope) -> str:
+        """Who owns the keys of this request: ``key_scope``'s answer or the authenticated user."""
+        if self._key_scope is not None:
+            value = self._key_scope(HTTPConnection(scope))
+            if inspect.isawaitable(value):
+                value = await value
+            return "" if value is None else str(value)
+        user = scope.get("user")
+        if user is None:
+            _warn_anonymous_once()
+            return ""
+        if not getattr(user, "is_authenticated", False):
+            return ""
+        try:
+            identity = user.identity
+        except (AttributeError, NotImplementedError):
+            identity = None
+        return str(identity or getattr(user, "display_name", "") or "")
+
+
+def _warn_anonymous_once() -> None:
+    global _warned_anonymous
+    if not _warned_anonymous:
+        _warned_anonymous = True
+        logger.warning(
+            "Idempotency keys are not scoped to a user: no key_scope was given and no "
+            "authentication middleware set scope['user'], so two clients sending the same key "
+            "share one stored response. Pass key_scope= or add the authentication middleware "
+            "outside IdempotencyMiddleware."
+        )
+
+
+class _GuardedRequest:
+    """One guarded request's journey through the state machine."""
+
+    def __init__(
+        self,
+        middleware: IdempotencyMiddleware,
+        route: GuardedRoute,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        self.mw = middleware
+        self.route = route
+        self.policy = route.policy
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+
+    async def run(self) -> None:
+        mw = self.mw
+        raw_keys = [value for name, value in self.scope["headers"] if name == mw._header_bytes]
+        if not raw_keys:
+            if self.policy.required:
+                await mw._errors.send(
+                    self.send, Problem.MISSING_KEY, f"{mw.header_name} header is required"
+                )
+            else:
+                await mw.app(self.scope, self.receive, self.send)
+            return
+        key = (
+            parse_key(raw_keys[0], header_name=mw.header_name, max_length=mw._max_key_length)
+            if len(raw_keys) == 1
+            else InvalidKey(f"{mw.header_name} must be sent only once")
+        )
+        if isinstance(key, InvalidKey):
+            await mw._errors.send(self.send, Problem.INVALID_KEY, key.message)
+            return
+        body = await self._read_body()
+        if body is None:
+            return
+        await self._guard(key, body)
+
+    async def _read_body(self) -> bytes | None:
+        """The whole request body, or ``None`` once an answer was sent (413) or the client left."""
+        limit = self.mw._max_body_bytes
+        for name, value in self.scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await self._body_too_large()
+                return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await self._body_too_large()
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _body_too_large(self) -> None:
+        await self.mw._errors.send(
+            self.send,
+            Problem.BODY_TOO_LARGE,
+            f"Request body exceeds the {self.mw._max_body_bytes}-byte limit "
+            "for idempotent requests",
+        )
+
+    def _fingerprint(self, body: bytes) -> str:
+        scope = self.scope
+        wanted = {name.lower().encode("latin-1") for name in self.policy.fingerprint_headers}
+        content_type = ""
+        chosen: list[tuple[str, str]] = []
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                content_type = value.decode("latin-1")
+            if name in wanted:
+                chosen.append((name.decode("latin-1"), value.decode("latin-1")))
+        return request_fingerprint(
+            method=scope["method"],
+            path=scope["path"],
+            query_string=scope.get("query_string", b""),
+            headers=chosen,
+            body=body,
+            json_body=is_json_content_type(content_type),
+            excluded_fields=frozenset(name.lower() for name in self.policy.exclude_fields),
+        )
+
+    async def _guard(self, key: str, body: bytes) -> None:
+        mw, policy = self.mw, self.policy
+        fingerprint = self._fingerprint(body)
+        store_key = storage_key(
+            await mw.scope_id(self.scope), self.scope["method"], self.route.template, key
+        )
+        now = mw._clock()
+        pending = IdempotencyRecord(
+            key=key,
+            status=RecordStatus.IN_PROGRESS,
+            request_fingerprint=fingerprint,
+            owner_token=secrets.token_hex(16),
+            created_at=now,
+            expires_at=now + policy.lock_ttl_seconds,
+        )
+        try:
+            acquired = await mw.call_store(
+                mw.store.try_acquire, store_key, pending, policy.lock_ttl_seconds
+            )
+        except StoreError as exc:
+            await self._on_store_down(exc, body)
+            return
+        if not acquired.acquired:
+            assert acquired.record is not None
+            await self._answer_existing(acquired.record, fingerprint)
+            return
+        await self._run_owned(store_key, pending, body)
+
+    async def _on_store_down(self, exc: StoreError, body: bytes) -> None:
+        if self.policy.on_store_error == "fail_open":
+            logger.warning(
+                "idempotency store unavailable, running %s %s unprotected (fail_open): %s",
+                self.scope["method"],
+                self.route.template,
+                exc,
+            )
+            await self.mw.app(self.scope, _replaying_receive(body, self.receive), self.send)
+            return
+        logger.error("idempotency store unavailable, answering 503: %s", exc)
+        await self.mw._errors.send(
+            self.send, Problem.STORE_UNAVAILABLE, STORE_UNAVAILABLE_MESSAGE, retry_after=1
+        )
+
+    async def _answer_existing(self, record: IdempotencyRecord, fingerprint: str) -> None:
+        errors = self.mw._errors
+        if record.request_fingerprint != fingerprint:
+            await errors.send(self.send, Problem.MISMATCH, MISMATCH_MESSAGE)
+        elif record.status is RecordStatus.IN_PROGRESS or record.response is None:
+            remaining = record.expires_at - self.mw._clock()
+            await errors.send(
+                self.send,
+                Problem.IN_PROGRESS,
+                IN_PROGRESS_MESSAGE,
+                retry_after=retry_after_seconds(remaining),
+            )
+        else:
+            await send_replay(self.send, record.response)
+
+    async def _run_owned(self, store_key: str, pending: IdempotencyRecord, body: bytes) -> None:
+        """Run the app as the key's owner and settle the outcome before the response ends."""
+        mw, policy = self.mw, self.policy
+        scope = self._scope_for_app()
+        marks = RequestMarks()
+        scope[MARKS_SCOPE_KEY] = marks
+        status = 0
+        raw_headers: list[tuple[bytes, bytes]] = []
+        chunks: list[bytes] = []
+        settled = False
+
+        async def capture(message: Message) -> None:
+            nonlocal status, raw_headers, settled
+            kind = message["type"]
+            if kind == "http.response.start":
+                status = message["status"]
+                raw_headers = list(message.get("headers", ()))
+            elif kind == "http.response.body" and not settled:
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    settled = True
+                    await self._settle(store_key, pending, marks, status, raw_headers, chunks)
+            await self.send(message)
+
+        renewal = (
+            _LockRenewal(mw, store_key, pending.owner_token, policy) if policy.renew_lock else None
+        )
+        token = current_marks.set(marks)
+        try:
+            await mw.app(scope, _replaying_receive(body, self.receive), capture)
+        finally:
+            current_marks.reset(token)
+            if renewal is not None:
+                renewal.stop()
+            if not settled:
+                # The app raised, or returned without finishing its response: nothing to
+                # replay, so the client may retry with the same key. Shielded, so a
+                # cancelled request still frees its key.
+                with anyio.CancelScope(shield=True):
+                    await self._release(store_key, pending.owner_token)
+
+    def _scope_for_app(self) -> Scope:
+        extensions = self.scope.get("extensions") or {}
+        if not any(name in extensions for name in _UNCAPTURABLE_EXTENSIONS):
+            return self.scope
+        kept = {k: v for k, v in extensions.items() if k not in _UNCAPTURABLE_EXTENSIONS}
+        return {**self.scope, "extensions": kept}
+
+    async def _settle(
+        self,
+        store_key: str,
+        pending: IdempotencyRecord,
+        marks: RequestMarks,
+        status: int,
+        raw_headers: list[tuple[bytes, bytes]],
+        chunks: list[bytes],
+    ) -> None:
+        if not self._should_store(marks, status):
+            await self._release(store_key, pending.owner_token)
+            return
+        headers = storable_headers(raw_headers)
+        content_type = next((value for name, value in headers if name == "content-type"), None)
+        final_status = RecordStatus.COMPLETED if status < 400 else RecordStatus.FAILED
+        now = self.mw._clock()
+        record = pending.finished(
+            final_status,
+            StoredResponse(status, headers, b"".join(chunks), content_type),
+            expires_at=now + self.policy.ttl_seconds,
+        )
+        operation = self.mw.store.complete if status < 400 else self.mw.store.fail
+        try:
+            stored = await self.mw.call_store(operation, store_key, record, self.policy.ttl_seconds)
+        except StoreError as exc:
+            logger.error(
+                "could not store the response for idempotency key %r; a retry is answered 409 "
+                "until the lock expires and then runs again: %s",
+                pending.key,
+                exc,
+            )
+            return
+        if not stored:
+            logger.warning(
+                "lock for idempotency key %r was lost to another request; its response was "
+                "sent to this client but not stored",
+                pending.key,
+            )
+
+    def _should_store(self, marks: RequestMarks, status: int) -> bool:
+        if marks.retryable or status >= 500 or status in _TRANSIENT_STATUSES:
+            return False
+        if self.route.marks_start:
+            return marks.endpoint_started
+        return status not in _PRE_ENDPOINT_STATUSES
+
+    async def _release(self, store_key: str, owner_token: str) -> None:
+        try:
+            released = await self.mw.call_store(self.mw.store.release, store_key, owner_token)
+        except StoreError as exc:
+            logger.error("could not release idempotency key %r: %s", store_key, exc)
+            return
+        if not released:
+            logger.warning("lock for %r was taken over before it could be released", store_key)
+
+
+def _replaying_receive(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands the buffered body to the app once, then defers to the client
+    (so the app still sees ``http.disconnect``)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+class _LockRenewal:
+    """Extends the lock every third of its TTL while the handler runs.
+
+    Nothing is scheduled but a timer until the first third has passed, so short handlers cost
+    no store round trip.
+    """
+
+    def __init__(
+        self,
+        middleware: IdempotencyMiddleware,
+        store_key: str,
+        owner_token: str,
+        policy: IdempotencyPolicy,
+    ) -> None:
+        self._mw = middleware
+        self._key = store_key
+        self._token = owner_token
+        self._ttl = policy.lock_ttl_seconds
+        self._interval = policy.lock_ttl_seconds / 3
+        loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = loop.call_later(self._interval, self._start)
+        self._task: asyncio.Task[None] | None = None
+
+    def _start(self) -> None:
+        self._timer = None
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                renewed = await self._mw.call_store(
+                    self._mw.store.renew, self._key, self._token, self._ttl
+                )
+            except StoreError as exc:
+                logger.warning("could not renew the lock for %r: %s", self._key, exc)
+            else:
+                if not renewed:
+                    logger.warning("lock for %r is gone; renewal stopped", self._key)
+                    return
+            await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,171 @@
+"""Per-route idempotency policy and the ``@idempotent`` decorator.
+
+The decorator records which options a route overrides; the middleware merges them over its own
+defaults once per route. In the documented order (``@app.post(...)`` above ``@idempotent(...)``)
+the decorator also wraps the endpoint so the middleware learns when the endpoint itself began,
+which tells a FastAPI validation 422 or an auth dependency's 401 (nothing ran) from a handler's
+own 4xx (a business outcome). The wrapper keeps the endpoint's signature, so FastAPI's
+introspection and OpenAPI see the original function.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal, TypeVar, cast
+
+from starlette.requests import HTTPConnection
+
+from starlette_idempotency.errors import ConfigurationError
+
+StoreErrorPolicy = Literal["fail_closed", "fail_open"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+POLICY_ATTRIBUTE = "__idempotency_overrides__"
+MARKS_START_ATTRIBUTE = "__idempotency_marks_start__"
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyPolicy:
+    """The options that govern one route (see the README for each)."""
+
+    ttl_hours: float = 24.0
+    lock_ttl_seconds: float = 30.0
+    required: bool = True
+    exclude_fields: tuple[str, ...] = ()
+    fingerprint_headers: tuple[str, ...] = ()
+    on_store_error: StoreErrorPolicy = "fail_closed"
+    renew_lock: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ttl_hours <= 0:
+            raise ConfigurationError("ttl_hours must be positive")
+        if self.lock_ttl_seconds <= 0:
+            raise ConfigurationError("lock_ttl_seconds must be positive")
+        if self.on_store_error not in ("fail_closed", "fail_open"):
+            raise ConfigurationError("on_store_error must be 'fail_closed' or 'fail_open'")
+        for name in ("exclude_fields", "fingerprint_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ConfigurationError(f"{name} must be a sequence of names, not a string")
+            object.__setattr__(self, name, tuple(value))
+
+    @property
+    def ttl_seconds(self) -> float:
+        return self.ttl_hours * 3600.0
+
+    def merged(self, overrides: dict[str, Any]) -> IdempotencyPolicy:
+        """This policy with a route's overrides applied."""
+        return replace(self, **overrides) if overrides else self
+
+
+POLICY_OPTIONS = frozenset(field.name for field in fields(IdempotencyPolicy))
+
+
+MARKS_SCOPE_KEY = "starlette_idempotency.marks"
+
+
+class RequestMarks:
+    """Facts the endpoint side reports to the middleware for one request."""
+
+    __slots__ = ("endpoint_started", "retryable")
+
+    def __init__(self) -> None:
+        self.endpoint_started = False
+        self.retryable = False
+
+
+# Holds a mutable object, so a sync endpoint running in a worker thread (which gets a copy of
+# the context) still reports to the middleware's request.
+current_marks: contextvars.ContextVar[RequestMarks | None] = contextvars.ContextVar(
+    "starlette_idempotency_marks", default=None
+)
+
+
+def _note_endpoint_started() -> None:
+    marks = current_marks.get()
+    if marks is not None:
+        marks.endpoint_started = True
+
+
+def _wrap_marking_start(func: _F) -> _F:
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            _note_endpoint_started()
+            return await func(*args, **kwargs)
+
+        wrapper: Callable[..., Any] = async_wrapper
+    else:
+
+        @functools.wraps(func)
+        def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+            _note_endpoint_started()
+            return func(*args, **kwargs)
+
+        wrapper = sync_wrapper
+    setattr(wrapper, MARKS_START_ATTRIBUTE, True)
+    return cast(_F, wrapper)
+
+
+def idempotent(
+    *,
+    ttl_hours: float | None = None,
+    lock_ttl_seconds: float | None = None,
+    required: bool | None = None,
+    exclude_fields: tuple[str, ...] | list[str] | None = None,
+    fingerprint_headers: tuple[str, ...] | list[str] | None = None,
+    on_store_error: StoreErrorPolicy | None = None,
+    renew_lock: bool | None = None,
+) -> Callable[[_F], _F]:
+    """Make a POST/PATCH endpoint idempotent under :class:`IdempotencyMiddleware`.
+
+    Every option left out takes the middleware's value. Put it below ``@app.post(...)``::
+
+        @app.post("/payments")
+        @idempotent(ttl_hours=48, lock_ttl_seconds=60)
+        async def pay(body: Payment) -> Receipt: ...
+    """
+    overrides = {
+        name: value
+        for name, value in (
+            ("ttl_hours", ttl_hours),
+            ("lock_ttl_seconds", lock_ttl_seconds),
+            ("required", required),
+            ("exclude_fields", None if exclude_fields is None else tuple(exclude_fields)),
+            (
+                "fingerprint_headers",
+                None if fingerprint_headers is None else tuple(fingerprint_headers),
+            ),
+            ("on_store_error", on_store_error),
+            ("renew_lock", renew_lock),
+        )
+        if value is not None
+    }
+    IdempotencyPolicy().merged(overrides)  # validate now, at import time, not per request
+
+    def decorate(func: _F) -> _F:
+        # Set on the function itself too: in the reverse order the router already holds it.
+        setattr(func, POLICY_ATTRIBUTE, overrides)
+        wrapper = _wrap_marking_start(func)
+        setattr(wrapper, POLICY_ATTRIBUTE, overrides)
+        return wrapper
+
+    return decorate
+
+
+def mark_retryable(request: HTTPConnection) -> None:
+    """Tell the middleware this request's failure had no side effect: release its key.
+
+    Call it from a handler that refuses a request before writing anything (a duplicate e-mail,
+    say), so the client may fix the problem and retry with the same key. Outside a guarded
+    request it does nothing.
+    """
+    marks = request.scope.get(MARKS_SCOPE_KEY) or current_marks.get()
+    if marks is not None:
+        marks.retryable = True

@@ -1,0 +1,119 @@
+"""HTTP answers the middleware gives itself: errors (JSON or RFC 9457 problem details) and
+replays of stored responses. Stores never build responses; this is the one place that maps
+outcomes to HTTP."""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Literal
+
+import orjson
+
+from starlette_idempotency._types import REPLAY_HEADER, Send
+from starlette_idempotency.record import StoredResponse
+
+ErrorFormat = Literal["json", "problem"]
+
+_REPLAY_HEADER = (REPLAY_HEADER.lower().encode("latin-1"), b"true")
+
+
+class Problem(enum.Enum):
+    """The errors the middleware answers with: (status, problem title)."""
+
+    MISSING_KEY = (400, "{header} is missing")
+    INVALID_KEY = (400, "{header} is invalid")
+    BODY_TOO_LARGE = (413, "Request body is too large")
+    IN_PROGRESS = (409, "A request is outstanding for this {header}")
+    MISMATCH = (422, "{header} is already used")
+    STORE_UNAVAILABLE = (503, "Idempotency store is unavailable")
+
+    @property
+    def status(self) -> int:
+        return self.value[0]
+
+
+IN_PROGRESS_MESSAGE = (
+    "A request with this idempotency key is already being processed. "
+    "Retry after the original request completes."
+)
+MISMATCH_MESSAGE = "Idempotency key has already been used with a different request payload."
+STORE_UNAVAILABLE_MESSAGE = "The idempotency store is unavailable. Retry later with the same key."
+
+
+def retry_after_seconds(remaining: float) -> int:
+    """Whole seconds for ``Retry-After``: the remaining time rounded up, at least 1."""
+    return max(1, math.ceil(remaining))
+
+
+class ErrorResponder:
+    """Sends error responses in the configured format."""
+
+    def __init__(self, *, header_name: str, error_format: ErrorFormat, problem_type: str) -> None:
+        if error_format not in ("json", "problem"):
+            raise ValueError("error_format must be 'json' or 'problem'")
+        self._header_name = header_name
+        self._problem = error_format == "problem"
+        self._problem_type = problem_type
+        self._content_type = b"application/problem+json" if self._problem else b"application/json"
+
+    async def send(
+        self, send: Send, problem: Problem, detail: str, *, retry_after: int | None = None
+    ) -> None:
+        if self._problem:
+            payload: dict[str, object] = {
+                "type": self._problem_type,
+                "title": problem.value[1].format(header=self._header_name),
+                "status": problem.status,
+                "detail": detail,
+            }
+        else:
+            payload = {"error": detail}
+        body = orjson.dumps(payload)
+        headers = [
+            (b"content-type", self._content_type),
+            (b"content-length", str(len(body)).encode("latin-1")),
+        ]
+        if retry_after is not None:
+            headers.append((b"retry-after", str(retry_after).encode("latin-1")))
+        await send({"type": "http.response.start", "status": problem.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def send_replay(send: Send, response: StoredResponse) -> None:
+    """Replay a stored response byte for byte, marked with ``X-Idempotent-Replay: true``."""
+    headers = [
+        (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
+    ]
+    headers.append(_REPLAY_HEADER)
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+_NOT_STORED_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "date",
+        "server",
+        "set-cookie",
+        REPLAY_HEADER.lower(),
+    }
+)
+
+
+def storable_headers(raw_headers: list[tuple[bytes, bytes]]) -> tuple[tuple[str, str], ...]:
+    """Response headers worth replaying: no hop-by-hop ones, no Date, Server or Set-Cookie."""
+    kept = []
+    for raw_name, raw_value in raw_headers:
+        name = raw_name.decode("latin-1").lower()
+        if name not in _NOT_STORED_HEADERS:
+            kept.append((name, raw_value.decode("latin-1")))
+    return tuple(kept)
