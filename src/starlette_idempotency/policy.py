@@ -137,17 +137,16 @@ def idempotent(
             ("ttl_hours", ttl_hours),
             ("lock_ttl_seconds", lock_ttl_seconds),
             ("required", required),
-            ("exclude_fields", None if exclude_fields is None else tuple(exclude_fields)),
-            (
-                "fingerprint_headers",
-                None if fingerprint_headers is None else tuple(fingerprint_headers),
-            ),
+            ("exclude_fields", exclude_fields),
+            ("fingerprint_headers", fingerprint_headers),
             ("on_store_error", on_store_error),
             ("renew_lock", renew_lock),
         )
         if value is not None
     }
-    IdempotencyPolicy().merged(overrides)  # validate now, at import time, not per request
+    # Validate now, at import time, and keep the normalised values.
+    validated = IdempotencyPolicy().merged(overrides)
+    overrides = {name: getattr(validated, name) for name in overrides}
 
     def decorate(func: _F) -> _F:
         # Set on the function itself too: in the reverse order the router already holds it.

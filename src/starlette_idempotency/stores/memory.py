@@ -29,7 +29,11 @@ class MemoryStore:
         self._entries: dict[str, tuple[IdempotencyRecord, float]] = {}
         self._next_sweep = clock() + _SWEEP_INTERVAL_SECONDS
 
+    def __bool__(self) -> bool:
+        return True  # a store is never falsy, even while empty
+
     def __len__(self) -> int:
+        """The number of live records."""
         now = self._clock()
         return sum(1 for _, deadline in self._entries.values() if deadline > now)
 

@@ -1,0 +1,73 @@
+"""FastAPI specifics: the endpoint-start mark, signature and OpenAPI, the decorator order."""
+
+from __future__ import annotations
+
+import inspect
+
+from tests.core.conftest import make_harness
+
+PAYMENT = {"amount": "10.00", "currency": "EUR"}
+
+
+async def test_request_validation_422_releases_the_key() -> None:
+    harness = await make_harness("fastapi")
+    invalid = await harness.client.post(
+        "/payments", json={"amount": None}, headers={"Idempotency-Key": "k"}
+    )
+    assert invalid.status_code == 422
+    assert "detail" in invalid.json()
+    assert len(harness.store) == 0
+    fixed = await harness.client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": "k"})
+    assert fixed.status_code == 201
+    assert harness.ledger.executions["payments"] == 1
+
+
+async def test_auth_dependency_401_releases_the_key() -> None:
+    harness = await make_harness("fastapi")
+    denied = await harness.client.post("/secured", json=PAYMENT, headers={"Idempotency-Key": "k"})
+    assert denied.status_code == 401
+    allowed = await harness.client.post(
+        "/secured", json=PAYMENT, headers={"Idempotency-Key": "k", "Authorization": "Bearer ok"}
+    )
+    assert allowed.status_code == 200
+    assert harness.ledger.executions["secured"] == 1
+
+
+async def test_handler_422_is_a_stored_business_failure() -> None:
+    harness = await make_harness("fastapi")
+    for _ in range(2):
+        response = await harness.client.post("/handler-422", headers={"Idempotency-Key": "k"})
+        assert response.status_code == 422
+    assert response.headers["x-idempotent-replay"] == "true"
+    assert harness.ledger.executions["handler-422"] == 1
+
+
+async def test_reverse_decorator_order_still_guards_and_releases_422() -> None:
+    harness = await make_harness("fastapi")
+    invalid = await harness.client.post("/reverse", json={}, headers={"Idempotency-Key": "k"})
+    assert invalid.status_code == 422
+    first = await harness.client.post("/reverse", json=PAYMENT, headers={"Idempotency-Key": "k"})
+    replay = await harness.client.post("/reverse", json=PAYMENT, headers={"Idempotency-Key": "k"})
+    assert first.json() == replay.json() == {"n": 1}
+    assert replay.headers["x-idempotent-replay"] == "true"
+
+
+async def test_sync_endpoint_in_a_thread_reports_its_start() -> None:
+    harness = await make_harness("fastapi")
+    first = await harness.client.patch("/optional", headers={"Idempotency-Key": "k"})
+    replay = await harness.client.patch("/optional", headers={"Idempotency-Key": "k"})
+    assert first.json() == replay.json()
+    assert replay.headers["x-idempotent-replay"] == "true"
+
+
+async def test_signature_and_openapi_are_unchanged() -> None:
+    harness = await make_harness("fastapi")
+    route = next(r for r in harness.app.routes if getattr(r, "path", "") == "/payments")
+    parameters = inspect.signature(route.endpoint).parameters
+    assert list(parameters) == ["body", "request"]
+    schema = (await harness.client.get("/openapi.json")).json()
+    operation = schema["paths"]["/payments"]["post"]
+    assert operation["operationId"].startswith("payments")
+    assert operation["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/Payment"
+    }

@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import orjson
+from hypothesis import given
+from hypothesis import strategies as st
+
+from starlette_idempotency.fingerprint import (
+    canonical_json,
+    is_json_content_type,
+    request_fingerprint,
+    storage_key,
+)
+
+
+def fingerprint(
+    body: bytes,
+    *,
+    json_body: bool = True,
+    path: str = "/payments",
+    query: bytes = b"",
+    headers: tuple[tuple[str, str], ...] = (),
+    excluded: frozenset[str] = frozenset(),
+    method: str = "POST",
+) -> str:
+    return request_fingerprint(
+        method=method,
+        path=path,
+        query_string=query,
+        headers=headers,
+        body=body,
+        json_body=json_body,
+        excluded_fields=excluded,
+    )
+
+
+def test_key_order_and_whitespace_do_not_matter() -> None:
+    a = fingerprint(b'{"amount":"10.00","currency":"EUR"}')
+    b = fingerprint(b'{ "currency": "EUR", "amount": "10.00" }')
+    assert a == b
+    assert a.startswith("sha256:")
+    assert len(a) == len("sha256:") + 64
+
+
+def test_excluded_fields_at_any_depth_case_insensitive() -> None:
+    excluded = frozenset({"clienttimestamp", "requestnonce"})
+    a = fingerprint(
+        b'{"order":{"items":[{"sku":"a","requestNonce":1}],"ClientTimestamp":5},"x":1}',
+        excluded=excluded,
+    )
+    b = fingerprint(b'{"order":{"items":[{"sku":"a","requestNonce":2}]},"x":1}', excluded=excluded)
+    assert a == b
+    assert a != fingerprint(b'{"order":{"items":[{"sku":"b"}]},"x":1}', excluded=excluded)
+
+
+def test_method_path_query_and_headers_take_part() -> None:
+    base = fingerprint(b"{}")
+    assert fingerprint(b"{}", method="PATCH") != base
+    assert fingerprint(b"{}", path="/refunds") != base
+    assert fingerprint(b"{}", query=b"a=1") != base
+    assert fingerprint(b"{}", headers=(("api-version", "2"),)) != base
+    assert fingerprint(b"{}", query=b"b=2&a=1") == fingerprint(b"{}", query=b"a=1&b=2")
+
+
+def test_invalid_json_is_hashed_as_bytes() -> None:
+    assert canonical_json(b"{not json") is None
+    assert fingerprint(b"{not json") == fingerprint(b"{not json", json_body=False)
+    assert fingerprint(b"{not json") != fingerprint(b"{not  json")
+
+
+def test_non_json_bodies_are_hashed_as_bytes() -> None:
+    assert fingerprint(b"a=1&b=2", json_body=False) != fingerprint(b"b=2&a=1", json_body=False)
+    # the same bytes as JSON and as raw bytes are different requests
+    assert fingerprint(b"1", json_body=False) != fingerprint(b"1")
+
+
+def test_json_content_types() -> None:
+    assert is_json_content_type("application/json")
+    assert is_json_content_type("Application/JSON; charset=utf-8")
+    assert is_json_content_type("application/merge-patch+json")
+    assert not is_json_content_type("application/x-www-form-urlencoded")
+    assert not is_json_content_type("")
+
+
+def test_storage_key_is_injective() -> None:
+    assert storage_key("a:b", "POST", "/p", "c") != storage_key("a", "POST", "/p", "b:c")
+    assert storage_key("", "POST", "/p", "a%3Ab") != storage_key("", "POST", "/p", "a:b")
+    key = storage_key("t", "POST", "/members/{member_id}", "{k}")
+    assert "{" not in key
+    assert "}" not in key
+    assert key.count(":") == 3
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+json_objects = st.dictionaries(st.text(max_size=6), json_values, min_size=1, max_size=5)
+
+
+@given(json_objects, st.randoms(use_true_random=False), st.sampled_from([None, 1, 2]))
+def test_encoding_never_changes_the_fingerprint(
+    value: dict[str, object], rnd: object, indent: int | None
+) -> None:
+    items = list(value.items())
+    rnd.shuffle(items)  # type: ignore[attr-defined]
+    reordered = dict(items)
+    compact = orjson.dumps(value)
+    spaced = orjson.dumps(reordered, option=orjson.OPT_INDENT_2 if indent else 0)
+    assert fingerprint(compact) == fingerprint(spaced)
+
+
+@given(json_objects, st.data())
+def test_changing_a_value_always_changes_the_fingerprint(
+    value: dict[str, object], data: st.DataObject
+) -> None:
+    name = data.draw(st.sampled_from(sorted(value)))
+    new_value = data.draw(
+        json_values.filter(lambda v: v != value[name] or type(v) is not type(value[name]))
+    )
+    changed = {**value, name: new_value}
+    assert fingerprint(orjson.dumps(value)) != fingerprint(orjson.dumps(changed))
+
+
+@given(json_objects, st.data())
+def test_changing_an_excluded_value_never_changes_the_fingerprint(
+    value: dict[str, object], data: st.DataObject
+) -> None:
+    name = data.draw(st.sampled_from(sorted(value)))
+    excluded = frozenset({name.lower()})
+    changed = {**value, name: data.draw(json_values)}
+    assert fingerprint(orjson.dumps(value), excluded=excluded) == fingerprint(
+        orjson.dumps(changed), excluded=excluded
+    )

@@ -1,0 +1,68 @@
+"""Lock renewal keeps a slow but alive handler's lock; a route may turn it off."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from tests.core.conftest import make_client
+
+LOCK_TTL = 0.3
+
+
+def build(
+    renew: bool, runs: list[int], release: asyncio.Event, entered: list[asyncio.Event]
+) -> object:
+    @idempotent(lock_ttl_seconds=LOCK_TTL, renew_lock=renew)
+    async def slow(request: Request) -> Response:
+        runs.append(1)
+        entered[len(runs) - 1].set()
+        await release.wait()
+        return JSONResponse({"n": len(runs)})
+
+    app = Starlette(routes=[Route("/slow", slow, methods=["POST"])])
+    return IdempotencyMiddleware(app, store=MemoryStore())
+
+
+async def outlive_lock_ttl(times: float) -> None:
+    """Let real time pass: the condition under test is the lock's age itself."""
+    deadline = time.monotonic() + LOCK_TTL * times
+    while time.monotonic() < deadline:  # noqa: ASYNC110 - waiting on the clock, not an event
+        await asyncio.sleep(LOCK_TTL / 10)
+
+
+async def run_scenario(renew: bool) -> tuple[int, list[int]]:
+    runs: list[int] = []
+    release = asyncio.Event()
+    entered = [asyncio.Event(), asyncio.Event()]
+    client = make_client(build(renew, runs, release, entered))  # type: ignore[arg-type]
+    headers = {"Idempotency-Key": "slow"}
+    first = asyncio.create_task(client.post("/slow", headers=headers))
+    async with asyncio.timeout(5):
+        await entered[0].wait()
+    await outlive_lock_ttl(3)
+    duplicate = asyncio.create_task(client.post("/slow", headers=headers))
+    if not renew:
+        async with asyncio.timeout(5):
+            await entered[1].wait()
+    release.set()
+    await first
+    return (await duplicate).status_code, runs
+
+
+async def test_renewal_keeps_a_slow_handler_exclusive() -> None:
+    status, runs = await run_scenario(renew=True)
+    assert status == 409
+    assert len(runs) == 1
+
+
+async def test_without_renewal_the_lock_lapses_and_a_retry_runs() -> None:
+    status, runs = await run_scenario(renew=False)
+    assert status == 200
+    assert len(runs) == 2

@@ -1,0 +1,479 @@
+"""The middleware's contract, line by line, against FastAPI and plain Starlette apps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from starlette.types import Message, Receive, Scope, Send
+
+from starlette_idempotency import RecordStatus
+from tests.core.conftest import Harness, make_harness
+
+PAYMENT = {"amount": "10.00", "currency": "EUR"}
+
+
+def key_headers(key: str = "key-1", **extra: str) -> dict[str, str]:
+    return {"Idempotency-Key": key, **extra}
+
+
+async def wait_for(event: asyncio.Event) -> None:
+    async with asyncio.timeout(5):
+        await event.wait()
+
+
+async def test_first_request_runs_and_retry_replays(harness: Harness) -> None:
+    first = await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
+    assert first.status_code == 201
+    assert "x-idempotent-replay" not in first.headers
+    replay = await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
+    assert replay.status_code == 201
+    assert replay.content == first.content
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert replay.headers["location"] == first.headers["location"]
+    assert replay.headers["content-type"] == first.headers["content-type"]
+    assert "set-cookie" in first.headers
+    assert "set-cookie" not in replay.headers
+    assert harness.ledger.executions["payments"] == 1
+
+
+async def test_equivalent_json_is_the_same_request(harness: Harness) -> None:
+    await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
+    spaced = b'{ "currency" : "EUR",\n "amount": "10.00" }'
+    replay = await harness.client.post(
+        "/payments",
+        content=spaced,
+        headers=key_headers(**{"content-type": "application/json"}),
+    )
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert harness.ledger.executions["payments"] == 1
+
+
+async def test_missing_key_is_400(harness: Harness) -> None:
+    response = await harness.client.post("/payments", json=PAYMENT)
+    assert response.status_code == 400
+    assert response.headers["content-type"] == "application/json"
+    assert response.json() == {"error": "Idempotency-Key header is required"}
+    assert harness.ledger.executions["payments"] == 0
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("k" * 256, "Idempotency-Key must not exceed 255 characters"),
+        ("", "Idempotency-Key must not be empty"),
+        ('""', "Idempotency-Key must not be empty"),
+        ("has space", None),
+        ("ctl\x7f", None),
+        ('"open', None),
+    ],
+)
+async def test_invalid_keys_are_400(harness: Harness, raw: str, message: str | None) -> None:
+    response = await harness.client.post(
+        "/payments", json=PAYMENT, headers={"Idempotency-Key": raw}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error.startswith("Idempotency-Key")
+    if message:
+        assert error == message
+    assert harness.ledger.executions["payments"] == 0
+    assert len(harness.store) == 0
+
+
+async def test_repeated_header_is_400(harness: Harness) -> None:
+    response = await harness.client.post(
+        "/payments", json=PAYMENT, headers=[("Idempotency-Key", "a"), ("Idempotency-Key", "b")]
+    )
+    assert response.status_code == 400
+    assert "only once" in response.json()["error"]
+
+
+async def test_quoted_key_means_the_unquoted_key(harness: Harness) -> None:
+    await harness.client.post("/payments", json=PAYMENT, headers=key_headers("abc"))
+    replay = await harness.client.post("/payments", json=PAYMENT, headers=key_headers('"abc"'))
+    assert replay.headers["x-idempotent-replay"] == "true"
+
+
+async def test_255_character_quoted_key_is_accepted(harness: Harness) -> None:
+    response = await harness.client.post(
+        "/payments", json=PAYMENT, headers=key_headers('"' + "k" * 255 + '"')
+    )
+    assert response.status_code == 201
+
+
+async def test_mismatch_is_422(harness: Harness) -> None:
+    await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
+    other = await harness.client.post(
+        "/payments", json={**PAYMENT, "amount": "99.00"}, headers=key_headers()
+    )
+    assert other.status_code == 422
+    assert other.json() == {
+        "error": "Idempotency key has already been used with a different request payload."
+    }
+    assert harness.ledger.executions["payments"] == 1
+
+
+async def test_in_progress_is_409_and_mismatch_wins_over_it(harness: Harness) -> None:
+    client, ledger = harness.client, harness.ledger
+    first = asyncio.create_task(
+        client.post("/payments", json=PAYMENT, headers=key_headers(**{"x-gate": "g"}))
+    )
+    await wait_for(ledger.entered_event("g"))
+    duplicate = await client.post("/payments", json=PAYMENT, headers=key_headers())
+    assert duplicate.status_code == 409
+    assert duplicate.json()["error"] == (
+        "A request with this idempotency key is already being processed. "
+        "Retry after the original request completes."
+    )
+    assert duplicate.headers["retry-after"] == "30"
+    harness.clock.advance(29.2)
+    later = await client.post("/payments", json=PAYMENT, headers=key_headers())
+    assert later.headers["retry-after"] == "1"
+    mismatch = await client.post("/payments", json={"amount": "1.00"}, headers=key_headers())
+    assert mismatch.status_code == 422
+    ledger.gate("g").set()
+    assert (await first).status_code == 201
+    assert ledger.executions["payments"] == 1
+
+
+async def test_different_routes_are_different_operations(harness: Harness) -> None:
+    await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
+    refund = await harness.client.post("/refunds", json=PAYMENT, headers=key_headers())
+    assert refund.status_code == 201
+    assert "x-idempotent-replay" not in refund.headers
+    assert harness.ledger.executions["payments"] == 2
+
+
+@pytest.mark.parametrize("code", [400, 404, 409])
+async def test_handler_4xx_is_stored_as_failed_and_replayed(harness: Harness, code: int) -> None:
+    first = await harness.client.post(f"/status/{code}", headers=key_headers())
+    assert first.status_code == code
+    replay = await harness.client.post(f"/status/{code}", headers=key_headers())
+    assert replay.status_code == code
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert harness.ledger.executions[f"status-{code}"] == 1
+    assert len(harness.store) == 1
+
+
+@pytest.mark.parametrize("code", [200, 201, 204, 302])
+async def test_2xx_and_3xx_are_completed(harness: Harness, code: int) -> None:
+    await harness.client.post(f"/status/{code}", headers=key_headers())
+    replay = await harness.client.post(f"/status/{code}", headers=key_headers())
+    assert replay.status_code == code
+    assert harness.ledger.executions[f"status-{code}"] == 1
+
+
+@pytest.mark.parametrize("code", [500, 502, 503, 408, 429])
+async def test_transient_statuses_release_the_key(harness: Harness, code: int) -> None:
+    first = await harness.client.post(f"/status/{code}", headers=key_headers())
+    assert first.status_code == code
+    again = await harness.client.post(f"/status/{code}", headers=key_headers())
+    assert again.status_code == code
+    assert "x-idempotent-replay" not in again.headers
+    assert harness.ledger.executions[f"status-{code}"] == 2
+    assert len(harness.store) == 0
+
+
+async def test_unhandled_exception_releases_the_key_and_propagates(harness: Harness) -> None:
+    first = await harness.client.post("/crash", headers=key_headers())
+    assert first.status_code == 500
+    assert len(harness.store) == 0
+    await harness.client.post("/crash", headers=key_headers())
+    assert harness.ledger.executions["crash"] == 2
+
+
+async def test_exception_reaches_the_app_error_handling(harness: Harness) -> None:
+    transport = httpx.ASGITransport(app=harness.app)  # raise_app_exceptions=True
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        with pytest.raises(RuntimeError, match="handler crashed"):
+            await client.post("/crash", headers=key_headers())
+
+
+async def test_mark_retryable_releases_the_key(harness: Harness) -> None:
+    for _ in range(2):
+        response = await harness.client.post("/retryable", headers=key_headers())
+        assert response.status_code == 400
+        assert "x-idempotent-replay" not in response.headers
+    assert harness.ledger.executions["retryable"] == 2
+
+
+async def test_error_after_the_response_keeps_the_record(harness: Harness) -> None:
+    first = await harness.client.post("/background", headers=key_headers())
+    assert first.status_code == 200
+    replay = await harness.client.post("/background", headers=key_headers())
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert harness.ledger.executions["background"] == 1
+
+
+async def test_binary_and_streamed_bodies_replay_byte_for_byte(harness: Harness) -> None:
+    for path in ("/binary", "/stream"):
+        first = await harness.client.post(path, headers=key_headers(path))
+        replay = await harness.client.post(path, headers=key_headers(path))
+        assert replay.content == first.content
+        assert replay.headers["x-idempotent-replay"] == "true"
+    assert harness.ledger.executions["binary"] == harness.ledger.executions["stream"] == 1
+
+
+async def test_optional_key_route_runs_unprotected_without_a_key(harness: Harness) -> None:
+    assert (await harness.client.patch("/optional")).json() == {"n": 1}
+    assert (await harness.client.patch("/optional")).json() == {"n": 2}
+    keyed = await harness.client.patch("/optional", headers=key_headers())
+    replay = await harness.client.patch("/optional", headers=key_headers())
+    assert replay.json() == keyed.json() == {"n": 3}
+    assert replay.headers["x-idempotent-replay"] == "true"
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "OPTIONS", "HEAD"])
+async def test_other_methods_pass_through(harness: Harness, method: str) -> None:
+    for _ in range(2):
+        response = await harness.client.request(
+            method, "/payments", json=PAYMENT, headers=key_headers()
+        )
+        assert "x-idempotent-replay" not in response.headers
+        assert response.status_code != 400
+    assert len(harness.store) == 0
+
+
+async def test_undecorated_and_unknown_routes_pass_through(harness: Harness) -> None:
+    for _ in range(2):
+        await harness.client.post("/unguarded", headers=key_headers())
+    assert harness.ledger.executions["unguarded"] == 2
+    assert (await harness.client.post("/nowhere", headers=key_headers())).status_code == 404
+    assert len(harness.store) == 0
+
+
+async def test_app_sees_every_byte_of_the_body(harness: Harness) -> None:
+    body = b'{"a": 1,  "b": [1, 2, 3]}'
+    response = await harness.client.post(
+        "/echo", content=body, headers=key_headers(**{"content-type": "application/json"})
+    )
+    assert response.content == body
+
+
+async def test_invalid_json_is_fingerprinted_as_bytes(harness: Harness) -> None:
+    headers = key_headers(**{"content-type": "application/json"})
+    first = await harness.client.post("/echo", content=b"{oops", headers=headers)
+    assert first.content == b"{oops"
+    replay = await harness.client.post("/echo", content=b"{oops", headers=headers)
+    assert replay.headers["x-idempotent-replay"] == "true"
+    other = await harness.client.post("/echo", content=b"{oops!", headers=headers)
+    assert other.status_code == 422
+
+
+async def test_body_larger_than_the_limit_is_413_before_the_store(kind: str) -> None:
+    harness = await make_harness(kind, max_body_bytes=100)
+    response = await harness.client.post("/echo", content=b"x" * 101, headers=key_headers())
+    assert response.status_code == 413
+    assert "100-byte limit" in response.json()["error"]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(5):
+            yield b"x" * 30
+
+    streamed = await harness.client.post("/echo", content=chunks(), headers=key_headers())
+    assert streamed.status_code == 413
+    assert len(harness.store) == 0
+    assert harness.ledger.executions["echo"] == 0
+
+
+async def test_problem_details_format(kind: str) -> None:
+    harness = await make_harness(kind, error_format="problem", problem_type="https://e.x/idem")
+    missing = await harness.client.post("/payments", json=PAYMENT)
+    assert missing.headers["content-type"] == "application/problem+json"
+    assert missing.json() == {
+        "type": "https://e.x/idem",
+        "title": "Idempotency-Key is missing",
+        "status": 400,
+        "detail": "Idempotency-Key header is required",
+    }
+    await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
+    mismatch = await harness.client.post("/payments", json={"amount": "1"}, headers=key_headers())
+    assert mismatch.json()["title"] == "Idempotency-Key is already used"
+    assert mismatch.json()["status"] == 422
+
+
+async def test_problem_title_for_in_progress(kind: str) -> None:
+    harness = await make_harness(kind, error_format="problem")
+    first = asyncio.create_task(
+        harness.client.post("/payments", json=PAYMENT, headers=key_headers(**{"x-gate": "g"}))
+    )
+    await wait_for(harness.ledger.entered_event("g"))
+    busy = await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
+    assert busy.json()["title"] == "A request is outstanding for this Idempotency-Key"
+    harness.ledger.gate("g").set()
+    await first
+
+
+async def test_custom_header_name_is_used_everywhere(kind: str) -> None:
+    harness = await make_harness(kind, header_name="X-Request-Key")
+    missing = await harness.client.post("/payments", json=PAYMENT)
+    assert missing.json() == {"error": "X-Request-Key header is required"}
+    await harness.client.post("/payments", json=PAYMENT, headers={"X-Request-Key": "a"})
+    replay = await harness.client.post("/payments", json=PAYMENT, headers={"X-Request-Key": "a"})
+    assert replay.headers["x-idempotent-replay"] == "true"
+
+
+async def test_expired_lock_lets_a_retry_run_again(harness: Harness) -> None:
+    """Seed scenario: the pod holding the lock dies; after the lock TTL a retry runs."""
+    client, ledger = harness.client, harness.ledger
+    crashed = asyncio.create_task(
+        client.post("/short-lock", json={}, headers=key_headers(**{"x-gate": "dead"}))
+    )
+    await wait_for(ledger.entered_event("dead"))
+    assert (await client.post("/short-lock", json={}, headers=key_headers())).status_code == 409
+    harness.clock.advance(5.1)
+    retry = await client.post("/short-lock", json={}, headers=key_headers())
+    assert retry.status_code == 200
+    assert retry.json() == {"n": 2}
+    crashed.cancel()
+
+
+async def test_taken_over_request_answers_its_client_but_does_not_overwrite(
+    harness: Harness,
+) -> None:
+    client, ledger = harness.client, harness.ledger
+    first = asyncio.create_task(
+        client.post("/short-lock", json={}, headers=key_headers(**{"x-gate": "a"}))
+    )
+    await wait_for(ledger.entered_event("a"))
+    harness.clock.advance(5.1)
+    second = asyncio.create_task(
+        client.post("/short-lock", json={}, headers=key_headers(**{"x-gate": "b"}))
+    )
+    await wait_for(ledger.entered_event("b"))
+    ledger.gate("a").set()
+    assert (await first).json() == {"n": 1}
+    ledger.gate("b").set()
+    assert (await second).json() == {"n": 2}
+    replay = await client.post("/short-lock", json={}, headers=key_headers())
+    assert replay.json() == {"n": 2}
+    assert replay.headers["x-idempotent-replay"] == "true"
+
+
+async def test_lapsed_lock_with_no_successor_still_stores(harness: Harness) -> None:
+    client, ledger = harness.client, harness.ledger
+    first = asyncio.create_task(
+        client.post("/short-lock", json={}, headers=key_headers(**{"x-gate": "a"}))
+    )
+    await wait_for(ledger.entered_event("a"))
+    harness.clock.advance(5.1)
+    ledger.gate("a").set()
+    assert (await first).status_code == 200
+    replay = await client.post("/short-lock", json={}, headers=key_headers())
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert ledger.executions["short-lock"] == 1
+
+
+async def test_record_wire_fields(harness: Harness) -> None:
+    await harness.client.post("/payments", json=PAYMENT, headers=key_headers("wire"))
+    (entry,) = [record for record, _ in harness.store._entries.values()]
+    assert entry.key == "wire"
+    assert entry.status is RecordStatus.COMPLETED
+    assert entry.request_fingerprint.startswith("sha256:")
+    assert entry.response is not None
+    assert entry.response.status_code == 201
+    assert entry.expires_at == pytest.approx(harness.clock.now + 24 * 3600)
+    names = {name for name, _ in entry.response.headers}
+    assert {"location", "content-type"} <= names
+    assert "set-cookie" not in names
+
+
+async def test_fifty_concurrent_requests_run_the_handler_once(harness: Harness) -> None:
+    client, ledger = harness.client, harness.ledger
+    for round_number in range(5):
+        gate = f"g{round_number}"
+        headers = key_headers(f"race-{round_number}", **{"x-gate": gate})
+        tasks = [
+            asyncio.create_task(client.post("/payments", json=PAYMENT, headers=headers))
+            for _ in range(50)
+        ]
+        await wait_for(ledger.entered_event(gate))
+        # every duplicate is answered while the first is still held at its gate
+        while sum(task.done() for task in tasks) < 49:
+            done, _ = await asyncio.wait(
+                [task for task in tasks if not task.done()],
+                timeout=5,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            assert done, "duplicates did not answer while the first was running"
+        ledger.gate(gate).set()
+        statuses = sorted(response.status_code for response in await asyncio.gather(*tasks))
+        assert statuses == [201] + [409] * 49
+        assert ledger.executions["payments"] == round_number + 1
+
+
+async def test_lifespan_and_websocket_scopes_pass_through() -> None:
+    from starlette_idempotency import IdempotencyMiddleware, MemoryStore
+
+    seen: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(str(scope["type"]))
+
+    middleware = IdempotencyMiddleware(app, store=MemoryStore())
+    for scope_type in ("lifespan", "websocket"):
+        await middleware({"type": scope_type}, None, None)  # type: ignore[arg-type]
+    assert seen == ["lifespan", "websocket"]
+
+
+async def test_record_is_stored_before_the_last_chunk_reaches_the_client(kind: str) -> None:
+    harness = await make_harness(kind)
+    seen_on_last_chunk: list[object] = []
+    inner_send_messages: list[Message] = []
+
+    body = b'{"amount": "1.00"}'
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/payments",
+        "raw_path": b"/payments",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"t"),
+            (b"content-type", b"application/json"),
+            (b"idempotency-key", b"order"),
+        ],
+        "server": ("t", 80),
+        "client": ("c", 1),
+    }
+    chunks = [body[:5], body[5:]]
+
+    async def receive() -> Message:
+        if chunks:
+            part = chunks.pop(0)
+            return {"type": "http.request", "body": part, "more_body": bool(chunks)}
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def send(message: Message) -> None:
+        inner_send_messages.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            records = [r for r, _ in harness.store._entries.values()]
+            seen_on_last_chunk.append(records[0].status if records else None)
+
+    await harness.app(scope, receive, send)
+    assert seen_on_last_chunk == [RecordStatus.COMPLETED]
+    # multi-chunk request bodies reach the app whole
+    assert b'"amount":"1.00"' in b"".join(m.get("body", b"") for m in inner_send_messages)
+
+
+async def test_anonymous_warning_is_logged_once(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import starlette_idempotency.middleware as middleware_module
+
+    middleware_module._warned_anonymous = False
+    harness = await make_harness(kind)
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
+        await harness.client.post("/payments", json=PAYMENT, headers=key_headers("a"))
+        await harness.client.post("/payments", json=PAYMENT, headers=key_headers("b"))
+    warnings = [r for r in caplog.records if "not scoped to a user" in r.getMessage()]
+    assert len(warnings) == 1

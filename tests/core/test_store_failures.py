@@ -1,0 +1,98 @@
+"""Store failures as the middleware sees them, with MemoryStore made to fail on purpose.
+
+The same paths against a real Redis and PostgreSQL server that is stopped or frozen are in the
+store-specific outage tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from starlette_idempotency import IdempotencyRecord, MemoryStore
+from starlette_idempotency.stores.base import AcquireResult
+from tests.core.conftest import make_harness
+
+PAYMENT = {"amount": "10.00", "currency": "EUR"}
+
+
+class BrokenStore(MemoryStore):
+    """A MemoryStore whose chosen operations fail or hang."""
+
+    def __init__(self, *, failing: set[str], hang: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.failing = failing
+        self.hang = hang
+
+    async def _maybe_fail(self, operation: str) -> None:
+        if operation in self.failing:
+            if self.hang:
+                await asyncio.Event().wait()
+            raise ConnectionError(f"{operation} failed")
+
+    async def try_acquire(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float
+    ) -> AcquireResult:
+        await self._maybe_fail("try_acquire")
+        return await super().try_acquire(key, pending, lock_ttl)
+
+    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+        await self._maybe_fail("complete")
+        return await super().complete(key, record, ttl)
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["error", "timeout"])
+async def test_fail_closed_answers_503_without_running(kind: str, hang: bool) -> None:
+    store = BrokenStore(failing={"try_acquire"}, hang=hang)
+    harness = await make_harness(kind, store, store_timeout_seconds=0.05)
+    response = await harness.client.post(
+        "/payments", json=PAYMENT, headers={"Idempotency-Key": "k"}
+    )
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert "error" in response.json()
+    assert harness.ledger.executions["payments"] == 0
+
+
+async def test_fail_open_runs_the_handler_unprotected(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = BrokenStore(failing={"try_acquire"})
+    harness = await make_harness(kind, store, on_store_error="fail_open")
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
+        for _ in range(2):
+            response = await harness.client.post(
+                "/payments", json=PAYMENT, headers={"Idempotency-Key": "k"}
+            )
+            assert response.status_code == 201
+    assert harness.ledger.executions["payments"] == 2
+    assert any("fail_open" in record.getMessage() for record in caplog.records)
+
+
+async def test_save_failure_still_answers_the_client(kind: str) -> None:
+    store = BrokenStore(failing={"complete"})
+    harness = await make_harness(kind, store)
+    response = await harness.client.post(
+        "/payments", json=PAYMENT, headers={"Idempotency-Key": "k"}
+    )
+    assert response.status_code == 201
+    assert response.json()["paymentId"] == "p_1"
+    retry = await harness.client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": "k"})
+    assert retry.status_code == 409  # the lock still holds until its TTL
+    assert harness.ledger.executions["payments"] == 1
+
+
+async def test_recovers_when_the_store_comes_back(kind: str) -> None:
+    store = BrokenStore(failing={"try_acquire"})
+    harness = await make_harness(kind, store)
+    headers = {"Idempotency-Key": "k"}
+    assert (
+        await harness.client.post("/payments", json=PAYMENT, headers=headers)
+    ).status_code == 503
+    store.failing.clear()
+    assert (
+        await harness.client.post("/payments", json=PAYMENT, headers=headers)
+    ).status_code == 201
