@@ -15,19 +15,28 @@ from starlette_idempotency.errors import (
     StoreTimeoutError,
 )
 from starlette_idempotency.middleware import IdempotencyMiddleware, KeyScope
+from starlette_idempotency.observability import (
+    CheckResult,
+    EventHook,
+    IdempotencyEvent,
+    MetricsSink,
+    OutcomeResult,
+)
 from starlette_idempotency.policy import IdempotencyPolicy, idempotent, mark_retryable
 from starlette_idempotency.record import IdempotencyRecord, RecordStatus, StoredResponse
 from starlette_idempotency.stores.base import AcquireResult, IdempotencyStore
 from starlette_idempotency.stores.memory import MemoryStore
 
 if TYPE_CHECKING:
+    from starlette_idempotency.prometheus import PrometheusMetrics
     from starlette_idempotency.stores.postgres import PostgresStore
     from starlette_idempotency.stores.redis import RedisStore
 
 __version__ = "0.1.0"
 
-# Stores with optional drivers load on first use, so importing the package needs neither.
+# Parts with optional dependencies load on first use, so importing the package needs neither.
 _LAZY = {
+    "PrometheusMetrics": "starlette_idempotency.prometheus",
     "RedisStore": "starlette_idempotency.stores.redis",
     "PostgresStore": "starlette_idempotency.stores.postgres",
 }
@@ -44,15 +53,21 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AcquireResult",
+    "CheckResult",
     "ConfigurationError",
+    "EventHook",
     "IdempotencyError",
+    "IdempotencyEvent",
     "IdempotencyMiddleware",
     "IdempotencyPolicy",
     "IdempotencyRecord",
     "IdempotencyStore",
     "KeyScope",
     "MemoryStore",
+    "MetricsSink",
+    "OutcomeResult",
     "PostgresStore",
+    "PrometheusMetrics",
     "RecordStatus",
     "RedisStore",
     "StoreError",

@@ -36,6 +36,15 @@ from starlette_idempotency.fingerprint import (
     storage_key,
 )
 from starlette_idempotency.keys import InvalidKey, parse_key
+from starlette_idempotency.observability import (
+    CheckResult,
+    EventHook,
+    KeyLogging,
+    MetricsSink,
+    Observer,
+    OutcomeResult,
+    StoreCallTracer,
+)
 from starlette_idempotency.policy import (
     MARKS_SCOPE_KEY,
     IdempotencyPolicy,
@@ -103,6 +112,11 @@ class IdempotencyMiddleware:
         fingerprint_headers: Sequence[str] = (),
         on_store_error: StoreErrorPolicy = "fail_closed",
         renew_lock: bool = True,
+        pod_id: str | None = None,
+        log_keys: KeyLogging = "raw",
+        on_event: EventHook | None = None,
+        metrics: MetricsSink | None = None,
+        tracing: bool = False,
         clock: Clock = system_clock,
     ) -> None:
         if max_key_length < 1 or max_body_bytes < 0 or store_timeout_seconds <= 0:
@@ -132,6 +146,11 @@ class IdempotencyMiddleware:
         self._errors = ErrorResponder(
             header_name=header_name, error_format=error_format, problem_type=problem_type
         )
+        self.observer = Observer(
+            pod_id=pod_id, log_keys=log_keys, on_event=on_event, metrics=metrics
+        )
+        self._tracer = StoreCallTracer() if tracing else None
+        self._store_name = str(getattr(store, "name", type(store).__name__))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in self._methods:
@@ -145,6 +164,25 @@ class IdempotencyMiddleware:
 
     async def call_store(self, operation: Callable[..., Awaitable[_T]], *args: Any) -> _T:
         """Run one store call within ``store_timeout_seconds``; any failure is a StoreError."""
+        name = getattr(operation, "__name__", "call")
+        metrics = self.observer.metrics
+        started = time.perf_counter()
+        ok = False
+        try:
+            if self._tracer is None:
+                result = await self._bounded(operation, args)
+            else:
+                with self._tracer.span(self._store_name, name):
+                    result = await self._bounded(operation, args)
+            ok = True
+            return result
+        finally:
+            if metrics is not None:
+                metrics.observe_store_call(
+                    self._store_name, name, time.perf_counter() - started, ok
+                )
+
+    async def _bounded(self, operation: Callable[..., Awaitable[_T]], args: tuple[Any, ...]) -> _T:
         try:
             async with asyncio.timeout(self._store_timeout):
                 return await operation(*args)
@@ -206,16 +244,54 @@ class _GuardedRequest:
         self.scope = scope
         self.receive = receive
         self.send = send
+        self.key: str | None = None
+        self.started = time.perf_counter()
+
+    def _elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000
+
+    async def _decided(self, result: CheckResult) -> None:
+        await self.mw.observer.emit(
+            "idempotency_check",
+            key=self.key,
+            endpoint=self._endpoint(),
+            result=result,
+            duration_ms=self._elapsed_ms(),
+        )
+
+    async def _ended(self, result: OutcomeResult, status_code: int | None) -> None:
+        if result is OutcomeResult.LOCK_LOST:
+            self.mw.observer.processing_timeout(self._endpoint(), "lock_lost")
+        await self.mw.observer.emit(
+            "idempotency_outcome",
+            key=self.key,
+            endpoint=self._endpoint(),
+            result=result,
+            duration_ms=self._elapsed_ms(),
+            status_code=status_code,
+        )
+
+    def _endpoint(self) -> str:
+        return f"{self.scope['method']} {self.route.template}"
+
+    async def _reject(
+        self, problem: Problem, detail: str, result: CheckResult, retry_after: int | None = None
+    ) -> None:
+        await self._decided(result)
+        await self.mw._errors.send(self.send, problem, detail, retry_after=retry_after)
 
     async def run(self) -> None:
         mw = self.mw
         raw_keys = [value for name, value in self.scope["headers"] if name == mw._header_bytes]
         if not raw_keys:
             if self.policy.required:
-                await mw._errors.send(
-                    self.send, Problem.MISSING_KEY, f"{mw.header_name} header is required"
+                await self._reject(
+                    Problem.MISSING_KEY,
+                    f"{mw.header_name} header is required",
+                    CheckResult.MISSING_KEY,
                 )
             else:
+                await self._decided(CheckResult.MISSING_KEY)
                 await mw.app(self.scope, self.receive, self.send)
             return
         key = (
@@ -224,8 +300,9 @@ class _GuardedRequest:
             else InvalidKey(f"{mw.header_name} must be sent only once")
         )
         if isinstance(key, InvalidKey):
-            await mw._errors.send(self.send, Problem.INVALID_KEY, key.message)
+            await self._reject(Problem.INVALID_KEY, key.message, CheckResult.INVALID_KEY)
             return
+        self.key = key
         body = await self._read_body()
         if body is None:
             return
@@ -254,16 +331,16 @@ class _GuardedRequest:
                 return b"".join(chunks)
 
     async def _body_too_large(self) -> None:
-        await self.mw._errors.send(
-            self.send,
+        await self._reject(
             Problem.BODY_TOO_LARGE,
             f"Request body exceeds the {self.mw._max_body_bytes}-byte limit "
             "for idempotent requests",
+            CheckResult.TOO_LARGE,
         )
 
     def _fingerprint(self, body: bytes) -> str:
         scope = self.scope
-        wanted = {name.lower().encode("latin-1") for name in self.policy.fingerprint_headers}
+        wanted = self.policy.fingerprint_header_names
         content_type = ""
         chosen: list[tuple[str, str]] = []
         for name, value in scope["headers"]:
@@ -278,7 +355,7 @@ class _GuardedRequest:
             headers=chosen,
             body=body,
             json_body=is_json_content_type(content_type),
-            excluded_fields=frozenset(name.lower() for name in self.policy.exclude_fields),
+            excluded_fields=self.policy.excluded_field_names,
         )
 
     async def _guard(self, key: str, body: bytes) -> None:
@@ -307,36 +384,43 @@ class _GuardedRequest:
             assert acquired.record is not None
             await self._answer_existing(acquired.record, fingerprint)
             return
+        taken_over = acquired.record
+        if taken_over is not None and taken_over.status is RecordStatus.IN_PROGRESS:
+            mw.observer.processing_timeout(self._endpoint(), "expired_lease_taken_over")
+        await self._decided(CheckResult.ACQUIRED)
         await self._run_owned(store_key, pending, body)
 
     async def _on_store_down(self, exc: StoreError, body: bytes) -> None:
         if self.policy.on_store_error == "fail_open":
             logger.warning(
-                "idempotency store unavailable, running %s %s unprotected (fail_open): %s",
-                self.scope["method"],
-                self.route.template,
+                "idempotency store unavailable, running %s unprotected (fail_open): %s",
+                self._endpoint(),
                 exc,
             )
+            await self._decided(CheckResult.FAIL_OPEN)
             await self.mw.app(self.scope, _replaying_receive(body, self.receive), self.send)
             return
         logger.error("idempotency store unavailable, answering 503: %s", exc)
-        await self.mw._errors.send(
-            self.send, Problem.STORE_UNAVAILABLE, STORE_UNAVAILABLE_MESSAGE, retry_after=1
+        await self._reject(
+            Problem.STORE_UNAVAILABLE,
+            STORE_UNAVAILABLE_MESSAGE,
+            CheckResult.STORE_ERROR,
+            retry_after=1,
         )
 
     async def _answer_existing(self, record: IdempotencyRecord, fingerprint: str) -> None:
-        errors = self.mw._errors
         if record.request_fingerprint != fingerprint:
-            await errors.send(self.send, Problem.MISMATCH, MISMATCH_MESSAGE)
+            await self._reject(Problem.MISMATCH, MISMATCH_MESSAGE, CheckResult.MISMATCH)
         elif record.status is RecordStatus.IN_PROGRESS or record.response is None:
             remaining = record.expires_at - self.mw._clock()
-            await errors.send(
-                self.send,
+            await self._reject(
                 Problem.IN_PROGRESS,
                 IN_PROGRESS_MESSAGE,
+                CheckResult.CONFLICT,
                 retry_after=retry_after_seconds(remaining),
             )
         else:
+            await self._decided(CheckResult.REPLAYED)
             await send_replay(self.send, record.response)
 
     async def _run_owned(self, store_key: str, pending: IdempotencyRecord, body: bytes) -> None:
@@ -363,9 +447,7 @@ class _GuardedRequest:
                     await self._settle(store_key, pending, marks, status, raw_headers, chunks)
             await self.send(message)
 
-        renewal = (
-            _LockRenewal(mw, store_key, pending.owner_token, policy) if policy.renew_lock else None
-        )
+        renewal = _LockRenewal(self, store_key, pending.owner_token) if policy.renew_lock else None
         token = current_marks.set(marks)
         try:
             await mw.app(scope, _replaying_receive(body, self.receive), capture)
@@ -378,7 +460,7 @@ class _GuardedRequest:
                 # replay, so the client may retry with the same key. Shielded, so a
                 # cancelled request still frees its key.
                 with anyio.CancelScope(shield=True):
-                    await self._release(store_key, pending.owner_token)
+                    await self._release(store_key, pending.owner_token, status or None)
 
     def _scope_for_app(self) -> Scope:
         extensions = self.scope.get("extensions") or {}
@@ -397,20 +479,24 @@ class _GuardedRequest:
         chunks: list[bytes],
     ) -> None:
         if not self._should_store(marks, status):
-            await self._release(store_key, pending.owner_token)
+            await self._release(store_key, pending.owner_token, status)
             return
         headers = storable_headers(raw_headers)
         content_type = next((value for name, value in headers if name == "content-type"), None)
-        final_status = RecordStatus.COMPLETED if status < 400 else RecordStatus.FAILED
-        now = self.mw._clock()
+        completed = status < 400
         record = pending.finished(
-            final_status,
+            RecordStatus.COMPLETED if completed else RecordStatus.FAILED,
             StoredResponse(status, headers, b"".join(chunks), content_type),
-            expires_at=now + self.policy.ttl_seconds,
+            expires_at=self.mw._clock() + self.policy.ttl_seconds,
         )
-        operation = self.mw.store.complete if status < 400 else self.mw.store.fail
+        store = self.mw.store
         try:
-            stored = await self.mw.call_store(operation, store_key, record, self.policy.ttl_seconds)
+            stored = await self.mw.call_store(
+                store.complete if completed else store.fail,
+                store_key,
+                record,
+                self.policy.ttl_seconds,
+            )
         except StoreError as exc:
             logger.error(
                 "could not store the response for idempotency key %r; a retry is answered 409 "
@@ -418,13 +504,16 @@ class _GuardedRequest:
                 pending.key,
                 exc,
             )
-            return
+            stored = True  # not lost to another owner: the outcome is still this request's
         if not stored:
             logger.warning(
                 "lock for idempotency key %r was lost to another request; its response was "
                 "sent to this client but not stored",
                 pending.key,
             )
+            await self._ended(OutcomeResult.LOCK_LOST, status)
+            return
+        await self._ended(OutcomeResult.COMPLETED if completed else OutcomeResult.FAILED, status)
 
     def _should_store(self, marks: RequestMarks, status: int) -> bool:
         if marks.retryable or status >= 500 or status in _TRANSIENT_STATUSES:
@@ -433,14 +522,17 @@ class _GuardedRequest:
             return marks.endpoint_started
         return status not in _PRE_ENDPOINT_STATUSES
 
-    async def _release(self, store_key: str, owner_token: str) -> None:
+    async def _release(self, store_key: str, owner_token: str, status: int | None) -> None:
         try:
             released = await self.mw.call_store(self.mw.store.release, store_key, owner_token)
         except StoreError as exc:
-            logger.error("could not release idempotency key %r: %s", store_key, exc)
-            return
-        if not released:
-            logger.warning("lock for %r was taken over before it could be released", store_key)
+            logger.error("could not release idempotency key %r: %s", self.key, exc)
+            released = True
+        if released:
+            await self._ended(OutcomeResult.RELEASED, status)
+        else:
+            logger.warning("lock for %r was taken over before it could be released", self.key)
+            await self._ended(OutcomeResult.LOCK_LOST, status)
 
 
 def _replaying_receive(body: bytes, receive: Receive) -> Receive:
@@ -462,21 +554,15 @@ class _LockRenewal:
     """Extends the lock every third of its TTL while the handler runs.
 
     Nothing is scheduled but a timer until the first third has passed, so short handlers cost
-    no store round trip.
+    no store round trip. A failed renewal never aborts the handler.
     """
 
-    def __init__(
-        self,
-        middleware: IdempotencyMiddleware,
-        store_key: str,
-        owner_token: str,
-        policy: IdempotencyPolicy,
-    ) -> None:
-        self._mw = middleware
+    def __init__(self, request: _GuardedRequest, store_key: str, owner_token: str) -> None:
+        self._request = request
         self._key = store_key
         self._token = owner_token
-        self._ttl = policy.lock_ttl_seconds
-        self._interval = policy.lock_ttl_seconds / 3
+        self._ttl = request.policy.lock_ttl_seconds
+        self._interval = self._ttl / 3
         loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = loop.call_later(self._interval, self._start)
         self._task: asyncio.Task[None] | None = None
@@ -486,17 +572,17 @@ class _LockRenewal:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
+        mw = self._request.mw
         while True:
             started = time.monotonic()
             try:
-                renewed = await self._mw.call_store(
-                    self._mw.store.renew, self._key, self._token, self._ttl
-                )
+                renewed = await mw.call_store(mw.store.renew, self._key, self._token, self._ttl)
             except StoreError as exc:
-                logger.warning("could not renew the lock for %r: %s", self._key, exc)
+                logger.warning("could not renew the lock for %r: %s", self._request.key, exc)
             else:
                 if not renewed:
-                    logger.warning("lock for %r is gone; renewal stopped", self._key)
+                    logger.warning("lock for %r is gone; renewal stopped", self._request.key)
+                    mw.observer.processing_timeout(self._request._endpoint(), "renewal_found_gone")
                     return
             await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
 

@@ -14,7 +14,7 @@ import contextvars
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar, cast
 
 from starlette.requests import HTTPConnection
@@ -40,6 +40,9 @@ class IdempotencyPolicy:
     fingerprint_headers: tuple[str, ...] = ()
     on_store_error: StoreErrorPolicy = "fail_closed"
     renew_lock: bool = True
+    # Derived once, for the hot path: lower-cased names as the fingerprint matches them.
+    excluded_field_names: frozenset[str] = field(init=False, repr=False, compare=False)
+    fingerprint_header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.ttl_hours <= 0:
@@ -53,6 +56,14 @@ class IdempotencyPolicy:
             if isinstance(value, str):
                 raise ConfigurationError(f"{name} must be a sequence of names, not a string")
             object.__setattr__(self, name, tuple(value))
+        object.__setattr__(
+            self, "excluded_field_names", frozenset(name.lower() for name in self.exclude_fields)
+        )
+        object.__setattr__(
+            self,
+            "fingerprint_header_names",
+            frozenset(name.lower().encode("latin-1") for name in self.fingerprint_headers),
+        )
 
     @property
     def ttl_seconds(self) -> float:
@@ -61,9 +72,6 @@ class IdempotencyPolicy:
     def merged(self, overrides: dict[str, Any]) -> IdempotencyPolicy:
         """This policy with a route's overrides applied."""
         return replace(self, **overrides) if overrides else self
-
-
-POLICY_OPTIONS = frozenset(field.name for field in fields(IdempotencyPolicy))
 
 
 MARKS_SCOPE_KEY = "starlette_idempotency.marks"

@@ -1,0 +1,167 @@
+"""What the middleware decided, told to logs, an optional hook and optional metrics.
+
+Every guarded request emits one ``idempotency_check`` event when the decision is taken, and
+every request that acquired its key one ``idempotency_outcome`` event when it ends. Events go to
+the ``starlette_idempotency`` logger at INFO as ``extra`` fields (any JSON formatter shows them),
+to ``on_event`` if given, and to a :class:`MetricsSink` if given. None of it can fail a request.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import inspect
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Protocol
+
+logger = logging.getLogger("starlette_idempotency")
+
+KeyLogging = Literal["raw", "hashed"]
+
+
+class CheckResult(enum.StrEnum):
+    """How the middleware answered a guarded request."""
+
+    ACQUIRED = "ACQUIRED"
+    REPLAYED = "REPLAYED"
+    CONFLICT = "CONFLICT"
+    MISMATCH = "MISMATCH"
+    MISSING_KEY = "MISSING_KEY"
+    INVALID_KEY = "INVALID_KEY"
+    TOO_LARGE = "TOO_LARGE"
+    STORE_ERROR = "STORE_ERROR"
+    FAIL_OPEN = "FAIL_OPEN"
+
+
+class OutcomeResult(enum.StrEnum):
+    """What became of a request that acquired its key."""
+
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    RELEASED = "RELEASED"
+    LOCK_LOST = "LOCK_LOST"
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyEvent:
+    """One decision or outcome, as logged and as passed to ``on_event``."""
+
+    event: Literal["idempotency_check", "idempotency_outcome"]
+    idempotency_key: str | None
+    endpoint: str
+    result: str
+    pod_id: str
+    duration_ms: float
+    status_code: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+EventHook = Callable[[IdempotencyEvent], "Awaitable[None] | None"]
+"""Receives every event; sync or async. Exceptions it raises are logged and ignored."""
+
+
+class MetricsSink(Protocol):
+    """Where counters and timings go (see :class:`~starlette_idempotency.PrometheusMetrics`)."""
+
+    def observe_event(self, event: IdempotencyEvent) -> None:
+        """Count a check or outcome event."""
+
+    def observe_store_call(self, store: str, operation: str, seconds: float, ok: bool) -> None:
+        """Time one store call and count it as an error unless ``ok``."""
+
+    def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
+        """Count a lock that ran out: lost, found gone on renewal, or taken over."""
+
+
+class Observer:
+    """Fans events out to the logger, the hook and the metrics sink."""
+
+    def __init__(
+        self,
+        *,
+        pod_id: str | None,
+        log_keys: KeyLogging,
+        on_event: EventHook | None,
+        metrics: MetricsSink | None,
+    ) -> None:
+        if log_keys not in ("raw", "hashed"):
+            raise ValueError("log_keys must be 'raw' or 'hashed'")
+        self.pod_id = pod_id or socket.gethostname()
+        self._hash_keys = log_keys == "hashed"
+        self._on_event = on_event
+        self.metrics = metrics
+
+    @property
+    def wants_events(self) -> bool:
+        return (
+            self._on_event is not None
+            or self.metrics is not None
+            or logger.isEnabledFor(logging.INFO)
+        )
+
+    def _shown_key(self, key: str | None) -> str | None:
+        if key is None or not self._hash_keys:
+            return key
+        return "sha256:" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    async def emit(
+        self,
+        kind: Literal["idempotency_check", "idempotency_outcome"],
+        *,
+        key: str | None,
+        endpoint: str,
+        result: CheckResult | OutcomeResult,
+        duration_ms: float,
+        status_code: int | None = None,
+    ) -> None:
+        if not self.wants_events:
+            return
+        event = IdempotencyEvent(
+            event=kind,
+            idempotency_key=self._shown_key(key),
+            endpoint=endpoint,
+            result=result.value,
+            pod_id=self.pod_id,
+            duration_ms=round(duration_ms, 3),
+            status_code=status_code,
+        )
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%s %s %s", kind, endpoint, event.result, extra=event.as_dict())
+        if self.metrics is not None:
+            self.metrics.observe_event(event)
+        if self._on_event is not None:
+            try:
+                outcome = self._on_event(event)
+                if inspect.isawaitable(outcome):
+                    await outcome
+            except Exception:
+                logger.exception("on_event hook failed; the request goes on")
+
+    def processing_timeout(self, endpoint: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_processing_timeout(endpoint, reason)
+
+
+class StoreCallTracer:
+    """Wraps store calls in OpenTelemetry spans when ``opentelemetry-api`` is installed."""
+
+    def __init__(self) -> None:
+        try:
+            from opentelemetry import trace
+        except ImportError as exc:
+            raise ImportError(
+                "tracing=True needs OpenTelemetry: pip install opentelemetry-api"
+            ) from exc
+        self._tracer = trace.get_tracer("starlette_idempotency")
+
+    def span(self, store: str, operation: str) -> AbstractContextManager[Any]:
+        return self._tracer.start_as_current_span(
+            f"idempotency.store.{operation}",
+            attributes={"idempotency.store": store, "idempotency.operation": operation},
+        )

@@ -1,0 +1,87 @@
+"""Prometheus metrics for the middleware (``pip install starlette-idempotency[prometheus]``).
+
+Pass your own ``registry`` when two apps share a process, so their metrics do not collide on
+the default one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette_idempotency.observability import IdempotencyEvent
+
+try:
+    import prometheus_client
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "PrometheusMetrics needs prometheus-client: pip install 'starlette-idempotency[prometheus]'"
+    ) from exc
+
+
+class PrometheusMetrics:
+    """Counters and a latency histogram, registered on ``registry`` (default: the global one).
+
+    - ``idempotency_requests_total{endpoint,result}``: every check decision.
+    - ``idempotency_outcomes_total{endpoint,result}``: how acquired requests ended.
+    - ``idempotency_conflict_total{endpoint}``: 409s, a duplicate arrived while the first ran.
+    - ``idempotency_processing_timeout_total{endpoint,reason}``: locks that ran out.
+    - ``idempotency_store_errors_total{store,operation}``: failed or timed-out store calls.
+    - ``idempotency_store_latency_seconds{store,operation}``: store call latency.
+    """
+
+    def __init__(self, registry: Any = None, *, namespace: str = "") -> None:
+        registry = prometheus_client.REGISTRY if registry is None else registry
+        common: dict[str, Any] = {"namespace": namespace, "registry": registry}
+        self.requests = prometheus_client.Counter(
+            "idempotency_requests",
+            "Guarded requests by endpoint and decision.",
+            ["endpoint", "result"],
+            **common,
+        )
+        self.outcomes = prometheus_client.Counter(
+            "idempotency_outcomes",
+            "Requests that acquired their key, by how they ended.",
+            ["endpoint", "result"],
+            **common,
+        )
+        self.conflicts = prometheus_client.Counter(
+            "idempotency_conflict",
+            "Duplicates answered 409 because the first request was still running.",
+            ["endpoint"],
+            **common,
+        )
+        self.processing_timeouts = prometheus_client.Counter(
+            "idempotency_processing_timeout",
+            "Locks that ran out: lost to a takeover, gone on renewal, or an expired lease taken.",
+            ["endpoint", "reason"],
+            **common,
+        )
+        self.store_errors = prometheus_client.Counter(
+            "idempotency_store_errors",
+            "Store calls that failed or timed out.",
+            ["store", "operation"],
+            **common,
+        )
+        self.store_latency = prometheus_client.Histogram(
+            "idempotency_store_latency_seconds",
+            "Latency of store calls.",
+            ["store", "operation"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            **common,
+        )
+
+    def observe_event(self, event: IdempotencyEvent) -> None:
+        if event.event == "idempotency_check":
+            self.requests.labels(event.endpoint, event.result).inc()
+            if event.result == "CONFLICT":
+                self.conflicts.labels(event.endpoint).inc()
+        else:
+            self.outcomes.labels(event.endpoint, event.result).inc()
+
+    def observe_store_call(self, store: str, operation: str, seconds: float, ok: bool) -> None:
+        self.store_latency.labels(store, operation).observe(seconds)
+        if not ok:
+            self.store_errors.labels(store, operation).inc()
+
+    def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
+        self.processing_timeouts.labels(endpoint, reason).inc()
