@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl
 import orjson
 
 FINGERPRINT_PREFIX = "sha256:"
+FINGERPRINT_SCHEME = "1"
 _SORT_KEYS = orjson.OPT_SORT_KEYS
 
 
@@ -51,31 +52,45 @@ def canonical_json(body: bytes, excluded: frozenset[str] = frozenset()) -> bytes
     return orjson.dumps(value, option=_SORT_KEYS)
 
 
+def raw_body_form(body: bytes, *, json_body: bool, excluded: frozenset[str]) -> tuple[str, bytes]:
+    """The body as the ``raw`` fingerprint sees it: ``("json", canonical JSON)`` when it is JSON
+    that parses, else ``("bytes", body)``."""
+    if json_body:
+        canonical = canonical_json(body, excluded)
+        if canonical is not None:
+            return "json", canonical
+    return "bytes", body
+
+
 def request_fingerprint(
     *,
     method: str,
     path: str,
     query_string: bytes,
     headers: Iterable[tuple[str, str]],
+    body_kind: str,
     body: bytes,
-    json_body: bool,
-    excluded_fields: frozenset[str] = frozenset(),
 ) -> str:
     """``sha256:<hex>`` of the canonical request.
 
-    ``headers`` are the (lower-cased name, value) pairs chosen to take part; ``json_body`` says
-    whether the body should be canonicalised as JSON (a body that does not parse is hashed as
-    bytes).
+    ``headers`` are the (lower-cased name, value) pairs chosen to take part; ``body`` is already
+    in canonical form, and ``body_kind`` names that form ("json", "bytes" or "command").
     """
-    canonical_body = canonical_json(body, excluded_fields) if json_body else None
     query = sorted(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
     # The head is one JSON array, so it ends unambiguously before the body bytes begin.
-    head = orjson.dumps(
-        [method, path, query, sorted(headers), "json" if canonical_body is not None else "bytes"]
-    )
+    head = orjson.dumps([method, path, query, sorted(headers), body_kind])
     digest = hashlib.sha256(head)
-    digest.update(canonical_body if canonical_body is not None else body)
+    digest.update(body)
     return FINGERPRINT_PREFIX + digest.hexdigest()
+
+
+def fingerprint_version(mode: str, route_version: str) -> str:
+    """What a stored fingerprint means: this library's scheme, the mode, the route's version.
+
+    A record of another version was fingerprinted differently, so comparing it would be
+    meaningless; ``on_fingerprint_change`` decides instead.
+    """
+    return f"{FINGERPRINT_SCHEME}.{mode}.{route_version}"
 
 
 _KEY_PART_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})

@@ -32,6 +32,7 @@ from starlette_idempotency._types import (
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.fingerprint import (
     is_json_content_type,
+    raw_body_form,
     request_fingerprint,
     storage_key,
 )
@@ -47,13 +48,19 @@ from starlette_idempotency.observability import (
 )
 from starlette_idempotency.policy import (
     MARKS_SCOPE_KEY,
+    FingerprintChangePolicy,
+    FingerprintMode,
     IdempotencyPolicy,
+    InProgressPolicy,
+    RecoveryPolicy,
+    ReplayPolicy,
     RequestMarks,
     StoreErrorPolicy,
     current_marks,
 )
-from starlette_idempotency.record import IdempotencyRecord, RecordStatus, StoredResponse
+from starlette_idempotency.record import IdempotencyRecord, RecordStatus
 from starlette_idempotency.responses import (
+    ALREADY_PROCESSED_MESSAGE,
     IN_PROGRESS_MESSAGE,
     MISMATCH_MESSAGE,
     STORE_UNAVAILABLE_MESSAGE,
@@ -62,7 +69,7 @@ from starlette_idempotency.responses import (
     Problem,
     retry_after_seconds,
     send_replay,
-    storable_headers,
+    stored_response,
 )
 from starlette_idempotency.routing import GuardedRoute, RouteResolver
 from starlette_idempotency.stores.base import IdempotencyStore
@@ -112,6 +119,15 @@ class IdempotencyMiddleware:
         fingerprint_headers: Sequence[str] = (),
         on_store_error: StoreErrorPolicy = "fail_closed",
         renew_lock: bool = True,
+        fingerprint: FingerprintMode = "raw",
+        fingerprint_version: str = "1",
+        on_fingerprint_change: FingerprintChangePolicy = "replay",
+        on_in_progress: InProgressPolicy = "conflict",
+        wait_timeout_seconds: float = 10.0,
+        replay: ReplayPolicy = "response",
+        max_response_bytes: int = 1024 * 1024,
+        on_recovery: RecoveryPolicy = "handler",
+        max_waiters: int = 1000,
         pod_id: str | None = None,
         log_keys: KeyLogging = "raw",
         on_event: EventHook | None = None,
@@ -141,6 +157,14 @@ class IdempotencyMiddleware:
             fingerprint_headers=tuple(fingerprint_headers),
             on_store_error=on_store_error,
             renew_lock=renew_lock,
+            fingerprint=fingerprint,
+            fingerprint_version=fingerprint_version,
+            on_fingerprint_change=on_fingerprint_change,
+            on_in_progress=on_in_progress,
+            wait_timeout_seconds=wait_timeout_seconds,
+            replay=replay,
+            max_response_bytes=max_response_bytes,
+            on_recovery=on_recovery,
         )
         self._resolver = RouteResolver(defaults, protect_all=protect_all)
         self._errors = ErrorResponder(
@@ -250,13 +274,14 @@ class _GuardedRequest:
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000
 
-    async def _decided(self, result: CheckResult) -> None:
+    async def _decided(self, result: CheckResult, note: str | None = None) -> None:
         await self.mw.observer.emit(
             "idempotency_check",
             key=self.key,
             endpoint=self._endpoint(),
             result=result,
             duration_ms=self._elapsed_ms(),
+            note=note,
         )
 
     async def _ended(self, result: OutcomeResult, status_code: int | None) -> None:
@@ -275,10 +300,19 @@ class _GuardedRequest:
         return f"{self.scope['method']} {self.route.template}"
 
     async def _reject(
-        self, problem: Problem, detail: str, result: CheckResult, retry_after: int | None = None
+        self,
+        problem: Problem,
+        detail: str,
+        result: CheckResult,
+        *,
+        retry_after: int | None = None,
+        note: str | None = None,
+        location: str | None = None,
     ) -> None:
-        await self._decided(result)
-        await self.mw._errors.send(self.send, problem, detail, retry_after=retry_after)
+        await self._decided(result, note)
+        await self.mw._errors.send(
+            self.send, problem, detail, retry_after=retry_after, location=location
+        )
 
     async def run(self) -> None:
         mw = self.mw
@@ -338,7 +372,9 @@ class _GuardedRequest:
             CheckResult.TOO_LARGE,
         )
 
-    def _fingerprint(self, body: bytes) -> str:
+    def _fingerprint(self, body: bytes) -> str | None:
+        """The request's fingerprint; ``None`` when ``fingerprint="validated"`` finds the body
+        is not a valid command."""
         scope = self.scope
         wanted = self.policy.fingerprint_header_names
         content_type = ""
@@ -348,19 +384,33 @@ class _GuardedRequest:
                 content_type = value.decode("latin-1")
             if name in wanted:
                 chosen.append((name.decode("latin-1"), value.decode("latin-1")))
+        command = self.route.command
+        if command is None:
+            kind, canonical = raw_body_form(
+                body,
+                json_body=is_json_content_type(content_type),
+                excluded=self.policy.excluded_field_names,
+            )
+        else:
+            kind, validated = "command", command.canonical(body)
+            if validated is None:
+                return None
+            canonical = validated
         return request_fingerprint(
             method=scope["method"],
             path=scope["path"],
             query_string=scope.get("query_string", b""),
             headers=chosen,
-            body=body,
-            json_body=is_json_content_type(content_type),
-            excluded_fields=self.policy.excluded_field_names,
+            body_kind=kind,
+            body=canonical,
         )
 
     async def _guard(self, key: str, body: bytes) -> None:
         mw, policy = self.mw, self.policy
         fingerprint = self._fingerprint(body)
+        if fingerprint is None:
+            await self._pass_invalid_command(body)
+            return
         store_key = storage_key(
             await mw.scope_id(self.scope), self.scope["method"], self.route.template, key
         )
@@ -372,6 +422,7 @@ class _GuardedRequest:
             owner_token=secrets.token_hex(16),
             created_at=now,
             expires_at=now + policy.lock_ttl_seconds,
+            fingerprint_version=self.route.fingerprint_version,
         )
         try:
             acquired = await mw.call_store(
@@ -389,6 +440,23 @@ class _GuardedRequest:
             mw.observer.processing_timeout(self._endpoint(), "expired_lease_taken_over")
         await self._decided(CheckResult.ACQUIRED)
         await self._run_owned(store_key, pending, body)
+
+    async def _pass_invalid_command(self, body: bytes) -> None:
+        """Let the app answer an invalid body with its own 422, without touching the store.
+
+        Should the endpoint start anyway (the app accepted what its own model rejects), the
+        start mark refuses to run it unprotected.
+        """
+        await self._decided(CheckResult.INVALID_BODY)
+        marks = RequestMarks()
+        marks.must_not_start = True
+        scope = self.scope
+        scope[MARKS_SCOPE_KEY] = marks
+        token = current_marks.set(marks)
+        try:
+            await self.mw.app(scope, _replaying_receive(body, self.receive), self.send)
+        finally:
+            current_marks.reset(token)
 
     async def _on_store_down(self, exc: StoreError, body: bytes) -> None:
         if self.policy.on_store_error == "fail_open":
@@ -409,8 +477,17 @@ class _GuardedRequest:
         )
 
     async def _answer_existing(self, record: IdempotencyRecord, fingerprint: str) -> None:
-        if record.request_fingerprint != fingerprint:
-            await self._reject(Problem.MISMATCH, MISMATCH_MESSAGE, CheckResult.MISMATCH)
+        policy = self.policy
+        note = None
+        if record.fingerprint_version != self.route.fingerprint_version:
+            # Fingerprinted under another scheme or route version (a deploy in between):
+            # comparing the two would be meaningless, so the policy decides.
+            note = "fingerprint_version_changed"
+            same_request = policy.on_fingerprint_change == "replay"
+        else:
+            same_request = record.request_fingerprint == fingerprint
+        if not same_request:
+            await self._reject(Problem.MISMATCH, MISMATCH_MESSAGE, CheckResult.MISMATCH, note=note)
         elif record.status is RecordStatus.IN_PROGRESS or record.response is None:
             remaining = record.expires_at - self.mw._clock()
             await self._reject(
@@ -418,9 +495,18 @@ class _GuardedRequest:
                 IN_PROGRESS_MESSAGE,
                 CheckResult.CONFLICT,
                 retry_after=retry_after_seconds(remaining),
+                note=note,
+            )
+        elif policy.replay == "reject":
+            await self._reject(
+                Problem.ALREADY_PROCESSED,
+                ALREADY_PROCESSED_MESSAGE,
+                CheckResult.REPLAYED,
+                note="replay_rejected",
+                location=record.response.header("location"),
             )
         else:
-            await self._decided(CheckResult.REPLAYED)
+            await self._decided(CheckResult.REPLAYED, note=note)
             await send_replay(self.send, record.response)
 
     async def _run_owned(self, store_key: str, pending: IdempotencyRecord, body: bytes) -> None:
@@ -431,17 +517,23 @@ class _GuardedRequest:
         scope[MARKS_SCOPE_KEY] = marks
         status = 0
         raw_headers: list[tuple[bytes, bytes]] = []
-        chunks: list[bytes] = []
+        chunks: list[bytes] | None = []  # None once the body outgrew max_response_bytes
+        size = 0
         settled = False
 
         async def capture(message: Message) -> None:
-            nonlocal status, raw_headers, settled
+            nonlocal status, raw_headers, chunks, size, settled
             kind = message["type"]
             if kind == "http.response.start":
                 status = message["status"]
                 raw_headers = list(message.get("headers", ()))
             elif kind == "http.response.body" and not settled:
-                chunks.append(message.get("body", b""))
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > policy.max_response_bytes:
+                    chunks = None
+                elif chunks is not None:
+                    chunks.append(chunk)
                 if not message.get("more_body", False):
                     settled = True
                     await self._settle(store_key, pending, marks, status, raw_headers, chunks)
@@ -476,17 +568,15 @@ class _GuardedRequest:
         marks: RequestMarks,
         status: int,
         raw_headers: list[tuple[bytes, bytes]],
-        chunks: list[bytes],
+        chunks: list[bytes] | None,
     ) -> None:
         if not self._should_store(marks, status):
             await self._release(store_key, pending.owner_token, status)
             return
-        headers = storable_headers(raw_headers)
-        content_type = next((value for name, value in headers if name == "content-type"), None)
         completed = status < 400
         record = pending.finished(
             RecordStatus.COMPLETED if completed else RecordStatus.FAILED,
-            StoredResponse(status, headers, b"".join(chunks), content_type),
+            stored_response(status, raw_headers, None if chunks is None else b"".join(chunks)),
             expires_at=self.mw._clock() + self.policy.ttl_seconds,
         )
         store = self.mw.store

@@ -33,6 +33,7 @@ class CheckResult(enum.StrEnum):
     MISSING_KEY = "MISSING_KEY"
     INVALID_KEY = "INVALID_KEY"
     TOO_LARGE = "TOO_LARGE"
+    INVALID_BODY = "INVALID_BODY"
     STORE_ERROR = "STORE_ERROR"
     FAIL_OPEN = "FAIL_OPEN"
 
@@ -57,6 +58,7 @@ class IdempotencyEvent:
     pod_id: str
     duration_ms: float
     status_code: int | None = None
+    note: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,6 +121,7 @@ class Observer:
         result: CheckResult | OutcomeResult,
         duration_ms: float,
         status_code: int | None = None,
+        note: str | None = None,
     ) -> None:
         if not self.wants_events:
             return
@@ -130,6 +133,7 @@ class Observer:
             pod_id=self.pod_id,
             duration_ms=round(duration_ms, 3),
             status_code=status_code,
+            note=note,
         )
         if logger.isEnabledFor(logging.INFO):
             logger.info("%s %s %s", kind, endpoint, event.result, extra=event.as_dict())

@@ -39,6 +39,10 @@ class StoredResponse:
     body: bytes
     content_type: str | None = None
 
+    def header(self, name: str) -> str | None:
+        """The first stored header called ``name`` (lower case), if any."""
+        return next((value for key, value in self.headers if key == name), None)
+
 
 @dataclass(frozen=True, slots=True)
 class IdempotencyRecord:

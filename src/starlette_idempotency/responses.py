@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import math
+from dataclasses import replace
 from typing import Literal
 
 import orjson
@@ -25,6 +26,7 @@ class Problem(enum.Enum):
     INVALID_KEY = (400, "{header} is invalid")
     BODY_TOO_LARGE = (413, "Request body is too large")
     IN_PROGRESS = (409, "A request is outstanding for this {header}")
+    ALREADY_PROCESSED = (409, "{header} was already processed")
     MISMATCH = (422, "{header} is already used")
     STORE_UNAVAILABLE = (503, "Idempotency store is unavailable")
 
@@ -38,6 +40,9 @@ IN_PROGRESS_MESSAGE = (
     "Retry after the original request completes."
 )
 MISMATCH_MESSAGE = "Idempotency key has already been used with a different request payload."
+ALREADY_PROCESSED_MESSAGE = (
+    "A request with this idempotency key was already processed; its response is not replayed."
+)
 STORE_UNAVAILABLE_MESSAGE = "The idempotency store is unavailable. Retry later with the same key."
 
 
@@ -58,7 +63,13 @@ class ErrorResponder:
         self._content_type = b"application/problem+json" if self._problem else b"application/json"
 
     async def send(
-        self, send: Send, problem: Problem, detail: str, *, retry_after: int | None = None
+        self,
+        send: Send,
+        problem: Problem,
+        detail: str,
+        *,
+        retry_after: int | None = None,
+        location: str | None = None,
     ) -> None:
         if self._problem:
             payload: dict[str, object] = {
@@ -76,6 +87,8 @@ class ErrorResponder:
         ]
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode("latin-1")))
+        if location is not None:
+            headers.append((b"location", location.encode("latin-1")))
         await send({"type": "http.response.start", "status": problem.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -109,11 +122,25 @@ _NOT_STORED_HEADERS = frozenset(
 )
 
 
-def storable_headers(raw_headers: list[tuple[bytes, bytes]]) -> tuple[tuple[str, str], ...]:
-    """Response headers worth replaying: no hop-by-hop ones, no Date, Server or Set-Cookie."""
-    kept = []
+_BODY_HEADERS = frozenset({"content-length", "content-type", "content-encoding"})
+BODY_OMITTED_HEADER = ("x-idempotent-body-omitted", "true")
+
+
+def stored_response(
+    status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes | None
+) -> StoredResponse:
+    """The response as it is stored: no hop-by-hop headers, no Date, Server or Set-Cookie.
+
+    ``body`` is ``None`` when it outgrew ``max_response_bytes``: then the status and headers
+    are kept, the body headers dropped, and ``X-Idempotent-Body-Omitted: true`` added.
+    """
+    headers = []
     for raw_name, raw_value in raw_headers:
         name = raw_name.decode("latin-1").lower()
-        if name not in _NOT_STORED_HEADERS:
-            kept.append((name, raw_value.decode("latin-1")))
-    return tuple(kept)
+        if name in _NOT_STORED_HEADERS or (body is None and name in _BODY_HEADERS):
+            continue
+        headers.append((name, raw_value.decode("latin-1")))
+    if body is None:
+        headers.append(BODY_OMITTED_HEADER)
+    stored = StoredResponse(status, tuple(headers), body or b"")
+    return replace(stored, content_type=stored.header("content-type"))

@@ -9,26 +9,35 @@ object and its template, never by the raw path.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.routing import BaseRoute, Host, Match, Mount
 
 from starlette_idempotency._types import ASGIApp, Scope
+from starlette_idempotency.fingerprint import fingerprint_version
 from starlette_idempotency.policy import MARKS_START_ATTRIBUTE, POLICY_ATTRIBUTE, IdempotencyPolicy
+
+if TYPE_CHECKING:
+    from starlette_idempotency.commands import CommandFingerprinter
+
+logger = logging.getLogger(__name__)
 
 _MAX_CACHED_ROUTES = 2048
 
 
 @dataclass(frozen=True, slots=True)
 class GuardedRoute:
-    """A route the middleware guards: its template, merged policy, and whether the endpoint
-    reports its own start (the documented decorator order)."""
+    """A route the middleware guards: its template, merged policy, whether the endpoint reports
+    its own start (the documented decorator order), and how its requests are fingerprinted."""
 
     template: str
     policy: IdempotencyPolicy
     marks_start: bool
+    fingerprint_version: str
+    command: CommandFingerprinter | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +126,24 @@ class RouteResolver:
         overrides = getattr(leaf.endpoint, POLICY_ATTRIBUTE, None)
         if overrides is None and not self._protect_all:
             return None
+        policy = self._defaults.merged(overrides or {})
+        command = None
+        if policy.fingerprint == "validated":
+            from starlette_idempotency.commands import fingerprinter_for_route
+
+            command = fingerprinter_for_route(leaf.route, policy.excluded_field_names)
+            if command is None:
+                logger.warning(
+                    "fingerprint='validated' on %s, which has no FastAPI body model: "
+                    "fingerprinting its raw body instead",
+                    leaf.template,
+                )
         return GuardedRoute(
             template=leaf.template,
-            policy=self._defaults.merged(overrides or {}),
+            policy=policy,
             marks_start=bool(getattr(leaf.endpoint, MARKS_START_ATTRIBUTE, False)),
+            fingerprint_version=fingerprint_version(
+                "validated" if command else "raw", policy.fingerprint_version
+            ),
+            command=command,
         )

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from starlette_idempotency.fingerprint import (
     canonical_json,
     is_json_content_type,
+    raw_body_form,
     request_fingerprint,
     storage_key,
 )
@@ -22,14 +23,14 @@ def fingerprint(
     excluded: frozenset[str] = frozenset(),
     method: str = "POST",
 ) -> str:
+    kind, canonical = raw_body_form(body, json_body=json_body, excluded=excluded)
     return request_fingerprint(
         method=method,
         path=path,
         query_string=query,
         headers=headers,
-        body=body,
-        json_body=json_body,
-        excluded_fields=excluded,
+        body_kind=kind,
+        body=canonical,
     )
 
 

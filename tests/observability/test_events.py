@@ -82,6 +82,7 @@ async def test_check_results_for_each_decision() -> None:
         "pod_id": "pod-test",
         "duration_ms": event.duration_ms,
         "status_code": None,
+        "note": None,
     }
     assert (
         sample(harness, "idempotency_requests_total", endpoint="POST /payments", result="ACQUIRED")
