@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from starlette_idempotency.context import IdempotencyContext, checkpoint, idempotency_context
 from starlette_idempotency.errors import (
     ConfigurationError,
     IdempotencyError,
+    LockLostError,
     StoreError,
     StoreTimeoutError,
 )
+from starlette_idempotency.fingerprint import storage_key
 from starlette_idempotency.middleware import IdempotencyMiddleware, KeyScope
 from starlette_idempotency.observability import (
     CheckResult,
@@ -23,11 +26,17 @@ from starlette_idempotency.observability import (
     OutcomeResult,
 )
 from starlette_idempotency.policy import IdempotencyPolicy, idempotent, mark_retryable
-from starlette_idempotency.record import IdempotencyRecord, RecordStatus, StoredResponse
+from starlette_idempotency.record import (
+    Checkpoint,
+    IdempotencyRecord,
+    RecordStatus,
+    StoredResponse,
+)
 from starlette_idempotency.stores.base import AcquireResult, IdempotencyStore
 from starlette_idempotency.stores.memory import MemoryStore
 
 if TYPE_CHECKING:
+    from starlette_idempotency.client import AsyncIdempotentTransport, IdempotentTransport
     from starlette_idempotency.prometheus import PrometheusMetrics
     from starlette_idempotency.stores.postgres import PostgresStore
     from starlette_idempotency.stores.redis import RedisStore
@@ -36,6 +45,8 @@ __version__ = "0.1.0"
 
 # Parts with optional dependencies load on first use, so importing the package needs neither.
 _LAZY = {
+    "AsyncIdempotentTransport": "starlette_idempotency.client",
+    "IdempotentTransport": "starlette_idempotency.client",
     "PrometheusMetrics": "starlette_idempotency.prometheus",
     "RedisStore": "starlette_idempotency.stores.redis",
     "PostgresStore": "starlette_idempotency.stores.postgres",
@@ -53,16 +64,21 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AcquireResult",
+    "AsyncIdempotentTransport",
     "CheckResult",
+    "Checkpoint",
     "ConfigurationError",
     "EventHook",
+    "IdempotencyContext",
     "IdempotencyError",
     "IdempotencyEvent",
     "IdempotencyMiddleware",
     "IdempotencyPolicy",
     "IdempotencyRecord",
     "IdempotencyStore",
+    "IdempotentTransport",
     "KeyScope",
+    "LockLostError",
     "MemoryStore",
     "MetricsSink",
     "OutcomeResult",
@@ -74,6 +90,9 @@ __all__ = [
     "StoreTimeoutError",
     "StoredResponse",
     "__version__",
+    "checkpoint",
+    "idempotency_context",
     "idempotent",
     "mark_retryable",
+    "storage_key",
 ]

@@ -5,6 +5,7 @@ Hierarchy::
     IdempotencyError
     ├── StoreError                 a store call failed (connection, timeout, protocol)
     │   └── StoreTimeoutError      a store call took longer than ``store_timeout_seconds``
+    ├── LockLostError              another request took this request's key over
     └── ConfigurationError         an option is invalid (also a ``ValueError``)
 
 Request-level problems (missing key, mismatch, in progress) are not exceptions: the middleware
@@ -27,6 +28,10 @@ class StoreError(IdempotencyError):
 
 class StoreTimeoutError(StoreError, TimeoutError):
     """The idempotency store did not answer within the configured timeout."""
+
+
+class LockLostError(IdempotencyError):
+    """Another request took over this request's idempotency key; stop before any side effect."""
 
 
 class ConfigurationError(IdempotencyError, ValueError):

@@ -9,11 +9,13 @@ without running the app.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import anyio
@@ -29,7 +31,13 @@ from starlette_idempotency._types import (
     Send,
     system_clock,
 )
-from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
+from starlette_idempotency.context import CONTEXT_SCOPE_KEY, IdempotencyContext
+from starlette_idempotency.errors import (
+    ConfigurationError,
+    LockLostError,
+    StoreError,
+    StoreTimeoutError,
+)
 from starlette_idempotency.fingerprint import (
     is_json_content_type,
     raw_body_form,
@@ -58,7 +66,7 @@ from starlette_idempotency.policy import (
     StoreErrorPolicy,
     current_marks,
 )
-from starlette_idempotency.record import IdempotencyRecord, RecordStatus
+from starlette_idempotency.record import Checkpoint, IdempotencyRecord, RecordStatus
 from starlette_idempotency.responses import (
     ALREADY_PROCESSED_MESSAGE,
     IN_PROGRESS_MESSAGE,
@@ -69,10 +77,12 @@ from starlette_idempotency.responses import (
     Problem,
     retry_after_seconds,
     send_replay,
+    send_requires_recovery,
     stored_response,
 )
 from starlette_idempotency.routing import GuardedRoute, RouteResolver
-from starlette_idempotency.stores.base import IdempotencyStore
+from starlette_idempotency.stores.base import AcquireResult, IdempotencyStore
+from starlette_idempotency.waiting import Waiters
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +145,10 @@ class IdempotencyMiddleware:
         tracing: bool = False,
         clock: Clock = system_clock,
     ) -> None:
-        if max_key_length < 1 or max_body_bytes < 0 or store_timeout_seconds <= 0:
+        if min(max_key_length, max_waiters) < 1 or max_body_bytes < 0 or store_timeout_seconds <= 0:
             raise ConfigurationError(
-                "max_key_length, max_body_bytes and store_timeout_seconds must be positive"
+                "max_key_length, max_waiters, max_body_bytes and store_timeout_seconds "
+                "must be positive"
             )
         self.app = app
         self.store = store
@@ -174,6 +185,7 @@ class IdempotencyMiddleware:
             pod_id=pod_id, log_keys=log_keys, on_event=on_event, metrics=metrics
         )
         self._tracer = StoreCallTracer() if tracing else None
+        self.waiters = Waiters(store, self.call_store, max_waiters)
         self._store_name = str(getattr(store, "name", type(store).__name__))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -188,7 +200,7 @@ class IdempotencyMiddleware:
 
     async def call_store(self, operation: Callable[..., Awaitable[_T]], *args: Any) -> _T:
         """Run one store call within ``store_timeout_seconds``; any failure is a StoreError."""
-        name = getattr(operation, "__name__", "call")
+        name = getattr(getattr(operation, "func", operation), "__name__", "call")
         metrics = self.observer.metrics
         started = time.perf_counter()
         ok = False
@@ -270,6 +282,8 @@ class _GuardedRequest:
         self.send = send
         self.key: str | None = None
         self.started = time.perf_counter()
+        self.store_key = ""
+        self.record: IdempotencyRecord  # set once the key is owned
 
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000
@@ -411,7 +425,7 @@ class _GuardedRequest:
         if fingerprint is None:
             await self._pass_invalid_command(body)
             return
-        store_key = storage_key(
+        self.store_key = storage_key(
             await mw.scope_id(self.scope), self.scope["method"], self.route.template, key
         )
         now = mw._clock()
@@ -425,21 +439,77 @@ class _GuardedRequest:
             fingerprint_version=self.route.fingerprint_version,
         )
         try:
-            acquired = await mw.call_store(
-                mw.store.try_acquire, store_key, pending, policy.lock_ttl_seconds
-            )
+            acquired = await self._try_acquire(pending)
         except StoreError as exc:
             await self._on_store_down(exc, body)
             return
         if not acquired.acquired:
             assert acquired.record is not None
-            await self._answer_existing(acquired.record, fingerprint)
-            return
-        taken_over = acquired.record
-        if taken_over is not None and taken_over.status is RecordStatus.IN_PROGRESS:
-            mw.observer.processing_timeout(self._endpoint(), "expired_lease_taken_over")
-        await self._decided(CheckResult.ACQUIRED)
-        await self._run_owned(store_key, pending, body)
+            if self._is_waitable(acquired.record, fingerprint):
+                after_wait = await self._wait_for_first(pending)
+                if after_wait is None:
+                    return
+                acquired = after_wait
+            if not acquired.acquired:
+                assert acquired.record is not None
+                await self._answer_existing(acquired.record, fingerprint)
+                return
+        await self._run_owned(pending, acquired.record, body)
+
+    async def _try_acquire(self, pending: IdempotencyRecord) -> AcquireResult:
+        store, lock_ttl = self.mw.store, self.policy.lock_ttl_seconds
+        if self.policy.on_recovery == "hold":
+            acquire = functools.partial(store.try_acquire, recover=False)
+            return await self.mw.call_store(acquire, self.store_key, pending, lock_ttl)
+        return await self.mw.call_store(store.try_acquire, self.store_key, pending, lock_ttl)
+
+    def _same_request(self, record: IdempotencyRecord, fingerprint: str) -> tuple[bool, str | None]:
+        """Whether ``record`` was made by this same request, and a note for the event."""
+        if record.fingerprint_version != self.route.fingerprint_version:
+            # Fingerprinted under another scheme or route version (a deploy in between):
+            # comparing the two would be meaningless, so the policy decides.
+            return self.policy.on_fingerprint_change == "replay", "fingerprint_version_changed"
+        return record.request_fingerprint == fingerprint, None
+
+    def _is_waitable(self, record: IdempotencyRecord, fingerprint: str) -> bool:
+        return (
+            self.policy.on_in_progress == "wait"
+            and record.status is RecordStatus.IN_PROGRESS
+            and not record.lease_expired(self.mw._clock())
+            and self._same_request(record, fingerprint)[0]
+        )
+
+    async def _wait_for_first(self, pending: IdempotencyRecord) -> AcquireResult | None:
+        """Wait for the request holding the key to finish, then try again.
+
+        Returns the final acquire result, or ``None`` once this request has been answered
+        (409 when the wait timed out or too many requests already wait).
+        """
+        mw = self.mw
+        deadline = time.monotonic() + self.policy.wait_timeout_seconds
+        result: AcquireResult | None = None
+        async with mw.waiters.waiting(self.store_key) as watch:
+            if watch is None:
+                await self._reject_in_progress(None, note="too_many_waiters")
+                return None
+            while (remaining := deadline - time.monotonic()) > 0:
+                changed, record = await watch.changed(remaining)
+                if not changed:
+                    break
+                if record is not None:
+                    if record.status is not RecordStatus.IN_PROGRESS:
+                        return AcquireResult(acquired=False, record=record)
+                    continue  # another request took the key over: wait for it instead
+                try:
+                    result = await self._try_acquire(pending)  # the key is free: take it
+                except StoreError:
+                    continue  # the store hiccupped: keep waiting until the deadline
+                if result.acquired or result.record is None:
+                    return result
+                if result.record.status is not RecordStatus.IN_PROGRESS:
+                    return result
+        await self._reject_in_progress(result.record if result else None, note="wait_timed_out")
+        return None
 
     async def _pass_invalid_command(self, body: bytes) -> None:
         """Let the app answer an invalid body with its own 422, without touching the store.
@@ -476,28 +546,30 @@ class _GuardedRequest:
             retry_after=1,
         )
 
+    async def _reject_in_progress(
+        self, record: IdempotencyRecord | None, note: str | None = None
+    ) -> None:
+        remaining = record.expires_at - self.mw._clock() if record else 1.0
+        await self._reject(
+            Problem.IN_PROGRESS,
+            IN_PROGRESS_MESSAGE,
+            CheckResult.CONFLICT,
+            retry_after=retry_after_seconds(remaining),
+            note=note,
+        )
+
     async def _answer_existing(self, record: IdempotencyRecord, fingerprint: str) -> None:
-        policy = self.policy
-        note = None
-        if record.fingerprint_version != self.route.fingerprint_version:
-            # Fingerprinted under another scheme or route version (a deploy in between):
-            # comparing the two would be meaningless, so the policy decides.
-            note = "fingerprint_version_changed"
-            same_request = policy.on_fingerprint_change == "replay"
-        else:
-            same_request = record.request_fingerprint == fingerprint
+        same_request, note = self._same_request(record, fingerprint)
         if not same_request:
             await self._reject(Problem.MISMATCH, MISMATCH_MESSAGE, CheckResult.MISMATCH, note=note)
+        elif record.lease_expired(self.mw._clock()):
+            # on_recovery="hold": a handler checkpointed and died; nobody may run it again
+            # until an operator or a reconciler resolves the record.
+            await self._decided(CheckResult.REQUIRES_RECOVERY, note=note)
+            await send_requires_recovery(self.send, record.checkpoints[-1].name)
         elif record.status is RecordStatus.IN_PROGRESS or record.response is None:
-            remaining = record.expires_at - self.mw._clock()
-            await self._reject(
-                Problem.IN_PROGRESS,
-                IN_PROGRESS_MESSAGE,
-                CheckResult.CONFLICT,
-                retry_after=retry_after_seconds(remaining),
-                note=note,
-            )
-        elif policy.replay == "reject":
+            await self._reject_in_progress(record, note)
+        elif self.policy.replay == "reject":
             await self._reject(
                 Problem.ALREADY_PROCESSED,
                 ALREADY_PROCESSED_MESSAGE,
@@ -509,12 +581,31 @@ class _GuardedRequest:
             await self._decided(CheckResult.REPLAYED, note=note)
             await send_replay(self.send, record.response)
 
-    async def _run_owned(self, store_key: str, pending: IdempotencyRecord, body: bytes) -> None:
+    async def _run_owned(
+        self, pending: IdempotencyRecord, taken_over: IdempotencyRecord | None, body: bytes
+    ) -> None:
         """Run the app as the key's owner and settle the outcome before the response ends."""
         mw, policy = self.mw, self.policy
+        self.record = pending
+        if taken_over is not None and taken_over.status is RecordStatus.IN_PROGRESS:
+            mw.observer.processing_timeout(self._endpoint(), "expired_lease_taken_over")
+            if taken_over.checkpoints:
+                # The store kept the dead handler's recovery points under our token.
+                self.record = replace(
+                    taken_over,
+                    owner_token=pending.owner_token,
+                    locked_until=pending.expires_at,
+                    expires_at=mw._clock() + policy.ttl_seconds,
+                )
+        await self._decided(
+            CheckResult.ACQUIRED, note="recovering" if self.record.checkpoints else None
+        )
         scope = self._scope_for_app()
         marks = RequestMarks()
         scope[MARKS_SCOPE_KEY] = marks
+        scope[CONTEXT_SCOPE_KEY] = IdempotencyContext(
+            self.record.key, self.record.checkpoints, self._checkpoint
+        )
         status = 0
         raw_headers: list[tuple[bytes, bytes]] = []
         chunks: list[bytes] | None = []  # None once the body outgrew max_response_bytes
@@ -536,10 +627,10 @@ class _GuardedRequest:
                     chunks.append(chunk)
                 if not message.get("more_body", False):
                     settled = True
-                    await self._settle(store_key, pending, marks, status, raw_headers, chunks)
+                    await self._settle(marks, status, raw_headers, chunks)
             await self.send(message)
 
-        renewal = _LockRenewal(self, store_key, pending.owner_token) if policy.renew_lock else None
+        renewal = _LockRenewal(self) if policy.renew_lock else None
         token = current_marks.set(marks)
         try:
             await mw.app(scope, _replaying_receive(body, self.receive), capture)
@@ -552,7 +643,49 @@ class _GuardedRequest:
                 # replay, so the client may retry with the same key. Shielded, so a
                 # cancelled request still frees its key.
                 with anyio.CancelScope(shield=True):
-                    await self._release(store_key, pending.owner_token, status or None)
+                    await self._release(status or None)
+
+    async def _checkpoint(self, name: str, data: Any) -> None:
+        """Save a recovery point on the record this request owns (see ``checkpoint``)."""
+        mw, policy = self.mw, self.policy
+        if not getattr(mw.store, "supports_recovery", False):
+            raise ConfigurationError(
+                f"{type(mw.store).__name__} cannot keep recovery points: use "
+                "RedisStore(acquire='lua'), PostgresStore or MemoryStore"
+            )
+        now = mw._clock()
+        record = replace(
+            self.record,
+            checkpoints=(*self.record.checkpoints, Checkpoint(name, data, now)),
+            locked_until=now + policy.lock_ttl_seconds,
+            expires_at=now + policy.ttl_seconds,
+        )
+        await self._save_progress(record)
+
+    async def _save_progress(self, record: IdempotencyRecord) -> None:
+        saved = await self.mw.call_store(
+            self.mw.store.save_progress, self.store_key, record, self.policy.ttl_seconds
+        )
+        if not saved:
+            raise LockLostError(f"the lock for idempotency key {record.key!r} was taken over")
+        self.record = record
+
+    async def renew_lock(self) -> bool:
+        """Extend this request's lock; false when it is gone or held by someone else."""
+        if not self.record.checkpoints:
+            return await self.mw.call_store(
+                self.mw.store.renew,
+                self.store_key,
+                self.record.owner_token,
+                self.policy.lock_ttl_seconds,
+            )
+        # A checkpointed record keeps its lease inside its value.
+        lease = self.mw._clock() + self.policy.lock_ttl_seconds
+        try:
+            await self._save_progress(replace(self.record, locked_until=lease))
+        except LockLostError:
+            return False
+        return True
 
     def _scope_for_app(self) -> Scope:
         extensions = self.scope.get("extensions") or {}
@@ -563,18 +696,16 @@ class _GuardedRequest:
 
     async def _settle(
         self,
-        store_key: str,
-        pending: IdempotencyRecord,
         marks: RequestMarks,
         status: int,
         raw_headers: list[tuple[bytes, bytes]],
         chunks: list[bytes] | None,
     ) -> None:
         if not self._should_store(marks, status):
-            await self._release(store_key, pending.owner_token, status)
+            await self._release(status)
             return
         completed = status < 400
-        record = pending.finished(
+        record = self.record.finished(
             RecordStatus.COMPLETED if completed else RecordStatus.FAILED,
             stored_response(status, raw_headers, None if chunks is None else b"".join(chunks)),
             expires_at=self.mw._clock() + self.policy.ttl_seconds,
@@ -583,7 +714,7 @@ class _GuardedRequest:
         try:
             stored = await self.mw.call_store(
                 store.complete if completed else store.fail,
-                store_key,
+                self.store_key,
                 record,
                 self.policy.ttl_seconds,
             )
@@ -591,7 +722,7 @@ class _GuardedRequest:
             logger.error(
                 "could not store the response for idempotency key %r; a retry is answered 409 "
                 "until the lock expires and then runs again: %s",
-                pending.key,
+                self.key,
                 exc,
             )
             stored = True  # not lost to another owner: the outcome is still this request's
@@ -599,7 +730,7 @@ class _GuardedRequest:
             logger.warning(
                 "lock for idempotency key %r was lost to another request; its response was "
                 "sent to this client but not stored",
-                pending.key,
+                self.key,
             )
             await self._ended(OutcomeResult.LOCK_LOST, status)
             return
@@ -612,9 +743,15 @@ class _GuardedRequest:
             return marks.endpoint_started
         return status not in _PRE_ENDPOINT_STATUSES
 
-    async def _release(self, store_key: str, owner_token: str, status: int | None) -> None:
+    async def _release(self, status: int | None) -> None:
+        if self.record.checkpoints:
+            # Recovery points mean a side effect may have happened: keep them for the retry.
+            await self._keep_for_recovery(status)
+            return
         try:
-            released = await self.mw.call_store(self.mw.store.release, store_key, owner_token)
+            released = await self.mw.call_store(
+                self.mw.store.release, self.store_key, self.record.owner_token
+            )
         except StoreError as exc:
             logger.error("could not release idempotency key %r: %s", self.key, exc)
             released = True
@@ -623,6 +760,17 @@ class _GuardedRequest:
         else:
             logger.warning("lock for %r was taken over before it could be released", self.key)
             await self._ended(OutcomeResult.LOCK_LOST, status)
+
+    async def _keep_for_recovery(self, status: int | None) -> None:
+        """End the lease now, keeping the checkpoints, so a retry recovers at once."""
+        try:
+            await self._save_progress(replace(self.record, locked_until=self.mw._clock()))
+        except LockLostError:
+            await self._ended(OutcomeResult.LOCK_LOST, status)
+            return
+        except StoreError as exc:
+            logger.error("could not end the lease of idempotency key %r: %s", self.key, exc)
+        await self._ended(OutcomeResult.RELEASED, status)
 
 
 def _replaying_receive(body: bytes, receive: Receive) -> Receive:
@@ -647,12 +795,9 @@ class _LockRenewal:
     no store round trip. A failed renewal never aborts the handler.
     """
 
-    def __init__(self, request: _GuardedRequest, store_key: str, owner_token: str) -> None:
+    def __init__(self, request: _GuardedRequest) -> None:
         self._request = request
-        self._key = store_key
-        self._token = owner_token
-        self._ttl = request.policy.lock_ttl_seconds
-        self._interval = self._ttl / 3
+        self._interval = request.policy.lock_ttl_seconds / 3
         loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = loop.call_later(self._interval, self._start)
         self._task: asyncio.Task[None] | None = None
@@ -662,17 +807,19 @@ class _LockRenewal:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
-        mw = self._request.mw
+        request = self._request
         while True:
             started = time.monotonic()
             try:
-                renewed = await mw.call_store(mw.store.renew, self._key, self._token, self._ttl)
+                renewed = await request.renew_lock()
             except StoreError as exc:
-                logger.warning("could not renew the lock for %r: %s", self._request.key, exc)
+                logger.warning("could not renew the lock for %r: %s", request.key, exc)
             else:
                 if not renewed:
-                    logger.warning("lock for %r is gone; renewal stopped", self._request.key)
-                    mw.observer.processing_timeout(self._request._endpoint(), "renewal_found_gone")
+                    logger.warning("lock for %r is gone; renewal stopped", request.key)
+                    request.mw.observer.processing_timeout(
+                        request._endpoint(), "renewal_found_gone"
+                    )
                     return
             await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
 

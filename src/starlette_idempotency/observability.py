@@ -36,6 +36,7 @@ class CheckResult(enum.StrEnum):
     INVALID_BODY = "INVALID_BODY"
     STORE_ERROR = "STORE_ERROR"
     FAIL_OPEN = "FAIL_OPEN"
+    REQUIRES_RECOVERY = "REQUIRES_RECOVERY"
 
 
 class OutcomeResult(enum.StrEnum):

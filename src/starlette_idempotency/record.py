@@ -45,11 +45,22 @@ class StoredResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A recovery point a handler recorded while it ran (see ``checkpoint``)."""
+
+    name: str
+    data: Any
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class IdempotencyRecord:
     """One idempotency key's state. Times are seconds since the epoch (UTC).
 
     ``expires_at`` is the lock's end while the record is ``InProgress`` and the end of the
-    retention time once it is ``Completed`` or ``Failed``.
+    retention time once it is ``Completed`` or ``Failed``. From its first checkpoint on, an
+    ``InProgress`` record is kept for the retention time too, and its lease lives inside it as
+    ``locked_until``: the store lets a retry take it over only once that has passed.
     """
 
     key: str
@@ -60,15 +71,27 @@ class IdempotencyRecord:
     expires_at: float
     fingerprint_version: str = "1"
     response: StoredResponse | None = None
+    locked_until: float | None = None
+    checkpoints: tuple[Checkpoint, ...] = ()
 
     def is_expired(self, now: float) -> bool:
         return now >= self.expires_at
 
+    def lease_expired(self, now: float) -> bool:
+        """True for an ``InProgress`` record with checkpoints whose lease has run out."""
+        return (
+            self.status is RecordStatus.IN_PROGRESS
+            and self.locked_until is not None
+            and now >= self.locked_until
+        )
+
     def finished(
         self, status: RecordStatus, response: StoredResponse, expires_at: float
     ) -> IdempotencyRecord:
-        """This record moved to a final state with its response."""
-        return replace(self, status=status, response=response, expires_at=expires_at)
+        """This record moved to a final state with its response (and no lease any more)."""
+        return replace(
+            self, status=status, response=response, expires_at=expires_at, locked_until=None
+        )
 
 
 def _format_time(epoch: float) -> str:
@@ -89,7 +112,7 @@ def record_to_dict(record: IdempotencyRecord) -> dict[str, Any]:
             body, encoding = response.body.decode("utf-8"), "utf-8"
         except UnicodeDecodeError:
             body, encoding = base64.b64encode(response.body).decode("ascii"), "base64"
-    return {
+    wire: dict[str, Any] = {
         "key": record.key,
         "status": record.status.value,
         "requestFingerprint": record.request_fingerprint,
@@ -103,6 +126,28 @@ def record_to_dict(record: IdempotencyRecord) -> dict[str, Any]:
         "expiresAt": _format_time(record.expires_at),
         "ownerToken": record.owner_token,
     }
+    if record.locked_until is not None or record.checkpoints:
+        # Only records with recovery points carry these. Stores' scripts rely on the order:
+        # ownerToken, then lockedUntil (integer epoch milliseconds), then checkpoints, which
+        # hold the user's own data.
+        wire["lockedUntil"] = (
+            None if record.locked_until is None else round(record.locked_until * 1000)
+        )
+        wire["checkpoints"] = checkpoints_to_wire(record.checkpoints)
+    return wire
+
+
+def checkpoints_to_wire(checkpoints: tuple[Checkpoint, ...]) -> list[dict[str, Any]]:
+    """Recovery points as JSON-ready dicts."""
+    return [
+        {"name": point.name, "data": point.data, "at": _format_time(point.at)}
+        for point in checkpoints
+    ]
+
+
+def checkpoints_from_wire(points: list[dict[str, Any]]) -> tuple[Checkpoint, ...]:
+    """Parse what :func:`checkpoints_to_wire` wrote."""
+    return tuple(Checkpoint(p["name"], p.get("data"), _parse_time(p["at"])) for p in points)
 
 
 def record_from_dict(data: dict[str, Any]) -> IdempotencyRecord:
@@ -130,6 +175,10 @@ def record_from_dict(data: dict[str, Any]) -> IdempotencyRecord:
             created_at=_parse_time(data["createdAt"]),
             expires_at=_parse_time(data["expiresAt"]),
             response=response,
+            locked_until=(
+                None if data.get("lockedUntil") is None else int(data["lockedUntil"]) / 1000
+            ),
+            checkpoints=checkpoints_from_wire(data.get("checkpoints") or []),
         )
     except (KeyError, TypeError, binascii.Error) as exc:
         raise ValueError(f"malformed idempotency record: {exc!r}") from exc

@@ -144,3 +144,18 @@ def stored_response(
         headers.append(BODY_OMITTED_HEADER)
     stored = StoredResponse(status, tuple(headers), body or b"")
     return replace(stored, content_type=stored.header("content-type"))
+
+
+async def send_requires_recovery(send: Send, checkpoint: str) -> None:
+    """202 for a key whose first attempt died after a recovery point (``on_recovery="hold"``)."""
+    body = orjson.dumps(
+        {
+            "status": "requires_recovery",
+            "checkpoint": checkpoint,
+            "detail": "The first attempt stopped after a recovery point; the outcome is being "
+            "reconciled. Retry later with the same key.",
+        }
+    )
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 202, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -11,7 +11,13 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
-from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency import (
+    AcquireResult,
+    IdempotencyMiddleware,
+    IdempotencyRecord,
+    MemoryStore,
+    idempotent,
+)
 from tests.core.conftest import make_client
 
 
@@ -34,9 +40,11 @@ class CountingStore(MemoryStore):
         super().__init__()
         self.calls: Counter[str] = Counter()
 
-    async def try_acquire(self, *args: Any) -> Any:
+    async def try_acquire(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
+    ) -> AcquireResult:
         self.calls["try_acquire"] += 1
-        return await super().try_acquire(*args)
+        return await super().try_acquire(key, pending, lock_ttl, recover=recover)
 
 
 def build(**options: Any) -> tuple[FastAPI, Counter[str], CountingStore]:

@@ -34,10 +34,10 @@ class BrokenStore(MemoryStore):
             raise ConnectionError(f"{operation} failed")
 
     async def try_acquire(
-        self, key: str, pending: IdempotencyRecord, lock_ttl: float
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> AcquireResult:
         await self._maybe_fail("try_acquire")
-        return await super().try_acquire(key, pending, lock_ttl)
+        return await super().try_acquire(key, pending, lock_ttl, recover=recover)
 
     async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         await self._maybe_fail("complete")

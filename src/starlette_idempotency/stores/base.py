@@ -8,12 +8,14 @@ record.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from starlette_idempotency.record import IdempotencyRecord
+from starlette_idempotency.record import IdempotencyRecord, RecordStatus, StoredResponse
 
 DEFAULT_KEY_PREFIX = "idempotency"
+DEFAULT_RESOLVED_TTL = 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,14 +41,20 @@ class IdempotencyStore(Protocol):
 
     #: A short name for logs and metrics labels ("memory", "redis", "postgres").
     name: str
+    #: Whether the store keeps recovery points: takes over an ``InProgress`` record whose
+    #: ``locked_until`` has passed, atomically, even though the record itself lives on.
+    supports_recovery: bool
 
     async def try_acquire(
-        self, key: str, pending: IdempotencyRecord, lock_ttl: float
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> AcquireResult:
         """Write ``pending`` (an ``InProgress`` record) if the key is free, in one atomic step.
 
-        A free key is one that is absent or whose record has expired. Otherwise return the
-        existing record untouched.
+        A free key is one that is absent or whose record has expired. With ``recover`` (and
+        ``supports_recovery``), an ``InProgress`` record with checkpoints whose ``locked_until``
+        has passed and whose fingerprint and version equal ``pending``'s is taken over too: it
+        keeps its checkpoints, gets ``pending``'s owner token and a lease of ``lock_ttl``, and
+        is returned as the record taken over. Otherwise return the existing record untouched.
         """
         ...
 
@@ -60,6 +68,13 @@ class IdempotencyStore(Protocol):
 
     async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         """Like :meth:`complete`, for a ``Failed`` record (a replayable business failure)."""
+        ...
+
+    async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+        """Replace the owner's ``InProgress`` record (new checkpoints or lease) for ``ttl``.
+
+        Writes only while ``record.owner_token`` holds the key; returns false otherwise.
+        """
         ...
 
     async def release(self, key: str, owner_token: str) -> bool:
@@ -83,3 +98,31 @@ class IdempotencyStore(Protocol):
     async def aclose(self) -> None:
         """Close what the store opened itself; a client or pool passed in stays open."""
         ...
+
+
+@runtime_checkable
+class ChangeNotifyingStore(Protocol):
+    """A store that can announce changes to a key, so waiting duplicates need not poll."""
+
+    async def wait_for_change(self, key: str) -> None:
+        """Return once ``key`` was completed, failed, released or resolved (bounded by the
+        caller); may also return early, as the caller reads the key again anyway."""
+        ...
+
+
+async def resolve_record(
+    store: IdempotencyStore, key: str, response: StoredResponse, ttl: float
+) -> bool:
+    """Finish a key's record with ``response``, whoever holds it (for operators and
+    reconcilers: ``store.resolve(...)``). Returns false when there is no record to resolve.
+    """
+    for _ in range(3):
+        current = await store.get(key)
+        if current is None:
+            return False
+        status = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
+        record = current.finished(status, response, expires_at=time.time() + ttl)
+        finish = store.complete if status is RecordStatus.COMPLETED else store.fail
+        if await finish(key, record, ttl):
+            return True
+    return False

@@ -7,9 +7,17 @@ asyncio concurrency without a lock.
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
+
 from starlette_idempotency._types import Clock, system_clock
-from starlette_idempotency.record import IdempotencyRecord, RecordStatus
-from starlette_idempotency.stores.base import DEFAULT_KEY_PREFIX, AcquireResult
+from starlette_idempotency.record import IdempotencyRecord, RecordStatus, StoredResponse
+from starlette_idempotency.stores.base import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_RESOLVED_TTL,
+    AcquireResult,
+    resolve_record,
+)
 
 _SWEEP_INTERVAL_SECONDS = 60.0
 
@@ -22,11 +30,13 @@ class MemoryStore:
     """
 
     name = "memory"
+    supports_recovery = True
 
     def __init__(self, *, clock: Clock = system_clock, key_prefix: str = DEFAULT_KEY_PREFIX):
         self._clock = clock
         self._prefix = f"{key_prefix}:"
         self._entries: dict[str, tuple[IdempotencyRecord, float]] = {}
+        self._changes: dict[str, asyncio.Event] = {}
         self._next_sweep = clock() + _SWEEP_INTERVAL_SECONDS
 
     def __bool__(self) -> bool:
@@ -54,41 +64,65 @@ class MemoryStore:
             del self._entries[key]
 
     async def try_acquire(
-        self, key: str, pending: IdempotencyRecord, lock_ttl: float
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> AcquireResult:
         key = self._prefix + key
         now = self._clock()
         self._sweep(now)
         entry = self._entries.get(key)
-        if entry is not None and entry[1] > now:
-            return AcquireResult(acquired=False, record=entry[0])
-        self._entries[key] = (pending, now + lock_ttl)
-        return AcquireResult(acquired=True, record=entry[0] if entry else None)
+        if entry is None or entry[1] <= now:
+            self._entries[key] = (pending, now + lock_ttl)
+            return AcquireResult(acquired=True, record=entry[0] if entry else None)
+        current, deadline = entry
+        if (
+            recover
+            and current.lease_expired(now)
+            and current.request_fingerprint == pending.request_fingerprint
+            and current.fingerprint_version == pending.fingerprint_version
+        ):
+            # A handler that checkpointed died: the retry inherits its recovery points.
+            taken = replace(current, owner_token=pending.owner_token, locked_until=now + lock_ttl)
+            self._entries[key] = (taken, deadline)
+            return AcquireResult(acquired=True, record=current)
+        return AcquireResult(acquired=False, record=current)
 
-    def _finish(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+    def _write_if_owner(
+        self, key: str, record: IdempotencyRecord, ttl: float, *, absent_ok: bool
+    ) -> bool:
         key = self._prefix + key
         now = self._clock()
         current = self._live(key, now)
+        if current is None and not absent_ok:
+            return False
         if current is not None and current.owner_token != record.owner_token:
             return False
         self._entries[key] = (record, now + ttl)
         return True
 
     async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        return self._finish(key, record, ttl)
+        return self._notify(key, self._write_if_owner(key, record, ttl, absent_ok=True))
 
     async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        return self._finish(key, record, ttl)
+        return self._notify(key, self._write_if_owner(key, record, ttl, absent_ok=True))
+
+    async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+        return self._write_if_owner(key, record, ttl, absent_ok=False)
+
+    async def resolve(
+        self, key: str, response: StoredResponse, ttl: float = DEFAULT_RESOLVED_TTL
+    ) -> bool:
+        """Finish the record under ``key`` with ``response``, whoever holds it."""
+        return await resolve_record(self, key, response, ttl)
 
     async def release(self, key: str, owner_token: str) -> bool:
-        key = self._prefix + key
-        current = self._live(key, self._clock())
+        full_key = self._prefix + key
+        current = self._live(full_key, self._clock())
         if current is None:
             return True
         if current.owner_token != owner_token:
             return False
-        del self._entries[key]
-        return True
+        del self._entries[full_key]
+        return self._notify(key, True)
 
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
         key = self._prefix + key
@@ -105,6 +139,18 @@ class MemoryStore:
 
     async def get(self, key: str) -> IdempotencyRecord | None:
         return self._live(self._prefix + key, self._clock())
+
+    async def wait_for_change(self, key: str) -> None:
+        """Return once the key is completed, failed, released or resolved (the caller bounds
+        the wait)."""
+        await self._changes.setdefault(key, asyncio.Event()).wait()
+
+    def _notify(self, key: str, changed: bool) -> bool:
+        if changed:
+            event = self._changes.pop(key, None)
+            if event is not None:
+                event.set()
+        return changed
 
     async def aclose(self) -> None:
         self._entries.clear()

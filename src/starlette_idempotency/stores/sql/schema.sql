@@ -7,10 +7,16 @@
 -- status                InProgress | Completed | Failed
 -- owner_token           fences every write after the acquire
 -- response_*            the stored response; headers as a JSON list of [name, value] pairs
--- locked_until          end of the in-progress lock (NULL once finished)
--- expires_at            when the row stops counting: the lock's end while InProgress, the end
---                       of the retention time once finished. Expired rows are ignored by every
---                       query at once and deleted later by purge_expired().
+-- created_at            the record's created_at, as the middleware set it
+-- record_expires_at     the record's expires_at, as the middleware set it: returned as stored,
+--                       never used to decide anything (a pod's clock may be off); when NULL
+--                       (a row written by hand), expires_at is returned instead
+-- locked_until          end of the in-progress lock (NULL once finished); for a record with
+--                       checkpoints, the lease a retry must wait out before taking it over
+-- checkpoints           recovery points (JSON list), NULL until a handler records one
+-- expires_at            when the row stops counting, on the database clock: the lock's end
+--                       while InProgress, the end of the retention time once finished. Expired
+--                       rows are ignored by every query at once; purge_expired() deletes them.
 
 CREATE TABLE IF NOT EXISTS {table} (
     key                   text        PRIMARY KEY,
@@ -25,9 +31,14 @@ CREATE TABLE IF NOT EXISTS {table} (
     response_body         bytea,
     response_content_type text,
     created_at            timestamptz NOT NULL,
+    record_expires_at     timestamptz,
     locked_until          timestamptz,
+    checkpoints           jsonb,
     expires_at            timestamptz NOT NULL
 );
+
+-- Tables created by 0.1 before recovery points existed.
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoints jsonb;
 
 -- purge_expired() walks expired rows in expiry order.
 CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);

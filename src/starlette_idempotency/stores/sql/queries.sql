@@ -1,0 +1,182 @@
+-- Named queries of PostgresStore, loaded once via importlib.resources. A query starts at its
+-- "-- name:" line and runs to the next one; "{table}" is replaced by the validated, quoted
+-- table name. Each query is one statement, so each runs as its own short transaction.
+--
+-- Expiry is decided on the database clock (now()) only, so pods with skewed clocks agree.
+-- A row whose expires_at <= now() is treated as absent by every query.
+--
+-- The "row parameters" shared by acquire_insert, acquire_takeover and finish:
+--   $1 storage key        $2 client key           $3 status          $4 request fingerprint
+--   $5 fingerprint vers.  $6 owner token          $7 response status code
+--   $8 response headers (JSON text)               $9 response body   $10 response content type
+--   $11 the record's created_at                   $12 the record's expires_at (kept as data)
+--   $13 seconds from now() until the row expires (the lock or retention TTL)
+--   $14 checkpoints (JSON text, NULL for none)
+-- Columns read back (get, acquire_takeover): see "record columns" in postgres.py.
+
+-- name: acquire_insert
+-- The common case: claim a key nobody holds. One row (true) when inserted; no row when any
+-- row, live or expired, already has the key (then acquire_takeover decides).
+INSERT INTO {table} AS t (
+    key, idempotency_key, status, request_fingerprint, fingerprint_version, owner_token,
+    response_status_code, response_headers, response_body, response_content_type,
+    created_at, record_expires_at, locked_until, expires_at, checkpoints
+)
+VALUES (
+    $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9, $10, $11, $12,
+    now() + make_interval(secs => $13), now() + make_interval(secs => $13), $14::text::jsonb
+)
+ON CONFLICT (key) DO NOTHING
+RETURNING true;
+
+-- name: acquire_takeover
+-- After acquire_insert hit a row: take it over if it has expired, else read it.
+-- With $15 true, also take over ("recover") an InProgress row with checkpoints whose lease
+-- (locked_until) has passed, made by the same request ($4, $5): it keeps its checkpoints and
+-- retention, and only changes owner and lease. Any other row is taken over whole.
+-- The row is locked FOR UPDATE, so of many concurrent takers exactly one still sees it
+-- takeable and overwrites it; the others wait for that one, re-check the row, and drop it.
+-- Returns
+--   taken_over = true,  the old row's values                   -> the caller now owns the key;
+--   taken_over = false, live = true,  the holder's values      -> the key is held;
+--   taken_over = false, live = false                           -> changed under us: start again
+--     (the read branch sees the statement's snapshot, older than the change prev waited for);
+--   no row                                                     -> the key vanished: start again.
+WITH prev AS (
+    SELECT *, expires_at > now() AS recovering FROM {table}
+    WHERE key = $1 AND (
+        expires_at <= now()
+        OR ($15 AND status = 'InProgress' AND checkpoints IS NOT NULL AND locked_until <= now()
+            AND request_fingerprint = $4 AND fingerprint_version = $5)
+    )
+    FOR UPDATE
+), taken AS (
+    UPDATE {table} AS t
+    SET owner_token = $6,
+        locked_until = now() + make_interval(secs => $13),
+        idempotency_key = CASE WHEN prev.recovering THEN t.idempotency_key ELSE $2::text END,
+        status = CASE WHEN prev.recovering THEN t.status ELSE $3::text END,
+        request_fingerprint = CASE WHEN prev.recovering THEN t.request_fingerprint ELSE $4::text END,
+        fingerprint_version = CASE WHEN prev.recovering THEN t.fingerprint_version ELSE $5::text END,
+        response_status_code = CASE WHEN prev.recovering THEN NULL ELSE $7::integer END,
+        response_headers = CASE WHEN prev.recovering THEN NULL ELSE $8::text::jsonb END,
+        response_body = CASE WHEN prev.recovering THEN NULL ELSE $9::bytea END,
+        response_content_type = CASE WHEN prev.recovering THEN NULL ELSE $10::text END,
+        created_at = CASE WHEN prev.recovering THEN t.created_at ELSE $11::timestamptz END,
+        record_expires_at = CASE WHEN prev.recovering THEN t.record_expires_at ELSE $12::timestamptz END,
+        checkpoints = CASE WHEN prev.recovering THEN t.checkpoints ELSE $14::text::jsonb END,
+        expires_at = CASE WHEN prev.recovering THEN t.expires_at
+                          ELSE now() + make_interval(secs => $13) END
+    FROM prev
+    WHERE t.key = prev.key
+    RETURNING t.key
+)
+SELECT true AS taken_over, true AS live,
+       prev.idempotency_key, prev.status, prev.request_fingerprint, prev.fingerprint_version,
+       prev.owner_token, prev.response_status_code, prev.response_headers::text AS response_headers,
+       prev.response_body, prev.response_content_type, prev.created_at,
+       coalesce(prev.record_expires_at, prev.expires_at) AS record_expires_at,
+       prev.checkpoints::text AS checkpoints,
+       CASE WHEN prev.checkpoints IS NULL THEN NULL ELSE prev.locked_until END AS lease_until
+FROM prev
+UNION ALL
+SELECT false AS taken_over, cur.expires_at > now() AS live,
+       cur.idempotency_key, cur.status, cur.request_fingerprint, cur.fingerprint_version,
+       cur.owner_token, cur.response_status_code, cur.response_headers::text AS response_headers,
+       cur.response_body, cur.response_content_type, cur.created_at,
+       coalesce(cur.record_expires_at, cur.expires_at) AS record_expires_at,
+       cur.checkpoints::text AS checkpoints,
+       CASE WHEN cur.checkpoints IS NULL THEN NULL ELSE cur.locked_until END AS lease_until
+FROM {table} AS cur
+WHERE cur.key = $1 AND NOT EXISTS (SELECT 1 FROM prev);
+
+-- name: finish
+-- complete() and fail(): store the final record for $13 seconds if the owner still holds the
+-- key, or if nobody does (row absent or expired: the lock lapsed and nobody took it over).
+-- One row (true) when written; no row when another owner holds the key.
+INSERT INTO {table} AS t (
+    key, idempotency_key, status, request_fingerprint, fingerprint_version, owner_token,
+    response_status_code, response_headers, response_body, response_content_type,
+    created_at, record_expires_at, locked_until, expires_at, checkpoints
+)
+VALUES (
+    $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9, $10, $11, $12,
+    NULL, now() + make_interval(secs => $13), $14::text::jsonb
+)
+ON CONFLICT (key) DO UPDATE
+SET idempotency_key = EXCLUDED.idempotency_key, status = EXCLUDED.status,
+    request_fingerprint = EXCLUDED.request_fingerprint,
+    fingerprint_version = EXCLUDED.fingerprint_version, owner_token = EXCLUDED.owner_token,
+    response_status_code = EXCLUDED.response_status_code,
+    response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body,
+    response_content_type = EXCLUDED.response_content_type, created_at = EXCLUDED.created_at,
+    record_expires_at = EXCLUDED.record_expires_at, locked_until = EXCLUDED.locked_until,
+    expires_at = EXCLUDED.expires_at, checkpoints = EXCLUDED.checkpoints
+WHERE t.owner_token = EXCLUDED.owner_token OR t.expires_at <= now()
+RETURNING true;
+
+-- name: save_progress
+-- The owner's InProgress record gets new checkpoints ($3) and a lease ($4) inside it, and is
+-- kept for the retention time ($6 seconds). $1 storage key, $2 owner token, $5 the record's
+-- expires_at (kept as data). One row (true) while the owner holds the key.
+UPDATE {table}
+SET checkpoints = $3::text::jsonb, locked_until = $4,
+    record_expires_at = $5, expires_at = now() + make_interval(secs => $6)
+WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > now()
+RETURNING true;
+
+-- name: release
+-- Delete the owner's row. $1 storage key, $2 owner token.
+-- true when it was deleted or no live row of another owner holds the key; false otherwise.
+-- (Both parts read the same snapshot; the second ignores the owner's own row.)
+WITH gone AS (
+    DELETE FROM {table} WHERE key = $1 AND owner_token = $2 RETURNING key
+)
+SELECT EXISTS (SELECT 1 FROM gone)
+    OR NOT EXISTS (
+        SELECT 1 FROM {table}
+        WHERE key = $1 AND owner_token <> $2 AND expires_at > now()
+    );
+
+-- name: renew
+-- Extend the owner's live InProgress lock to $3 seconds from now. One row (true) when renewed.
+UPDATE {table}
+SET locked_until = now() + make_interval(secs => $3),
+    expires_at = now() + make_interval(secs => $3)
+WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > now()
+RETURNING true;
+
+-- name: get
+-- The live row under $1, if any.
+SELECT idempotency_key, status, request_fingerprint, fingerprint_version, owner_token,
+       response_status_code, response_headers::text AS response_headers, response_body,
+       response_content_type, created_at,
+       coalesce(record_expires_at, expires_at) AS record_expires_at,
+       checkpoints::text AS checkpoints,
+       CASE WHEN checkpoints IS NULL THEN NULL ELSE locked_until END AS lease_until
+FROM {table}
+WHERE key = $1 AND expires_at > now();
+
+-- name: purge_batch
+-- Delete up to $1 expired rows; returns how many. Rows locked by a concurrent takeover are
+-- skipped (and re-checked by FOR UPDATE), so live rows are never touched.
+WITH gone AS (
+    DELETE FROM {table}
+    WHERE key IN (
+        SELECT key FROM {table}
+        WHERE expires_at <= now()
+        ORDER BY expires_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: schema_lock
+-- Serialises concurrent create_schema() calls (CREATE ... IF NOT EXISTS alone can race).
+SELECT pg_advisory_xact_lock(hashtext('starlette_idempotency.create_schema'));
+
+-- name: table_exists
+-- $1 the quoted table name, resolved like the queries resolve it (search_path).
+SELECT to_regclass($1) IS NOT NULL;

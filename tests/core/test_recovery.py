@@ -1,0 +1,191 @@
+"""Recovery points: a retry after a crash sees what the dead attempt had done."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from starlette_idempotency import (
+    IdempotencyMiddleware,
+    MemoryStore,
+    StoredResponse,
+    checkpoint,
+    idempotency_context,
+    idempotent,
+)
+from starlette_idempotency.fingerprint import storage_key
+from starlette_idempotency.testing import FakeClock
+from tests.core.conftest import make_client
+
+HEADERS = {"Idempotency-Key": "order-1"}
+LOCK_TTL = 5.0
+
+
+class Provider:
+    """A payment provider with its own idempotency reference."""
+
+    def __init__(self) -> None:
+        self.charges: dict[str, int] = {}
+
+    def charge(self, reference: str, amount: int) -> None:
+        self.charges.setdefault(reference, amount)
+
+    def lookup(self, reference: str) -> int | None:
+        return self.charges.get(reference)
+
+
+class PaymentsApp:
+    def __init__(self, store: MemoryStore, clock: FakeClock, **options: Any) -> None:
+        self.provider = Provider()
+        self.calls_to_provider = 0
+        self.crash_after_charge = True
+        self.reached_crash = asyncio.Event()
+        self.recovered_from: list[str | None] = []
+
+        @idempotent(lock_ttl_seconds=LOCK_TTL, renew_lock=False, **options)
+        async def pay(request: Request) -> Response:
+            context = idempotency_context(request)
+            self.recovered_from.append(context.recovered_from)
+            reference = f"ref-{context.key}"
+            if context.recovered_from == "provider_charge_sent":
+                charged = self.provider.lookup(context.recovery_data["providerRef"])
+                if charged is not None:  # reconcile: it went through before the crash
+                    return JSONResponse({"charged": charged, "reconciled": True}, status_code=201)
+            await checkpoint(request, "provider_charge_sent", {"providerRef": reference})
+            self.calls_to_provider += 1
+            self.provider.charge(reference, 100)
+            if self.crash_after_charge:
+                self.reached_crash.set()
+                await asyncio.Event().wait()  # the pod dies here, before the result is stored
+            return JSONResponse({"charged": 100, "reconciled": False}, status_code=201)
+
+        app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+        self.middleware = IdempotencyMiddleware(app, store=store, clock=clock)
+        self.client = make_client(self.middleware)
+
+    async def crash_first_attempt(self, clock: FakeClock) -> asyncio.Task[Any]:
+        doomed = asyncio.create_task(
+            self.client.post("/pay", json={"amount": 100}, headers=HEADERS)
+        )
+        async with asyncio.timeout(5):
+            await self.reached_crash.wait()
+        clock.advance(LOCK_TTL + 0.1)  # the lease runs out: the pod is gone
+        self.crash_after_charge = False
+        return doomed
+
+
+def setup(**options: Any) -> tuple[PaymentsApp, MemoryStore, FakeClock]:
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+    return PaymentsApp(store, clock, **options), store, clock
+
+
+async def test_retry_after_a_crash_reconciles_instead_of_charging_again() -> None:
+    app, _, clock = setup()
+    doomed = await app.crash_first_attempt(clock)
+    # before the lease is over a retry would get 409; after it, the retry recovers
+    retry = await app.client.post("/pay", json={"amount": 100}, headers=HEADERS)
+    assert retry.status_code == 201
+    assert retry.json() == {"charged": 100, "reconciled": True}
+    assert app.calls_to_provider == 1
+    assert app.recovered_from == [None, "provider_charge_sent"]
+    replay = await app.client.post("/pay", json={"amount": 100}, headers=HEADERS)
+    assert replay.headers["x-idempotent-replay"] == "true"
+    doomed.cancel()
+
+
+async def test_checkpointed_record_outlives_its_lock_ttl() -> None:
+    app, store, clock = setup()
+    doomed = await app.crash_first_attempt(clock)
+    clock.advance(3600)  # long past the lock TTL, well within the retention time
+    (record,) = [record for record, _ in store._entries.values()]
+    assert record.checkpoints[0].name == "provider_charge_sent"
+    assert record.checkpoints[0].data == {"providerRef": "ref-order-1"}
+    doomed.cancel()
+
+
+async def test_live_lease_still_answers_409() -> None:
+    app, _, _ = setup()
+    doomed = asyncio.create_task(app.client.post("/pay", json={"amount": 100}, headers=HEADERS))
+    async with asyncio.timeout(5):
+        await app.reached_crash.wait()
+    busy = await app.client.post("/pay", json={"amount": 100}, headers=HEADERS)
+    assert busy.status_code == 409
+    doomed.cancel()
+
+
+async def test_a_different_request_never_takes_over_a_checkpointed_key() -> None:
+    app, _, clock = setup()
+    doomed = await app.crash_first_attempt(clock)
+    other = await app.client.post("/pay", json={"amount": 999}, headers=HEADERS)
+    assert other.status_code == 422
+    doomed.cancel()
+
+
+async def test_hold_mode_answers_202_until_resolved() -> None:
+    app, store, clock = setup(on_recovery="hold")
+    doomed = await app.crash_first_attempt(clock)
+    held = await app.client.post("/pay", json={"amount": 100}, headers=HEADERS)
+    assert held.status_code == 202
+    assert held.json()["status"] == "requires_recovery"
+    assert held.json()["checkpoint"] == "provider_charge_sent"
+    assert app.calls_to_provider == 1
+    # an operator checks the provider and resolves the record
+    key = storage_key("", "POST", "/pay", "order-1")
+    resolved = StoredResponse(201, (("content-type", "application/json"),), b'{"charged":100}')
+    assert await store.resolve(key, resolved)
+    after = await app.client.post("/pay", json={"amount": 100}, headers=HEADERS)
+    assert after.status_code == 201
+    assert after.content == b'{"charged":100}'
+    assert after.headers["x-idempotent-replay"] == "true"
+    doomed.cancel()
+
+
+async def test_failure_after_a_checkpoint_keeps_it_for_an_immediate_retry() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+    attempts: list[str | None] = []
+
+    @idempotent(lock_ttl_seconds=LOCK_TTL)
+    async def pay(request: Request) -> Response:
+        context = idempotency_context(request)
+        attempts.append(context.recovered_from)
+        if context.recovered_from is None:
+            await checkpoint(request, "provider_charge_sent", {"providerRef": "r"})
+            return JSONResponse({"error": "provider timed out"}, status_code=502)
+        return JSONResponse({"reconciled": True})
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=store, clock=clock))
+    assert (await client.post("/pay", json={}, headers=HEADERS)).status_code == 502
+    retry = await client.post("/pay", json={}, headers=HEADERS)  # no wait for the lease
+    assert retry.json() == {"reconciled": True}
+    assert attempts == [None, "provider_charge_sent"]
+
+
+async def test_checkpoint_needs_a_store_that_keeps_recovery_points() -> None:
+    class PlainStore(MemoryStore):
+        supports_recovery = False
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        await checkpoint(request, "step")
+        return JSONResponse({})
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=PlainStore()))
+    assert (await client.post("/pay", json={}, headers=HEADERS)).status_code == 500
+
+
+def test_context_outside_a_guarded_request_is_an_error() -> None:
+    from starlette_idempotency import IdempotencyError
+
+    request = Request({"type": "http", "headers": []})
+    with pytest.raises(IdempotencyError, match="not guarded"):
+        idempotency_context(request)

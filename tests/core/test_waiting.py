@@ -1,0 +1,147 @@
+"""on_in_progress="wait": duplicates wait for the first request and get its replay."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from starlette_idempotency import (
+    AcquireResult,
+    IdempotencyMiddleware,
+    IdempotencyRecord,
+    MemoryStore,
+    idempotent,
+)
+from tests.conditions import eventually
+from tests.core.conftest import make_client
+
+HEADERS = {"Idempotency-Key": "k"}
+
+
+class CountingStore(MemoryStore):
+    def __init__(self, *, notifies: bool = True) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.notifies = notifies
+
+    async def try_acquire(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
+    ) -> AcquireResult:
+        self.calls["try_acquire"] += 1
+        return await super().try_acquire(key, pending, lock_ttl, recover=recover)
+
+    async def get(self, key: str) -> IdempotencyRecord | None:
+        self.calls["get"] += 1
+        return await super().get(key)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "wait_for_change" and not object.__getattribute__(self, "notifies"):
+            raise AttributeError(name)  # a store without notifications: waiters poll
+        return object.__getattribute__(self, name)
+
+
+class App:
+    def __init__(
+        self,
+        store: MemoryStore,
+        *,
+        max_waiters: int = 1000,
+        statuses: tuple[int, ...] = (201, 201),
+        **options: Any,
+    ) -> None:
+        self.runs = 0
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+        @idempotent(on_in_progress="wait", **options)
+        async def pay(request: Request) -> Response:
+            self.runs += 1
+            number = self.runs
+            self.entered.set()
+            await self.gate.wait()
+            return JSONResponse({"n": number}, status_code=statuses[number - 1])
+
+        app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+        self.middleware = IdempotencyMiddleware(app, store=store, max_waiters=max_waiters)
+        self.client = make_client(self.middleware)
+
+    async def start_first(self) -> asyncio.Task[Any]:
+        first = asyncio.create_task(self.client.post("/pay", json={}, headers=HEADERS))
+        async with asyncio.timeout(5):
+            await self.entered.wait()
+        return first
+
+
+async def test_duplicate_waits_and_gets_the_replay() -> None:
+    for notifies in (True, False):
+        app = App(CountingStore(notifies=notifies), wait_timeout_seconds=5)
+        first = await app.start_first()
+        duplicate = asyncio.create_task(app.client.post("/pay", json={}, headers=HEADERS))
+        await asyncio.sleep(0)
+        app.gate.set()
+        assert (await first).json() == {"n": 1}
+        replay = await duplicate
+        assert replay.status_code == 201
+        assert replay.json() == {"n": 1}
+        assert replay.headers["x-idempotent-replay"] == "true"
+        assert app.runs == 1
+
+
+async def test_wait_times_out_with_409() -> None:
+    app = App(MemoryStore(), wait_timeout_seconds=0.2)
+    first = await app.start_first()
+    duplicate = await app.client.post("/pay", json={}, headers=HEADERS)
+    assert duplicate.status_code == 409
+    assert int(duplicate.headers["retry-after"]) >= 1
+    app.gate.set()
+    await first
+
+
+async def test_too_many_waiters_get_409_at_once() -> None:
+    app = App(MemoryStore(), max_waiters=1, wait_timeout_seconds=5)
+    first = await app.start_first()
+    waiting = asyncio.create_task(app.client.post("/pay", json={}, headers=HEADERS))
+    await eventually(lambda: app.middleware.waiters.count == 1)
+    turned_away = await app.client.post("/pay", json={}, headers=HEADERS)
+    assert turned_away.status_code == 409
+    app.gate.set()
+    await first
+    assert (await waiting).status_code == 201
+
+
+async def test_waiter_runs_itself_when_the_first_fails_transiently() -> None:
+    app = App(MemoryStore(), statuses=(503, 201), wait_timeout_seconds=5)
+    first = await app.start_first()
+    duplicate = asyncio.create_task(app.client.post("/pay", json={}, headers=HEADERS))
+    await asyncio.sleep(0.01)
+    app.gate.set()
+    assert (await first).status_code == 503  # released: the waiter may run
+    retried = await duplicate
+    assert app.runs == 2
+    assert retried.json() == {"n": 2}
+
+
+async def test_a_thousand_waiters_cost_a_few_reads() -> None:
+    store = CountingStore()
+    app = App(store, wait_timeout_seconds=10)
+    first = await app.start_first()
+    duplicates = [
+        asyncio.create_task(app.client.post("/pay", json={}, headers=HEADERS)) for _ in range(1000)
+    ]
+    await eventually(lambda: store.calls["try_acquire"] == 1001, within=20)
+    reads_before = store.calls["get"]
+    await asyncio.sleep(2.0)  # the waiting period being measured
+    reads_while_waiting = store.calls["get"] - reads_before
+    app.gate.set()
+    await first
+    responses = await asyncio.gather(*duplicates)
+    assert {response.status_code for response in responses} == {201}
+    assert app.runs == 1
+    assert reads_while_waiting <= 6, reads_while_waiting
+    assert store.calls["try_acquire"] == 1001  # waiters replay from the watcher's read
