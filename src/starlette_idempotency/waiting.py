@@ -52,12 +52,17 @@ class KeyWatch:
 
     async def _next_tick(self, delay: float) -> None:
         wait_for_change = getattr(self._store, "wait_for_change", None)
-        if wait_for_change is None:
-            await asyncio.sleep(delay)
-            return
-        with contextlib.suppress(TimeoutError, StoreError, OSError):
-            async with asyncio.timeout(_MAX_POLL_SECONDS):
-                await wait_for_change(self._key)
+        if wait_for_change is not None:
+            try:
+                async with asyncio.timeout(_MAX_POLL_SECONDS):
+                    await wait_for_change(self._key)
+            except TimeoutError:
+                return
+            except (StoreError, OSError, NotImplementedError) as exc:
+                logger.debug("no change notifications for %r, polling: %s", self._key, exc)
+            else:
+                return
+        await asyncio.sleep(delay)
 
     async def _run(self) -> None:
         delay = _FIRST_POLL_SECONDS
