@@ -1,0 +1,34 @@
+-- Write a record over the key if its owner still holds it: a final (Completed or Failed)
+-- record, or the owner's InProgress record with new recovery points or a new lease.
+--
+-- KEYS[1]  the storage key
+-- ARGV[1]  the record to store, in its JSON wire form
+-- ARGV[2]  the owner token of the request writing it
+-- ARGV[3]  the TTL in milliseconds (a positive integer)
+-- ARGV[4]  "1" to write when the key is absent too (complete, fail: the lock lapsed and nobody
+--          took it over), "0" to write only over the owner's own record (save_progress)
+-- ARGV[5]  the channel to PUBLISH a change notice on once written ("" for none), so that
+--          duplicates waiting in other processes wake up
+--
+-- Returns 1 when the record was written. Returns 0, writing nothing, when another owner holds
+-- the key (or, with ARGV[4] = "0", when it is absent). A stored value that is not a JSON
+-- object with a string ownerToken is an error reply.
+local current = redis.call('GET', KEYS[1])
+if not current then
+    if ARGV[4] ~= '1' then
+        return 0
+    end
+else
+    local ok, stored = pcall(cjson.decode, current)
+    if not ok or type(stored) ~= 'table' or type(stored.ownerToken) ~= 'string' then
+        return redis.error_reply('ERR malformed idempotency record at ' .. KEYS[1])
+    end
+    if stored.ownerToken ~= ARGV[2] then
+        return 0
+    end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+if ARGV[5] ~= '' then
+    redis.call('PUBLISH', ARGV[5], '1')
+end
+return 1

@@ -1,0 +1,383 @@
+"""The store contract, run against every backend in ``STORE_FACTORIES`` (see conftest).
+
+Times: a fake-clock backend jumps its clock; a real-time backend uses short TTLs and waits for
+the key to disappear (``harness.expire``), so the same test bodies cover both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+
+from starlette_idempotency.record import (
+    Checkpoint,
+    IdempotencyRecord,
+    RecordStatus,
+    record_to_dict,
+)
+from starlette_idempotency.stores.base import AcquireResult, IdempotencyStore
+from tests.stores.conftest import Harness, finished
+
+#: A lock or retention TTL short enough to wait out on a real server.
+SHORT_TTL = 0.3
+LOCK_TTL = 30.0
+RETENTION_TTL = 60.0
+
+MakeRecord = Callable[..., IdempotencyRecord]
+
+
+def assert_same(actual: IdempotencyRecord | None, expected: IdempotencyRecord) -> None:
+    """Equal as stored: wire forms compare (times are kept to the millisecond)."""
+    assert actual is not None
+    assert record_to_dict(actual) == record_to_dict(expected)
+
+
+async def test_store_implements_the_protocol(store: IdempotencyStore) -> None:
+    assert isinstance(store, IdempotencyStore)
+    assert isinstance(store.name, str)
+    assert store.name
+
+
+async def test_get_absent_key(store: IdempotencyStore) -> None:
+    assert await store.get("never-written") is None
+
+
+async def test_acquire_free_key(store: IdempotencyStore, make_record: MakeRecord) -> None:
+    pending = make_record("k1", "owner-a")
+
+    result = await store.try_acquire("k1", pending, LOCK_TTL)
+
+    assert result.acquired
+    assert result.record is None
+    assert_same(await store.get("k1"), pending)
+
+
+async def test_conflict_returns_the_holder(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    first = make_record("k1", "owner-a", fingerprint="sha256:first")
+    await store.try_acquire("k1", first, LOCK_TTL)
+
+    result = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+
+    assert not result.acquired
+    assert_same(result.record, first)
+    assert_same(await store.get("k1"), first)
+
+
+async def test_complete_then_conflict_returns_the_response(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+    done = finished(pending)
+
+    assert await store.complete("k1", done, RETENTION_TTL)
+
+    assert_same(await store.get("k1"), done)
+    result = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+    assert not result.acquired
+    assert result.record is not None
+    assert result.record.status is RecordStatus.COMPLETED
+    assert result.record.response == done.response
+
+
+async def test_fail_stores_a_failed_record(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+    failed = finished(pending, status=RecordStatus.FAILED, body=b'{"error": "card declined"}')
+
+    assert await store.fail("k1", failed, RETENTION_TTL)
+
+    stored = await store.get("k1")
+    assert_same(stored, failed)
+    assert stored is not None
+    assert stored.status is RecordStatus.FAILED
+
+
+async def test_release_frees_the_key(store: IdempotencyStore, make_record: MakeRecord) -> None:
+    await store.try_acquire("k1", make_record("k1", "owner-a"), LOCK_TTL)
+    await store.try_acquire("k2", make_record("k2", "owner-c"), LOCK_TTL)
+
+    assert await store.release("k1", "owner-a")
+
+    assert await store.get("k1") is None
+    assert await store.get("k2") is not None, "release touched another key"
+    assert (await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)).acquired
+
+
+async def test_release_of_an_absent_key_succeeds(store: IdempotencyStore) -> None:
+    assert await store.release("k1", "owner-a")
+
+
+async def test_release_by_another_owner_keeps_the_lock(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+
+    assert not await store.release("k1", "owner-b")
+
+    assert_same(await store.get("k1"), pending)
+
+
+async def test_final_record_expires_after_its_ttl(
+    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+    assert await store.complete("k1", finished(pending), SHORT_TTL)
+
+    await harness.expire("k1", SHORT_TTL)
+
+    assert await store.get("k1") is None
+    assert (await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)).acquired
+
+
+async def test_expired_lock_is_taken_over(
+    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    await store.try_acquire("k1", make_record("k1", "owner-a"), SHORT_TTL)
+
+    await harness.expire("k1", SHORT_TTL)
+    successor = make_record("k1", "owner-b")
+    result = await store.try_acquire("k1", successor, LOCK_TTL)
+
+    assert result.acquired
+    assert_same(await store.get("k1"), successor)
+
+
+async def test_old_owner_is_fenced_off_after_a_takeover(
+    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    old = make_record("k1", "owner-a")
+    await store.try_acquire("k1", old, SHORT_TTL)
+    await harness.expire("k1", SHORT_TTL)
+    successor = make_record("k1", "owner-b")
+    assert (await store.try_acquire("k1", successor, LOCK_TTL)).acquired
+
+    assert not await store.complete("k1", finished(old), RETENTION_TTL)
+    assert not await store.fail("k1", finished(old, status=RecordStatus.FAILED), RETENTION_TTL)
+    assert not await store.release("k1", "owner-a")
+    assert not await store.renew("k1", "owner-a", LOCK_TTL)
+
+    assert_same(await store.get("k1"), successor)
+    assert await store.complete("k1", finished(successor), RETENTION_TTL)
+
+
+async def test_complete_after_the_lock_lapsed_with_nobody_else(
+    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, SHORT_TTL)
+    await harness.expire("k1", SHORT_TTL)
+    done = finished(pending)
+
+    assert await store.complete("k1", done, RETENTION_TTL)
+
+    assert_same(await store.get("k1"), done)
+
+
+async def test_renewed_lock_outlives_its_first_ttl(
+    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    renewed = make_record("renewed", "owner-a")
+    await store.try_acquire("renewed", renewed, SHORT_TTL)
+    await store.try_acquire("control", make_record("control", "owner-c"), SHORT_TTL)
+
+    assert await store.renew("renewed", "owner-a", LOCK_TTL)
+    await harness.expire("control", SHORT_TTL)  # the first TTL of both locks has passed
+
+    assert_same(await store.get("renewed"), renewed)
+    result = await store.try_acquire("renewed", make_record("renewed", "owner-b"), LOCK_TTL)
+    assert not result.acquired
+
+
+async def test_renew_needs_an_in_progress_record_of_the_same_owner(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    assert not await store.renew("absent", "owner-a", LOCK_TTL)
+
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+    assert not await store.renew("k1", "owner-b", LOCK_TTL)
+    assert await store.renew("k1", "owner-a", LOCK_TTL)
+
+    assert await store.complete("k1", finished(pending), RETENTION_TTL)
+    assert not await store.renew("k1", "owner-a", LOCK_TTL)
+
+
+async def test_binary_body_round_trips_byte_for_byte(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    body = bytes(range(256)) + b"\xff\xfe\x00 not utf-8 \xc3\x28"
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+    done = finished(pending, body=body)
+
+    assert await store.complete("k1", done, RETENTION_TTL)
+
+    stored = await store.get("k1")
+    assert stored is not None
+    assert stored.response is not None
+    assert stored.response.body == body
+    conflict = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+    assert conflict.record is not None
+    assert conflict.record.response is not None
+    assert conflict.record.response.body == body
+
+
+async def test_keys_with_colons_and_unicode(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    key = "POST:/orders/%7Bid%7D:tenant%3A42:ключ-🔑-キー"
+    sibling = "POST:/orders/%7Bid%7D:tenant%3A42"
+    pending = make_record(key, "owner-a")
+
+    assert (await store.try_acquire(key, pending, LOCK_TTL)).acquired
+    assert (await store.try_acquire(sibling, make_record(sibling, "owner-b"), LOCK_TTL)).acquired
+
+    assert_same(await store.get(key), pending)
+    assert await store.complete(key, finished(pending), RETENTION_TTL)
+    stored_sibling = await store.get(sibling)
+    assert stored_sibling is not None
+    assert stored_sibling.owner_token == "owner-b"
+    assert await store.release(sibling, "owner-b")
+    assert_same(await store.get(key), finished(pending))
+
+
+async def test_acquire_result_shape(store: IdempotencyStore, make_record: MakeRecord) -> None:
+    result = await store.try_acquire("k1", make_record("k1", "owner-a"), LOCK_TTL)
+    assert isinstance(result, AcquireResult)
+    conflict = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+    assert isinstance(conflict, AcquireResult)
+    assert conflict.record is not None
+    assert conflict.record.owner_token == "owner-a"
+
+
+# -- recovery points (save_progress, takeover of a checkpointed record) ------------------------
+
+#: Checkpoint data as a handler might save it: empty containers, floats, unicode, and a nested
+#: "ownerToken" that must never be mistaken for the record's own.
+CHECKPOINT_DATA = {
+    "providerRef": "ch_1",
+    "amount": 12.5,
+    "items": [],
+    "meta": {},
+    "nested": [{"ownerToken": "spoof", "lockedUntil": 0}],
+    "note": "ключ 🔑",
+}
+
+
+def checkpointed(
+    record: IdempotencyRecord, now: float, *, locked_until: float
+) -> IdempotencyRecord:
+    """``record`` with one more recovery point and its lease ending at ``locked_until``."""
+    point = Checkpoint("provider_charge_sent", CHECKPOINT_DATA, now)
+    return replace(
+        record,
+        checkpoints=(*record.checkpoints, point),
+        locked_until=locked_until,
+        expires_at=now + RETENTION_TTL,
+    )
+
+
+def require_recovery(store: IdempotencyStore) -> None:
+    if not getattr(store, "supports_recovery", False):
+        pytest.skip(f"{type(store).__name__} keeps no recovery points")
+
+
+async def test_save_progress_by_the_owner(
+    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+    now = harness.now()
+    saved = checkpointed(pending, now, locked_until=now + LOCK_TTL)
+
+    assert await store.save_progress("k1", saved, RETENTION_TTL)
+
+    stored = await store.get("k1")
+    assert_same(stored, saved)
+    assert stored is not None
+    assert stored.checkpoints[0].data == CHECKPOINT_DATA
+    intruder = replace(checkpointed(pending, now, locked_until=now), owner_token="owner-b")
+    assert not await store.save_progress("k1", intruder, RETENTION_TTL)
+    assert_same(await store.get("k1"), saved)
+
+
+async def test_save_progress_needs_a_live_record(
+    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    pending = make_record("k1", "owner-a")
+    now = harness.now()
+
+    assert not await store.save_progress("k1", checkpointed(pending, now, locked_until=now), 60)
+
+    assert await store.get("k1") is None
+
+
+async def test_a_dead_handlers_checkpoints_are_taken_over(
+    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    require_recovery(store)
+    dead = make_record("k1", "owner-a")
+    await store.try_acquire("k1", dead, LOCK_TTL)
+    now = harness.now()
+    saved = checkpointed(dead, now, locked_until=now - 1)  # its lease ran out a second ago
+    assert await store.save_progress("k1", saved, RETENTION_TTL)
+
+    result = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+
+    assert result.acquired
+    assert_same(result.record, saved)
+    stored = await store.get("k1")
+    assert stored is not None
+    assert stored.owner_token == "owner-b"
+    assert stored.status is RecordStatus.IN_PROGRESS
+    assert stored.locked_until is not None
+    assert stored.locked_until > harness.now()
+    # Apart from the owner and the lease, the record is the one taken over (checkpoints too).
+    assert_same(replace(stored, owner_token="owner-a", locked_until=now - 1), saved)
+    # The dead handler is fenced off; its successor finishes.
+    assert not await store.complete("k1", finished(saved), RETENTION_TTL)
+    assert not await store.save_progress("k1", saved, RETENTION_TTL)
+    assert not await store.release("k1", "owner-a")
+    assert not (await store.try_acquire("k1", make_record("k1", "owner-c"), LOCK_TTL)).acquired
+    assert await store.complete("k1", finished(stored), RETENTION_TTL)
+
+
+async def test_a_checkpointed_record_is_not_taken_over_when(
+    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    require_recovery(store)
+    now = harness.now()
+    live = make_record("live", "owner-a")
+    await store.try_acquire("live", live, LOCK_TTL)
+    live_saved = checkpointed(live, now, locked_until=now + LOCK_TTL)
+    assert await store.save_progress("live", live_saved, RETENTION_TTL)
+    dead = make_record("dead", "owner-a")
+    await store.try_acquire("dead", dead, LOCK_TTL)
+    dead_saved = checkpointed(dead, now, locked_until=now - 1)
+    assert await store.save_progress("dead", dead_saved, RETENTION_TTL)
+
+    lease_running = await store.try_acquire("live", make_record("live", "owner-b"), LOCK_TTL)
+    other_request = await store.try_acquire(
+        "dead", make_record("dead", "owner-b", fingerprint="sha256:other"), LOCK_TTL
+    )
+    declined = await store.try_acquire(
+        "dead", make_record("dead", "owner-b"), LOCK_TTL, recover=False
+    )
+
+    for result, holder in [
+        (lease_running, live_saved),
+        (other_request, dead_saved),
+        (declined, dead_saved),
+    ]:
+        assert not result.acquired
+        assert_same(result.record, holder)
+    assert_same(await store.get("dead"), dead_saved)

@@ -1,0 +1,200 @@
+"""The middleware over a real Redis: outages, a frozen server, and duplicates waiting across
+two app instances ("pods") that share one Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from starlette_idempotency import IdempotencyMiddleware, RedisStore, idempotent
+from starlette_idempotency.testing.redis_server import RedisServer
+from tests.conditions import eventually
+from tests.core.conftest import make_client
+
+pytestmark = pytest.mark.redis
+
+HEADERS = {"Idempotency-Key": "k"}
+
+
+class Pod:
+    """One app instance with its own RedisStore (its own connections)."""
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        runs: list[str],
+        name: str,
+        *,
+        store_timeout: float = 0.3,
+        **options: Any,
+    ) -> None:
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.entered = asyncio.Event()
+
+        @idempotent(**options)
+        async def pay(request: Request) -> Response:
+            runs.append(name)
+            self.entered.set()
+            await self.gate.wait()
+            return JSONResponse({"pod": name, "n": len(runs)}, status_code=201)
+
+        app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+        self.store = RedisStore.from_url(url, key_prefix=prefix, acquire="lua")
+        self.middleware = IdempotencyMiddleware(
+            app, store=self.store, store_timeout_seconds=store_timeout
+        )
+        self.client = make_client(self.middleware)
+
+    async def post(self, key: str = "k") -> Any:
+        return await self.client.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": key})
+
+
+@pytest.fixture
+async def outage_pod(private_redis: RedisServer) -> AsyncIterator[tuple[Pod, Pod, list[str]]]:
+    runs: list[str] = []
+    closed = Pod(private_redis.url, "t", runs, "closed", lock_ttl_seconds=1)
+    opened = Pod(private_redis.url, "t", runs, "open", on_store_error="fail_open")
+    yield closed, opened, runs
+    private_redis.thaw()
+    for pod in (closed, opened):
+        await pod.store.aclose()
+
+
+async def test_stopped_redis_fails_closed_or_open_and_recovers(
+    outage_pod: tuple[Pod, Pod, list[str]], private_redis: RedisServer
+) -> None:
+    closed, opened, runs = outage_pod
+    assert (await closed.post("before")).status_code == 201
+    private_redis.stop()
+    down = await closed.post("during")
+    assert down.status_code == 503
+    assert down.headers["retry-after"] == "1"
+    assert (await opened.post("during-open")).status_code == 201  # ran unprotected
+    assert runs == ["closed", "open"]
+    private_redis.start()
+    # the same app, no restart: the pool reconnects
+    assert (await closed.post("during")).status_code == 201
+    assert (await closed.post("during")).headers["x-idempotent-replay"] == "true"
+
+
+async def test_frozen_redis_answers_503_within_the_timeout_and_recovers(
+    outage_pod: tuple[Pod, Pod, list[str]], private_redis: RedisServer
+) -> None:
+    closed, _, runs = outage_pod
+    assert (await closed.post("warm")).status_code == 201
+    private_redis.freeze()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    frozen = await closed.post("frozen")
+    assert frozen.status_code == 503
+    assert loop.time() - started < 2.0
+    private_redis.thaw()
+    assert (await closed.post("after")).status_code == 201
+    # The acquire sent into the frozen server may still run once it resumes; it can only ever
+    # be a lock of lock_ttl_seconds (1 s here): the same key works again, once.
+    async with asyncio.timeout(10):
+        # retry as a client would while a stale lock may still hold the key
+        while (response := await closed.post("frozen")).status_code == 409:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+    assert response.status_code == 201
+    assert runs.count("closed") == 3
+
+
+async def test_client_pause_leaves_no_stale_lock(
+    outage_pod: tuple[Pod, Pod, list[str]], private_redis: RedisServer
+) -> None:
+    closed, _, _ = outage_pod
+    assert (await closed.post("warm")).status_code == 201
+    private_redis.command("CLIENT", "PAUSE", "3000", "WRITE")
+    paused = await closed.post("paused")
+    assert paused.status_code == 503
+    # the cancelled call's connection was closed: Redis drops the command it held
+    await eventually(
+        lambda: b"cmd=evalsha" not in private_redis.command("CLIENT", "LIST"),
+        what="the timed-out connection to close",
+    )
+    private_redis.command("CLIENT", "UNPAUSE")
+    probe = aioredis.from_url(private_redis.url)
+    try:
+        stale = [key async for key in probe.scan_iter(match="t:*paused*")]
+    finally:
+        await probe.aclose()
+    assert stale == []  # the timed-out acquire never ran
+    assert (await closed.post("paused")).status_code == 201
+
+
+async def test_duplicate_on_another_pod_waits_and_is_woken_by_pubsub(
+    redis_url: str, redis_key_prefix: str
+) -> None:
+    runs: list[str] = []
+    pod_a = Pod(redis_url, redis_key_prefix, runs, "a", on_in_progress="wait")
+    pod_b = Pod(redis_url, redis_key_prefix, runs, "b", on_in_progress="wait")
+    try:
+        pod_a.gate.clear()
+        first = asyncio.create_task(pod_a.post())
+        async with asyncio.timeout(5):
+            await pod_a.entered.wait()
+        duplicate = asyncio.create_task(pod_b.post())
+        await eventually(lambda: pod_b.middleware.waiters.count == 1)
+        loop = asyncio.get_running_loop()
+        pod_a.gate.set()
+        assert (await first).json() == {"pod": "a", "n": 1}
+        released_at = loop.time()
+        replay = await duplicate
+        # woken by the notice, not by the once-a-second poll
+        assert loop.time() - released_at < 0.5
+        assert replay.json() == {"pod": "a", "n": 1}
+        assert replay.headers["x-idempotent-replay"] == "true"
+        assert runs == ["a"]
+    finally:
+        for pod in (pod_a, pod_b):
+            await pod.store.aclose()
+
+
+async def test_a_thousand_waiters_cost_the_store_a_few_commands_a_second(
+    private_redis: RedisServer,
+) -> None:
+    runs: list[str] = []
+    options: dict[str, Any] = {
+        "on_in_progress": "wait",
+        "wait_timeout_seconds": 30,
+        "store_timeout": 10.0,  # a thousand acquires at once queue up in the client
+    }
+    pod_a = Pod(private_redis.url, "w", runs, "a", **options)
+    pod_b = Pod(private_redis.url, "w", runs, "b", **options)
+    try:
+        pod_a.gate.clear()
+        first = asyncio.create_task(pod_a.post())
+        async with asyncio.timeout(5):
+            await pod_a.entered.wait()
+        waiters = [asyncio.create_task(pod_b.post()) for _ in range(1000)]
+        await eventually(lambda: pod_b.middleware.waiters.count == 1000, within=30)
+        before = _commands(private_redis)
+        await asyncio.sleep(3.0)  # the quiet period being measured
+        during = _commands(private_redis) - before
+        pod_a.gate.set()
+        await first
+        responses = await asyncio.gather(*waiters)
+        assert {r.status_code for r in responses} == {201}
+        assert runs == ["a"]
+        assert during <= 15, f"{during} commands in 3 s while 1000 duplicates waited"
+    finally:
+        for pod in (pod_a, pod_b):
+            await pod.store.aclose()
+
+
+def _commands(server: RedisServer) -> int:
+    info = server.command("INFO", "stats").decode()
+    processed = next(line for line in info.splitlines() if line.startswith("total_commands"))
+    # minus the INFO command itself, which this helper sends
+    return int(processed.split(":")[1]) - 1

@@ -1,0 +1,540 @@
+"""RedisStore specifics: wire form, key layout, round trips, fallback, errors, cancellation, WAIT.
+
+Tests that stop, freeze or pause a server use ``private_redis``; the others share ``redis_url``
+under a prefix of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import orjson
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
+from starlette_idempotency.record import (
+    Checkpoint,
+    RecordStatus,
+    StoredResponse,
+    dump_record,
+    record_to_dict,
+)
+from starlette_idempotency.stores.base import IdempotencyStore
+from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
+from starlette_idempotency.testing.redis_server import RedisServer, encode_command
+from tests.stores.conftest import finished, pending, poll
+
+pytestmark = pytest.mark.redis
+
+STRATEGIES = pytest.mark.parametrize("acquire", ["setnx", "lua"])
+LOCK_TTL = 30.0
+RETENTION_TTL = 60.0
+
+
+def no_retry() -> Retry:
+    return Retry(NoBackoff(), retries=0)
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A raw client on the shared Redis, to look at what the store wrote."""
+    raw = aioredis.from_url(redis_url)
+    yield raw
+    await raw.aclose()
+
+
+@pytest.fixture
+async def admin(private_redis: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    """A raw client on the private Redis, for INFO, CLIENT PAUSE and SCRIPT FLUSH."""
+    raw = aioredis.from_url(private_redis.url)
+    await raw.ping()
+    yield raw
+    await raw.aclose()
+
+
+async def command_calls(admin: aioredis.Redis) -> dict[str, int]:
+    stats: dict[str, Any] = await admin.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): int(value["calls"])
+        for name, value in stats.items()
+        if name != "cmdstat_info"
+    }
+
+
+async def commands_sent(
+    admin: aioredis.Redis, action: Callable[[], Awaitable[Any]]
+) -> dict[str, int]:
+    """The commands the server ran (name -> calls) while ``action`` ran, INFO excluded."""
+    before = await command_calls(admin)
+    await action()
+    after = await command_calls(admin)
+    return {
+        name: calls - before.get(name, 0)
+        for name, calls in after.items()
+        if calls != before.get(name, 0)
+    }
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"key_prefix": "tenant{1}"},
+        {"key_prefix": "a}b"},
+        {"acquire": "cas"},
+        {"wait_replicas": -1},
+        {"wait_replicas": 1, "wait_timeout_ms": 0},
+    ],
+)
+async def test_invalid_options_raise_configuration_error(
+    redis_url: str, options: dict[str, Any]
+) -> None:
+    with pytest.raises(ConfigurationError):
+        RedisStore.from_url(redis_url, **options)
+
+
+async def test_store_is_named_redis_and_implements_the_protocol(redis_url: str) -> None:
+    store = RedisStore.from_url(redis_url)
+    try:
+        assert store.name == "redis"
+        assert isinstance(store, IdempotencyStore)
+        assert store.storage_key("POST:/x") == "idempotency:POST:/x"
+    finally:
+        await store.aclose()
+
+
+# -- wire form and key layout ----------------------------------------------------------------
+
+
+@STRATEGIES
+async def test_value_is_exactly_the_record_wire_form(
+    client: aioredis.Redis, redis_key_prefix: str, acquire: AcquireStrategy
+) -> None:
+    store = RedisStore(client, key_prefix=redis_key_prefix, acquire=acquire)
+    record = pending("k", "owner-a")
+    await store.try_acquire("k", record, LOCK_TTL)
+
+    raw = await client.get(f"{redis_key_prefix}:k")
+    assert raw == dump_record(record)
+    assert orjson.loads(raw) == record_to_dict(record)
+    assert 0 < await client.pttl(f"{redis_key_prefix}:k") <= LOCK_TTL * 1000
+
+    done = finished(record, body=b"\x00\xffbinary")
+    assert await store.complete("k", done, RETENTION_TTL)
+    raw = await client.get(f"{redis_key_prefix}:k")
+    assert raw == dump_record(done)
+    assert orjson.loads(raw)["responseBodyEncoding"] == "base64"
+    assert LOCK_TTL * 1000 < await client.pttl(f"{redis_key_prefix}:k") <= RETENTION_TTL * 1000
+
+
+async def test_key_layout_is_prefix_colon_key(
+    client: aioredis.Redis, redis_key_prefix: str
+) -> None:
+    store = RedisStore(client, key_prefix=redis_key_prefix)
+    key = "POST:/orders:tenant%3A1:ключ"
+    await store.try_acquire(key, pending(key, "owner-a"), LOCK_TTL)
+
+    keys = [k async for k in client.scan_iter(match=f"{redis_key_prefix}:*")]
+    assert keys == [f"{redis_key_prefix}:{key}".encode()]
+
+
+async def test_a_tiny_ttl_still_sets_an_expiry(
+    client: aioredis.Redis, redis_key_prefix: str
+) -> None:
+    store = RedisStore(client, key_prefix=redis_key_prefix)
+    # PX 0 would be rejected by Redis: the store rounds up to one millisecond.
+    assert (await store.try_acquire("k", pending("k", "owner-a"), 0.0001)).acquired
+
+
+@STRATEGIES
+async def test_client_with_decoded_responses(
+    redis_url: str, redis_key_prefix: str, acquire: AcquireStrategy
+) -> None:
+    decoding = aioredis.from_url(redis_url, decode_responses=True)
+    store = RedisStore(decoding, key_prefix=redis_key_prefix, acquire=acquire)
+    try:
+        first = pending("k", "owner-a")
+        assert (await store.try_acquire("k", first, LOCK_TTL)).acquired
+        conflict = await store.try_acquire("k", pending("k", "owner-b"), LOCK_TTL)
+        assert conflict.record is not None
+        assert conflict.record.owner_token == "owner-a"
+        assert await store.complete("k", finished(first, body=b"\xfe"), RETENTION_TTL)
+        stored = await store.get("k")
+        assert stored is not None
+        assert stored.response is not None
+        assert stored.response.body == b"\xfe"
+    finally:
+        await decoding.aclose()
+
+
+# -- round trips -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def private_client(private_redis: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    raw = aioredis.from_url(private_redis.url)
+    await raw.ping()  # connected (HELLO, CLIENT SETINFO) before anything is counted
+    yield raw
+    await raw.aclose()
+
+
+async def test_setnx_acquire_and_conflict_take_one_command_each(
+    admin: aioredis.Redis, private_client: aioredis.Redis
+) -> None:
+    store = RedisStore(private_client, key_prefix="p")
+
+    first = await commands_sent(admin, lambda: store.try_acquire("k", pending("k", "a"), 30))
+    conflict = await commands_sent(admin, lambda: store.try_acquire("k", pending("k", "b"), 30))
+
+    assert first == {"set": 1}
+    assert conflict == {"set": 1}
+
+
+async def test_lua_acquire_and_conflict_take_one_command_each(
+    admin: aioredis.Redis, private_client: aioredis.Redis
+) -> None:
+    store = RedisStore(private_client, key_prefix="p", acquire="lua")
+    await store.try_acquire("warm", pending("warm", "a"), 30)  # loads the script once
+
+    first = await commands_sent(admin, lambda: store.try_acquire("k", pending("k", "a"), 30))
+    conflict = await commands_sent(admin, lambda: store.try_acquire("k", pending("k", "b"), 30))
+
+    # The script's own GET and SET count as commands too, but cost no round trip.
+    assert first == {"evalsha": 1, "get": 1, "set": 1}
+    assert conflict == {"evalsha": 1, "get": 1}
+
+
+async def test_fallback_acquires_with_set_nx_then_get(
+    admin: aioredis.Redis, private_client: aioredis.Redis
+) -> None:
+    store = RedisStore(private_client, key_prefix="p")
+    store._nx_get = False  # what a Redis < 7 leaves behind after rejecting SET NX GET
+    first = pending("k", "owner-a")
+
+    acquired = await commands_sent(admin, lambda: store.try_acquire("k", first, 30))
+    result = await store.try_acquire("k", pending("k", "owner-b"), 30)
+    conflict = await commands_sent(admin, lambda: store.try_acquire("k", pending("k", "c"), 30))
+
+    assert acquired == {"set": 1}
+    assert conflict == {"set": 1, "get": 1}
+    assert not result.acquired
+    assert result.record is not None
+    assert record_to_dict(result.record) == record_to_dict(first)
+    assert (await store.get("k")) is not None
+
+
+async def test_only_a_syntax_error_switches_to_the_fallback(private_client: aioredis.Redis) -> None:
+    store = RedisStore(private_client, key_prefix="p")
+
+    assert not store._fall_back_from_nx_get(ResponseError("WRONGTYPE Operation against a key"))
+    assert store._nx_get
+    assert store._fall_back_from_nx_get(ResponseError("ERR syntax error"))
+    assert not store._nx_get
+    assert not store._fall_back_from_nx_get(ResponseError("ERR syntax error")), "only once"
+
+
+async def test_scripts_are_reloaded_after_script_flush(
+    admin: aioredis.Redis, private_client: aioredis.Redis
+) -> None:
+    store = RedisStore(private_client, key_prefix="p", acquire="lua")
+    record = pending("k", "owner-a")
+    assert (await store.try_acquire("k", record, 30)).acquired
+
+    await admin.script_flush()
+
+    assert not (await store.try_acquire("k", pending("k", "owner-b"), 30)).acquired
+    assert await store.renew("k", "owner-a", 30)
+    assert await store.complete("k", finished(record), 60)
+    assert await store.release("k", "owner-a")
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+async def test_malformed_or_foreign_values_raise_store_error(
+    client: aioredis.Redis, redis_key_prefix: str
+) -> None:
+    store = RedisStore(client, key_prefix=redis_key_prefix)
+    await client.set(f"{redis_key_prefix}:junk", b"not json {")
+    await client.set(f"{redis_key_prefix}:array", b"[1, 2]")
+    await client.rpush(f"{redis_key_prefix}:list", b"x")
+    record = pending("junk", "owner-a")
+
+    for key in ("junk", "array", "list"):
+        with pytest.raises(StoreError):
+            await store.get(key)
+        with pytest.raises(StoreError):
+            await store.try_acquire(key, record, LOCK_TTL)
+        with pytest.raises(StoreError):
+            await store.complete(key, finished(record), RETENTION_TTL)
+        with pytest.raises(StoreError):
+            await store.release(key, "owner-a")
+        with pytest.raises(StoreError):
+            await store.renew(key, "owner-a", LOCK_TTL)
+
+
+def all_operations(store: RedisStore) -> list[Callable[[], Awaitable[Any]]]:
+    record = pending("k", "owner-a")
+    return [
+        lambda: store.try_acquire("k", record, LOCK_TTL),
+        lambda: store.complete("k", finished(record), RETENTION_TTL),
+        lambda: store.fail("k", finished(record, status=RecordStatus.FAILED), RETENTION_TTL),
+        lambda: store.release("k", "owner-a"),
+        lambda: store.renew("k", "owner-a", LOCK_TTL),
+        lambda: store.get("k"),
+    ]
+
+
+@STRATEGIES
+async def test_a_stopped_server_raises_store_error_and_the_store_recovers(
+    private_redis: RedisServer, acquire: AcquireStrategy
+) -> None:
+    store = RedisStore.from_url(private_redis.url, acquire=acquire, retry=no_retry())
+    try:
+        assert (await store.try_acquire("warm", pending("warm", "a"), LOCK_TTL)).acquired
+        private_redis.stop()
+
+        for operation in all_operations(store):
+            with pytest.raises(StoreError) as caught:
+                await operation()
+            assert isinstance(caught.value.__cause__, RedisConnectionError)
+
+        private_redis.start()
+        record = pending("k", "owner-a")
+        assert (await store.try_acquire("k", record, LOCK_TTL)).acquired
+        assert await store.complete("k", finished(record), RETENTION_TTL)
+        stored = await store.get("k")
+        assert stored is not None
+        assert stored.status is RecordStatus.COMPLETED
+    finally:
+        await store.aclose()
+
+
+async def test_a_hung_server_raises_store_timeout_error(private_redis: RedisServer) -> None:
+    store = RedisStore.from_url(private_redis.url, socket_timeout=0.2, retry=no_retry())
+    try:
+        await store.get("warm")
+        private_redis.freeze()
+        try:
+            with pytest.raises(StoreTimeoutError):
+                await store.get("k")
+        finally:
+            private_redis.thaw()
+        assert (await store.try_acquire("k", pending("k", "owner-a"), LOCK_TTL)).acquired
+    finally:
+        await store.aclose()
+
+
+# -- cancellation ------------------------------------------------------------------------------
+
+
+async def blocked_clients(admin: aioredis.Redis) -> int:
+    info: dict[str, Any] = await admin.info("clients")
+    return int(info["blocked_clients"])
+
+
+@pytest.mark.parametrize("wait_replicas", [0, 1], ids=["no-wait", "wait"])
+@STRATEGIES
+async def test_a_call_cancelled_mid_flight_leaves_nothing_behind(
+    private_redis: RedisServer,
+    admin: aioredis.Redis,
+    acquire: AcquireStrategy,
+    wait_replicas: int,
+) -> None:
+    """The middleware's ``asyncio.timeout`` cancels a call while Redis holds it (CLIENT PAUSE).
+
+    The cancelled connection must not go back to the pool with a reply still owed (the next
+    call would read it), and the held SET must never run once Redis resumes.
+    """
+    client = aioredis.from_url(private_redis.url, max_connections=1)
+    store = RedisStore(client, key_prefix="p", acquire=acquire, wait_replicas=wait_replicas)
+    await client.set("p:other", b"other-value")
+    await store.try_acquire("warm", pending("warm", "a"), LOCK_TTL)  # scripts loaded
+    # A control connection whose write is held too and which stays open: it must run later.
+    control = socket.create_connection(("127.0.0.1", private_redis.port))
+    try:
+        await admin.client_pause(10_000, all=False)  # hold writes only
+        control.sendall(encode_command("SET", "p:control", "ran"))
+
+        async def bounded_call() -> None:
+            async with asyncio.timeout(0.5):  # as the middleware bounds store calls
+                await store.try_acquire("k", pending("k", "owner-a"), LOCK_TTL)
+
+        call = asyncio.create_task(bounded_call())
+        await poll(lambda: _equals(blocked_clients(admin), 2), "both writes held by the pause")
+        with pytest.raises(TimeoutError):
+            await call
+        # The store's connection was closed, so Redis drops its held command with it.
+        await poll(lambda: _equals(blocked_clients(admin), 1), "the cancelled client gone")
+        await admin.client_unpause()
+        await poll(lambda: _equals(admin.get("p:control"), b"ran"), "the control write to run")
+
+        assert await admin.get("p:k") is None, "the cancelled acquire ran after all"
+        pool: Any = client.connection_pool
+        assert not pool._in_use_connections
+        assert await client.get("p:other") == b"other-value"
+        assert await store.get("k") is None
+        assert (await store.try_acquire("k", pending("k", "owner-b"), LOCK_TTL)).acquired
+        assert await client.get("p:other") == b"other-value"
+    finally:
+        control.close()
+        await client.aclose()
+
+
+async def _equals(value: Awaitable[Any], expected: Any) -> bool:
+    return bool(await value == expected)
+
+
+# -- WAIT --------------------------------------------------------------------------------------
+
+
+@STRATEGIES
+async def test_wait_replicas_without_a_replica_returns_within_the_timeout(
+    client: aioredis.Redis,
+    redis_key_prefix: str,
+    acquire: AcquireStrategy,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = RedisStore(
+        client, key_prefix=redis_key_prefix, acquire=acquire, wait_replicas=1, wait_timeout_ms=200
+    )
+    record = pending("k", "owner-a")
+
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency.stores.redis"):
+        started = time.monotonic()
+        result = await store.try_acquire("k", record, LOCK_TTL)
+        elapsed = time.monotonic() - started
+
+    assert result.acquired, "too few replicas is logged, not an error"
+    assert 0.15 < elapsed < 2.0
+    assert "0 of 1 Redis replicas acknowledged" in caplog.text
+    assert await client.get(f"{redis_key_prefix}:k") == dump_record(record)
+    conflict = await store.try_acquire("k", pending("k", "owner-b"), LOCK_TTL)
+    assert conflict.record is not None
+    assert conflict.record.owner_token == "owner-a"
+
+
+async def test_wait_is_sent_on_the_acquire_only_when_asked(
+    admin: aioredis.Redis, private_client: aioredis.Redis
+) -> None:
+    plain = RedisStore(private_client, key_prefix="plain")
+    waiting = RedisStore(private_client, key_prefix="wait", wait_replicas=1, wait_timeout_ms=10)
+
+    assert await commands_sent(admin, lambda: plain.try_acquire("k", pending("k", "a"), 30)) == {
+        "set": 1
+    }
+    assert await commands_sent(admin, lambda: waiting.try_acquire("k", pending("k", "a"), 30)) == {
+        "set": 1,
+        "wait": 1,
+    }
+
+
+async def test_wait_with_lua_reloads_a_flushed_script(
+    admin: aioredis.Redis, private_client: aioredis.Redis
+) -> None:
+    store = RedisStore(
+        private_client, key_prefix="p", acquire="lua", wait_replicas=1, wait_timeout_ms=10
+    )
+    await admin.script_flush()
+
+    assert (await store.try_acquire("k", pending("k", "owner-a"), 30)).acquired
+    assert not (await store.try_acquire("k", pending("k", "owner-b"), 30)).acquired
+
+
+async def test_wait_with_the_fallback(
+    admin: aioredis.Redis, private_client: aioredis.Redis
+) -> None:
+    store = RedisStore(private_client, key_prefix="p", wait_replicas=1, wait_timeout_ms=10)
+    store._nx_get = False
+    first = pending("k", "owner-a")
+
+    assert (await store.try_acquire("k", first, 30)).acquired
+    conflict = await store.try_acquire("k", pending("k", "owner-b"), 30)
+    assert conflict.record is not None
+    assert record_to_dict(conflict.record) == record_to_dict(first)
+
+
+# -- client ownership --------------------------------------------------------------------------
+
+
+async def test_aclose_leaves_a_client_passed_in_open(client: aioredis.Redis) -> None:
+    connection_id = await client.client_id()
+    store = RedisStore(client)
+
+    await store.aclose()
+
+    assert await client.client_id() == connection_id  # same connection, still open
+
+
+async def test_aclose_closes_a_client_from_url(
+    private_redis: RedisServer, admin: aioredis.Redis
+) -> None:
+    async def connected_clients() -> int:
+        info: dict[str, Any] = await admin.info("clients")
+        return int(info["connected_clients"])
+
+    store = RedisStore.from_url(private_redis.url)
+    await store.get("k")
+    assert await connected_clients() == 2
+
+    await store.aclose()
+
+    await poll(lambda: _equals(connected_clients(), 1), "the store's connection to close")
+
+
+@STRATEGIES
+async def test_takeover_with_wait_after_script_flush(
+    admin: aioredis.Redis, private_client: aioredis.Redis, acquire: AcquireStrategy
+) -> None:
+    store = RedisStore(
+        private_client, key_prefix="p", acquire=acquire, wait_replicas=1, wait_timeout_ms=10
+    )
+    dead = pending("k", "dead-owner")
+    assert (await store.try_acquire("k", dead, 30)).acquired
+    now = time.time()
+    saved = replace(dead, checkpoints=(Checkpoint("sent", [], now),), locked_until=now - 1)
+    assert await store.save_progress("k", saved, 60)
+    await admin.script_flush()
+
+    sent = await commands_sent(admin, lambda: store.try_acquire("k", pending("k", "b"), 30))
+
+    # WAIT behind the acquire and behind the takeover, plus one per pipeline resent after
+    # NOSCRIPT (the failed pipeline's WAIT ran too).
+    assert sent["wait"] == 2 + sent["script|load"]
+    stored = await store.get("k")
+    assert stored is not None
+    assert stored.owner_token == "b"
+    assert stored.checkpoints[0].data == []
+    assert 59_000 < await private_client.pttl("p:k") <= 60_000  # the record's TTL is kept
+
+
+# -- resolve -----------------------------------------------------------------------------------
+
+
+async def test_resolve_finishes_whoever_holds_the_key(
+    client: aioredis.Redis, redis_key_prefix: str
+) -> None:
+    store = RedisStore(client, key_prefix=redis_key_prefix)
+    await store.try_acquire("k", pending("k", "stuck-owner"), LOCK_TTL)
+    response = StoredResponse(status_code=200, headers=(), body=b"resolved by hand")
+
+    assert await store.resolve("k", response, ttl=60)
+    assert not await store.resolve("absent", response)
+
+    stored = await store.get("k")
+    assert stored is not None
+    assert stored.status is RecordStatus.COMPLETED
+    assert stored.response == response
