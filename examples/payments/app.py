@@ -1,0 +1,436 @@
+"""The payments demo app: a FastAPI service whose writes are safe to retry on any pod.
+
+Configured from the environment, so two uvicorn processes (or two containers) run the same
+code as "pod-a" and "pod-b"::
+
+    DATABASE_URL                PostgreSQL for the ledger (and the store, see below); required
+    REDIS_URL                   Redis for the idempotency store (IDEMPOTENCY_STORE=redis)
+    IDEMPOTENCY_STORE           redis (default) or postgres: PostgreSQL alone, no Redis
+    POD_ID                      this process's name, in X-Pod-Id and the ledger rows
+    PAYMENTS_LOCK_TTL_SECONDS   the in-progress lock of POST /payments (default 60)
+    IDEMPOTENCY_KEY_PREFIX      Redis key prefix (default payments-demo)
+    IDEMPOTENCY_REDIS_ACQUIRE   setnx (default) or lua
+
+Run it with ``uvicorn --factory examples.payments.app:create_app``. The tables are created at
+startup. A request header ``X-Demo-Delay-Ms`` makes ``POST /payments`` sleep before it writes
+to the ledger, so concurrent retries and crashes can be shown by hand; it is not part of the
+request fingerprint (only headers named in ``fingerprint_headers`` are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Annotated, Any, Literal, TypeVar
+
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+from starlette.datastructures import MutableHeaders
+from starlette.requests import HTTPConnection
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from examples.payments.ledger import DuplicateEmail, Ledger, Row, decode_items, iso
+from starlette_idempotency import (
+    IdempotencyMiddleware,
+    IdempotencyStore,
+    KeyScope,
+    idempotent,
+    mark_retryable,
+)
+
+logger = logging.getLogger(__name__)
+
+StoreKind = Literal["redis", "postgres"]
+AcquireStrategy = Literal["setnx", "lua"]
+MAX_DEMO_DELAY_MS = 120_000
+
+_STORES: dict[str, StoreKind] = {"redis": "redis", "postgres": "postgres"}
+_ACQUIRE_STRATEGIES: dict[str, AcquireStrategy] = {"setnx": "setnx", "lua": "lua"}
+_T = TypeVar("_T")
+
+
+def _choice(env: Mapping[str, str], name: str, choices: Mapping[str, _T], default: str) -> _T:
+    value = env.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+    return choices[value]
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str | None
+    redis_url: str | None = None
+    store: StoreKind = "redis"
+    pod_id: str = "pod-local"
+    payments_lock_ttl_seconds: float = 60.0
+    key_prefix: str = "payments-demo"
+    redis_acquire: AcquireStrategy = "setnx"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
+        store = _choice(env, "IDEMPOTENCY_STORE", _STORES, "redis")
+        acquire = _choice(env, "IDEMPOTENCY_REDIS_ACQUIRE", _ACQUIRE_STRATEGIES, "setnx")
+        return cls(
+            database_url=env.get("DATABASE_URL") or None,
+            redis_url=env.get("REDIS_URL") or None,
+            store=store,
+            pod_id=env.get("POD_ID", "pod-local"),
+            payments_lock_ttl_seconds=float(env.get("PAYMENTS_LOCK_TTL_SECONDS", "60")),
+            key_prefix=env.get("IDEMPOTENCY_KEY_PREFIX", "payments-demo"),
+            redis_acquire=acquire,
+        )
+
+
+# --- request and response bodies (camelCase on the wire) -------------------------------------
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class PaymentIn(Model):
+    account_id: str = Field(min_length=1, max_length=64)
+    amount: Decimal = Field(gt=0, max_digits=16, decimal_places=2)
+    currency: str = Field(pattern=r"^[A-Z]{3}$")
+    merchant_reference: str = Field(min_length=1, max_length=200)
+
+
+class Payment(Model):
+    id: uuid.UUID
+    account_id: str
+    amount: Decimal
+    currency: str
+    merchant_reference: str
+    pod: str
+    created_at: str
+
+
+class MemberIn(Model):
+    email: str = Field(pattern=r"^[^@\s]+@[^@\s]+$", max_length=254)
+    name: str = Field(min_length=1, max_length=200)
+
+
+class MemberPatch(Model):
+    email: str | None = Field(default=None, pattern=r"^[^@\s]+@[^@\s]+$", max_length=254)
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+
+
+class Member(Model):
+    id: uuid.UUID
+    email: str
+    name: str
+    pod: str
+    created_at: str
+    updated_at: str
+
+
+class OrderItem(Model):
+    sku: str = Field(min_length=1, max_length=64)
+    quantity: int = Field(gt=0, le=1000)
+
+
+class OrderIn(Model):
+    order_reference: str = Field(min_length=1, max_length=200)
+    account_id: str = Field(min_length=1, max_length=64)
+    items: list[OrderItem] = Field(min_length=1)
+    # Change on every retry without changing what is ordered: excluded from the fingerprint.
+    client_timestamp: str | None = None
+    request_nonce: str | None = None
+
+
+class Order(Model):
+    id: uuid.UUID
+    order_reference: str
+    account_id: str
+    items: list[OrderItem]
+    pod: str
+    created_at: str
+
+
+def _payment(row: Row) -> Payment:
+    return Payment(
+        id=row["id"],
+        account_id=row["account_id"],
+        amount=row["amount"],
+        currency=row["currency"],
+        merchant_reference=row["merchant_reference"],
+        pod=row["pod"],
+        created_at=iso(row["created_at"]),
+    )
+
+
+def _member(row: Row) -> Member:
+    return Member(
+        id=row["id"],
+        email=row["email"],
+        name=row["name"],
+        pod=row["pod"],
+        created_at=iso(row["created_at"]),
+        updated_at=iso(row["updated_at"]),
+    )
+
+
+def _order(row: Row) -> Order:
+    return Order(
+        id=row["id"],
+        order_reference=row["order_reference"],
+        account_id=row["account_id"],
+        items=[OrderItem.model_validate(item) for item in decode_items(row["items"])],
+        pod=row["pod"],
+        created_at=iso(row["created_at"]),
+    )
+
+
+def _error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, "code": code, **extra}, status_code=status)
+
+
+# --- plumbing ----------------------------------------------------------------------------------
+
+
+class PodIdHeader:
+    """Adds ``X-Pod-Id`` to every response this process sends, replays and errors included.
+
+    It wraps the whole app, outside the idempotency middleware, so a replay names the pod that
+    answered it, while the body's ``pod`` names the pod that ran the request.
+    """
+
+    def __init__(self, app: ASGIApp, *, pod_id: str) -> None:
+        self.app = app
+        self.pod_id = pod_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_pod(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Pod-Id"] = self.pod_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_pod)
+
+
+class StoreSlot:
+    """Where the lifespan puts the idempotency store once it has opened it."""
+
+    def __init__(self) -> None:
+        self.store: IdempotencyStore | None = None
+
+
+class LateIdempotencyMiddleware:
+    """:class:`IdempotencyMiddleware`, built on the first request with the store the lifespan
+    opened: the app's middleware stack is built before any ``await`` could open a pool."""
+
+    def __init__(
+        self, app: ASGIApp, *, slot: StoreSlot, pod_id: str, key_scope: KeyScope | None = None
+    ) -> None:
+        self.app = app
+        self.slot = slot
+        self.pod_id = pod_id
+        self.key_scope = key_scope
+        self._inner: IdempotencyMiddleware | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._inner is None:
+            if self.slot.store is None:
+                raise RuntimeError("the idempotency store is not open: did the lifespan run?")
+            self._inner = IdempotencyMiddleware(
+                self.app, store=self.slot.store, pod_id=self.pod_id, key_scope=self.key_scope
+            )
+        await self._inner(scope, receive, send)
+
+
+async def _open_store(settings: Settings) -> IdempotencyStore:
+    if settings.store == "postgres":
+        from starlette_idempotency.stores.postgres import PostgresStore
+
+        assert settings.database_url is not None
+        postgres = await PostgresStore.connect(settings.database_url, max_size=10)
+        await postgres.create_schema()
+        return postgres
+    if settings.redis_url is None:
+        raise RuntimeError("REDIS_URL is required with IDEMPOTENCY_STORE=redis")
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from starlette_idempotency.stores.redis import RedisStore
+
+    # One immediate retry on a fresh connection: after a Redis restart the pooled connections
+    # are dead, and the first command on each should not cost the caller a 503.
+    return RedisStore.from_url(
+        settings.redis_url,
+        key_prefix=settings.key_prefix,
+        acquire=settings.redis_acquire,
+        socket_connect_timeout=0.5,
+        socket_timeout=1.0,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+def _key_scope(connection: HTTPConnection) -> str:
+    # A real service scopes keys to the authenticated user or tenant; the demo has no auth, so
+    # a client may name itself with X-Client-Id (keys of different clients never collide).
+    return connection.headers.get("x-client-id", "anonymous")
+
+
+# --- the app -----------------------------------------------------------------------------------
+
+
+def create_app(settings: Settings | None = None) -> ASGIApp:
+    """What uvicorn runs (``uvicorn --factory examples.payments.app:create_app``): the API,
+    wrapped so that even the 500 of an unhandled error carries ``X-Pod-Id``."""
+    settings = Settings.from_env() if settings is None else settings
+    return PodIdHeader(build_api(settings), pod_id=settings.pod_id)
+
+
+def build_api(settings: Settings) -> FastAPI:
+    """The FastAPI app, its tables created and its stores opened by its lifespan."""
+    pod = settings.pod_id
+    slot = StoreSlot()
+    # Merchant references whose POST /payments is sleeping on X-Demo-Delay-Ms right now.
+    delayed: set[str] = set()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.database_url is None:
+            raise RuntimeError("DATABASE_URL is required")
+        ledger = await Ledger.open(settings.database_url)
+        try:
+            await ledger.create_schema()
+            slot.store = await _open_store(settings)
+            app.state.ledger = ledger
+            logger.info("%s ready (idempotency store: %s)", pod, settings.store)
+            yield
+        finally:
+            try:
+                if slot.store is not None:
+                    await slot.store.aclose()
+            finally:
+                await ledger.close()
+
+    app = FastAPI(title="payments demo", lifespan=lifespan)
+
+    def ledger_of(request: Request) -> Ledger:
+        ledger: Ledger = request.app.state.ledger
+        return ledger
+
+    @app.get("/healthz")
+    async def healthz(request: Request) -> JSONResponse:
+        try:
+            ok = await ledger_of(request).ping()
+        except Exception as exc:  # any database failure means "not ready"
+            return _error(503, "database_unavailable", str(exc), pod=pod)
+        return JSONResponse({"status": "ok" if ok else "degraded", "pod": pod})
+
+    @app.post("/payments", response_model=Payment)
+    @idempotent(ttl_hours=48, lock_ttl_seconds=settings.payments_lock_ttl_seconds)
+    async def create_payment(
+        body: PaymentIn,
+        request: Request,
+        x_demo_delay_ms: Annotated[int, Header(ge=0, le=MAX_DEMO_DELAY_MS)] = 0,
+    ) -> Payment:
+        if x_demo_delay_ms:
+            delayed.add(body.merchant_reference)
+            try:
+                await asyncio.sleep(x_demo_delay_ms / 1000)
+            finally:
+                delayed.discard(body.merchant_reference)
+        row = await ledger_of(request).insert_payment(
+            account_id=body.account_id,
+            amount=body.amount,
+            currency=body.currency,
+            merchant_reference=body.merchant_reference,
+            pod=pod,
+        )
+        return _payment(row)
+
+    @app.get("/payments", response_model=list[Payment])
+    async def list_payments(
+        request: Request,
+        merchant_reference: Annotated[str | None, Query(alias="merchantReference")] = None,
+        prefix: Annotated[str | None, Query(alias="merchantReferencePrefix")] = None,
+    ) -> list[Payment]:
+        rows = await ledger_of(request).list_payments(
+            merchant_reference=merchant_reference, reference_prefix=prefix
+        )
+        return [_payment(row) for row in rows]
+
+    @app.get("/demo/delayed")
+    async def demo_delayed() -> dict[str, Any]:
+        """Merchant references whose payment is waiting on ``X-Demo-Delay-Ms`` on this pod."""
+        return {"pod": pod, "merchantReferences": sorted(delayed)}
+
+    @app.post("/members", response_model=Member)
+    @idempotent()
+    async def create_member(body: MemberIn, request: Request) -> Member | JSONResponse:
+        ledger = ledger_of(request)
+        try:
+            if await ledger.email_taken(body.email):
+                raise DuplicateEmail(body.email)
+            row = await ledger.insert_member(email=body.email, name=body.name, pod=pod)
+        except DuplicateEmail:
+            # Refused before anything was written: the key is released, so the client may fix
+            # the e-mail and retry with the same Idempotency-Key.
+            mark_retryable(request)
+            return _error(
+                409,
+                "duplicate_email",
+                "A member with this e-mail already exists; fix it and retry with the same key.",
+                retryable=True,
+            )
+        return _member(row)
+
+    @app.patch("/members/{member_id}", response_model=Member)
+    @idempotent(required=False)
+    async def update_member(
+        member_id: uuid.UUID, body: MemberPatch, request: Request
+    ) -> Member | JSONResponse:
+        ledger = ledger_of(request)
+        try:
+            if body.email is not None and await ledger.email_taken(body.email, except_id=member_id):
+                raise DuplicateEmail(body.email)
+            row = await ledger.update_member(member_id, email=body.email, name=body.name, pod=pod)
+        except DuplicateEmail:
+            mark_retryable(request)
+            return _error(409, "duplicate_email", "Another member has this e-mail.", retryable=True)
+        if row is None:
+            return _error(404, "member_not_found", f"No member {member_id}.")
+        return _member(row)
+
+    @app.post("/orders/submit", response_model=Order)
+    @idempotent(exclude_fields=["clientTimestamp", "requestNonce"])
+    async def submit_order(body: OrderIn, request: Request) -> Order:
+        row = await ledger_of(request).insert_order(
+            order_reference=body.order_reference,
+            account_id=body.account_id,
+            items=[item.model_dump(by_alias=True) for item in body.items],
+            pod=pod,
+        )
+        return _order(row)
+
+    @app.get("/orders", response_model=list[Order])
+    async def list_orders(
+        request: Request,
+        order_reference: Annotated[str | None, Query(alias="orderReference")] = None,
+        prefix: Annotated[str | None, Query(alias="orderReferencePrefix")] = None,
+    ) -> list[Order]:
+        rows = await ledger_of(request).list_orders(
+            order_reference=order_reference, reference_prefix=prefix
+        )
+        return [_order(row) for row in rows]
+
+    app.add_middleware(LateIdempotencyMiddleware, slot=slot, pod_id=pod, key_scope=_key_scope)
+    return app

@@ -1,0 +1,142 @@
+"""The design's scenarios 1 to 6, through nginx and two real pods, on each idempotency store.
+
+Scenario 7 (the store going down) is Redis-only: see ``test_redis_demo.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from examples.payments.cluster import Cluster
+
+from tests.e2e.conftest import LOCK_TTL_SECONDS
+from tests.e2e.support import eventually, new_key, payment_body, payment_rows, post
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_1_missing_key_is_400_and_writes_nothing(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    body = payment_body()
+    response = await post(client, "/payments", body, key=None)
+    assert response.status_code == 400
+    assert "Idempotency-Key" in response.json()["error"]
+    assert response.headers["x-pod-id"] in cluster.pods
+    assert await payment_rows(client, cluster.url, body["merchantReference"]) == []
+
+
+async def test_2_first_request_runs_and_writes_one_row(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    body = payment_body()
+    response = await post(client, "/payments", body, key=new_key())
+    assert response.status_code == 200
+    payment = response.json()
+    assert payment["merchantReference"] == body["merchantReference"]
+    assert payment["amount"] == body["amount"]
+    assert payment["pod"] == response.headers["x-pod-id"]
+    assert "x-idempotent-replay" not in response.headers
+    rows = await payment_rows(client, cluster.url, body["merchantReference"])
+    assert [row["id"] for row in rows] == [payment["id"]]
+
+
+async def test_3_same_key_again_replays_without_running(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    body, key = payment_body(), new_key()
+    first = await post(client, "/payments", body, key=key)
+    assert first.status_code == 200
+    # Sent to each pod directly: the one that ran it and the one that did not.
+    for pod in cluster.pods.values():
+        replay = await post(client, f"{pod.url}/payments", body, key=key)
+        assert replay.status_code == 200
+        assert replay.headers["x-idempotent-replay"] == "true"
+        assert replay.headers["x-pod-id"] == pod.name
+        assert replay.content == first.content
+    assert len(await payment_rows(client, cluster.url, body["merchantReference"])) == 1
+
+
+async def test_4_same_key_other_body_is_422(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    body, key = payment_body(amount="10.00"), new_key()
+    assert (await post(client, "/payments", body, key=key)).status_code == 200
+    reused = await post(client, "/payments", {**body, "amount": "99.00"}, key=key)
+    assert reused.status_code == 422
+    assert "different request payload" in reused.json()["error"]
+    rows = await payment_rows(client, cluster.url, body["merchantReference"])
+    assert [row["amount"] for row in rows] == ["10.00"]
+
+
+async def test_5_same_key_on_both_pods_at_once_one_200_one_409(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    body, key = payment_body(), new_key()
+    # Both carry the demo delay: whichever acquires the key first is still sleeping when the
+    # other one arrives, so the other one finds it in progress.
+    slow = {"X-Demo-Delay-Ms": "1500"}
+    a, b = await asyncio.gather(
+        post(client, f"{cluster.pods['pod-a'].url}/payments", body, key=key, headers=slow),
+        post(client, f"{cluster.pods['pod-b'].url}/payments", body, key=key, headers=slow),
+    )
+    assert sorted([a.status_code, b.status_code]) == [200, 409]
+    ok, conflict = (a, b) if a.status_code == 200 else (b, a)
+    assert ok.headers["x-pod-id"] != conflict.headers["x-pod-id"]
+    assert int(conflict.headers["retry-after"]) >= 1
+    assert "already being processed" in conflict.json()["error"]
+    assert len(await payment_rows(client, cluster.url, body["merchantReference"])) == 1
+    retry = await post(client, "/payments", body, key=key)
+    assert retry.status_code == 200
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert retry.content == ok.content
+
+
+async def test_6_pod_crash_mid_request_retry_on_other_pod_runs_after_lock_ttl(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    body, key = payment_body(), new_key()
+    reference = body["merchantReference"]
+    pod_a, pod_b = cluster.pods["pod-a"], cluster.pods["pod-b"]
+
+    async def on_pod_a() -> httpx.Response:
+        return await post(
+            client, f"{pod_a.url}/payments", body, key=key, headers={"X-Demo-Delay-Ms": "60000"}
+        )
+
+    in_flight = asyncio.create_task(on_pod_a())
+    try:
+
+        async def sleeping_on_pod_a() -> bool | None:
+            response = await client.get(f"{pod_a.url}/demo/delayed")
+            return True if reference in response.json()["merchantReferences"] else None
+
+        # pod-a holds the key and waits on the demo delay, before its ledger insert.
+        await eventually(sleeping_on_pod_a, within=10, what="pod-a to be inside the handler")
+        crashed_at = asyncio.get_running_loop().time()
+        cluster.kill_pod("pod-a")
+        with pytest.raises(httpx.TransportError):
+            await in_flight
+    finally:
+        in_flight.cancel()
+
+    # The retry goes to pod-b: 409 while the dead pod's lock lives, then it runs.
+    async def retried() -> httpx.Response | None:
+        response = await post(client, f"{pod_b.url}/payments", body, key=key)
+        return None if response.status_code == 409 else response
+
+    response = await eventually(retried, within=LOCK_TTL_SECONDS + 10, what="the lock to lapse")
+    waited = asyncio.get_running_loop().time() - crashed_at
+    assert response.status_code == 200, response.text
+    assert response.json()["pod"] == "pod-b"
+    assert "x-idempotent-replay" not in response.headers
+    assert waited >= LOCK_TTL_SECONDS * 0.5  # it did wait for the lock, not run at once
+    rows = await payment_rows(client, cluster.url, reference)
+    assert [row["pod"] for row in rows] == ["pod-b"]
+
+    cluster.start_pod("pod-a")
+    replay = await post(client, f"{pod_a.url}/payments", body, key=key)
+    assert replay.status_code == 200
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert replay.content == response.content
+    assert len(await payment_rows(client, cluster.url, reference)) == 1
