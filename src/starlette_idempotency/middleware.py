@@ -651,7 +651,7 @@ class _GuardedRequest:
         if not getattr(mw.store, "supports_recovery", False):
             raise ConfigurationError(
                 f"{type(mw.store).__name__} cannot keep recovery points: use "
-                "RedisStore(acquire='lua'), PostgresStore or MemoryStore"
+                "RedisStore, PostgresStore or MemoryStore"
             )
         now = mw._clock()
         record = replace(
