@@ -15,6 +15,10 @@ Run it with ``uvicorn --factory examples.payments.app:create_app``. The tables a
 startup. A request header ``X-Demo-Delay-Ms`` makes ``POST /payments`` sleep before it writes
 to the ledger, so concurrent retries and crashes can be shown by hand; it is not part of the
 request fingerprint (only headers named in ``fingerprint_headers`` are).
+
+``POST /charges`` is the same payment through a (fake) payment provider, with recovery
+points: ``X-Demo-Delay-After-Provider-Ms`` makes it sleep after the provider charged and before
+the ledger row, the window where a crash leaves an unknown outcome.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from starlette_idempotency import (
     IdempotencyMiddleware,
     IdempotencyStore,
     KeyScope,
+    checkpoint,
+    idempotency_context,
     idempotent,
     mark_retryable,
 )
@@ -356,6 +362,57 @@ def build_api(settings: Settings) -> FastAPI:
             pod=pod,
         )
         return _payment(row)
+
+    @app.post("/charges", response_model=Payment)
+    @idempotent(ttl_hours=48, lock_ttl_seconds=settings.payments_lock_ttl_seconds)
+    async def create_charge(
+        body: PaymentIn,
+        request: Request,
+        x_demo_delay_after_provider_ms: Annotated[int, Header(ge=0, le=MAX_DEMO_DELAY_MS)] = 0,
+    ) -> Payment:
+        """Charge through the provider, then write the ledger, with a recovery point before
+        each step, so that a retry after a crash reconciles instead of charging again."""
+        ledger = ledger_of(request)
+        context = idempotency_context(request)
+        saved: dict[str, str] = context.recovery_data or {}
+        if context.recovered_from == "ledger_written":  # died after everything but the reply
+            return _payment(await ledger.get_payment(uuid.UUID(saved["paymentId"])))
+        provider_ref = saved.get("providerRef")
+        if provider_ref is None or not await ledger.provider_has_charge(provider_ref):
+            provider_ref = provider_ref or f"prv_{uuid.uuid4().hex}"
+            await checkpoint(request, "provider_charge_sent", {"providerRef": provider_ref})
+            await ledger.provider_charge(
+                provider_ref=provider_ref,
+                merchant_reference=body.merchant_reference,
+                amount=body.amount,
+                currency=body.currency,
+                pod=pod,
+            )
+        if x_demo_delay_after_provider_ms:
+            delayed.add(body.merchant_reference)
+            try:
+                await asyncio.sleep(x_demo_delay_after_provider_ms / 1000)
+            finally:
+                delayed.discard(body.merchant_reference)
+        row = await ledger.insert_payment(
+            account_id=body.account_id,
+            amount=body.amount,
+            currency=body.currency,
+            merchant_reference=body.merchant_reference,
+            pod=pod,
+        )
+        await checkpoint(
+            request, "ledger_written", {"providerRef": provider_ref, "paymentId": str(row["id"])}
+        )
+        return _payment(row)
+
+    @app.get("/provider/charges")
+    async def provider_charges(
+        request: Request, merchant_reference: Annotated[str, Query(alias="merchantReference")]
+    ) -> list[dict[str, str]]:
+        """What the fake provider charged for a merchant reference (one row per charge)."""
+        rows = await ledger_of(request).list_provider_charges(merchant_reference)
+        return [{"providerRef": row["provider_ref"], "pod": row["pod"]} for row in rows]
 
     @app.get("/payments", response_model=list[Payment])
     async def list_payments(

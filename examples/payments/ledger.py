@@ -52,6 +52,19 @@ CREATE TABLE IF NOT EXISTS orders (
     created_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS orders_order_reference_idx ON orders (order_reference);
+
+-- The fake payment provider's side: one row per charge call it received, on purpose without a
+-- unique constraint, so that a handler charging twice shows as two rows.
+CREATE TABLE IF NOT EXISTS provider_charges (
+    provider_ref text NOT NULL,
+    merchant_reference text NOT NULL,
+    amount numeric(18, 2) NOT NULL,
+    currency text NOT NULL,
+    pod text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS provider_charges_ref_idx ON provider_charges (provider_ref);
+CREATE INDEX IF NOT EXISTS provider_charges_merchant_idx ON provider_charges (merchant_reference);
 """
 
 _PAYMENT_COLUMNS = "id, account_id, amount, currency, merchant_reference, pod, created_at"
@@ -108,6 +121,49 @@ class Ledger:
             pod,
         )
         return cast(Row, row)
+
+    async def get_payment(self, payment_id: uuid.UUID) -> Row:
+        row = await self._pool.fetchrow(
+            f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE id = $1", payment_id
+        )
+        return cast(Row, row)
+
+    async def provider_charge(
+        self,
+        *,
+        provider_ref: str,
+        merchant_reference: str,
+        amount: Decimal,
+        currency: str,
+        pod: str,
+    ) -> None:
+        """The fake provider takes a charge (every call is a charge)."""
+        await self._pool.execute(
+            "INSERT INTO provider_charges "
+            "(provider_ref, merchant_reference, amount, currency, pod) VALUES ($1, $2, $3, $4, $5)",
+            provider_ref,
+            merchant_reference,
+            amount,
+            currency,
+            pod,
+        )
+
+    async def provider_has_charge(self, provider_ref: str) -> bool:
+        """The fake provider's lookup by its own idempotency reference."""
+        return bool(
+            await self._pool.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM provider_charges WHERE provider_ref = $1)",
+                provider_ref,
+            )
+        )
+
+    async def list_provider_charges(self, merchant_reference: str) -> Sequence[Row]:
+        rows = await self._pool.fetch(
+            "SELECT provider_ref, merchant_reference, amount, currency, pod, created_at "
+            "FROM provider_charges WHERE merchant_reference = $1 ORDER BY created_at",
+            merchant_reference,
+        )
+        return cast(Sequence[Row], rows)
 
     async def list_payments(
         self, *, merchant_reference: str | None = None, reference_prefix: str | None = None

@@ -140,3 +140,55 @@ async def test_6_pod_crash_mid_request_retry_on_other_pod_runs_after_lock_ttl(
     assert replay.headers["x-idempotent-replay"] == "true"
     assert replay.content == response.content
     assert len(await payment_rows(client, cluster.url, reference)) == 1
+
+
+async def test_crash_after_the_provider_call_charges_exactly_once(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """The unknown outcome: the provider charged, pod-a died before storing anything. The retry
+    on pod-b finds the recovery point, asks the provider, and does not charge again."""
+    body, key = payment_body(), new_key("charge")
+    reference = body["merchantReference"]
+    pod_a, pod_b = cluster.pods["pod-a"], cluster.pods["pod-b"]
+    in_flight = asyncio.create_task(
+        post(
+            client,
+            f"{pod_a.url}/charges",
+            body,
+            key=key,
+            headers={"X-Demo-Delay-After-Provider-Ms": "60000"},
+        )
+    )
+    try:
+
+        async def charged_on_pod_a() -> bool | None:
+            response = await client.get(f"{pod_a.url}/demo/delayed")
+            return True if reference in response.json()["merchantReferences"] else None
+
+        await eventually(charged_on_pod_a, within=10, what="pod-a to charge and stall")
+        cluster.kill_pod("pod-a")
+        with pytest.raises(httpx.TransportError):
+            await in_flight
+    finally:
+        in_flight.cancel()
+
+    async def retried() -> httpx.Response | None:
+        response = await post(client, f"{pod_b.url}/charges", body, key=key)
+        return None if response.status_code == 409 else response
+
+    try:
+        response = await eventually(retried, within=LOCK_TTL_SECONDS + 10, what="the lease to end")
+        assert response.status_code == 200, response.text
+        assert response.json()["pod"] == "pod-b"
+        charges = (
+            await client.get(
+                f"{cluster.url}/provider/charges", params={"merchantReference": reference}
+            )
+        ).json()
+        assert [charge["pod"] for charge in charges] == ["pod-a"]  # charged once, by pod-a
+        assert len(await payment_rows(client, cluster.url, reference)) == 1
+        replay = await post(client, f"{pod_b.url}/charges", body, key=key)
+        assert replay.headers["x-idempotent-replay"] == "true"
+        assert replay.content == response.content
+    finally:
+        cluster.start_pod("pod-a")
