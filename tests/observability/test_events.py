@@ -213,3 +213,44 @@ async def test_store_calls_are_traced_with_opentelemetry() -> None:
     spans = exporter.get_finished_spans()
     names = [span.name for span in spans if span.name.startswith("idempotency.")]
     assert names == ["idempotency.store.try_acquire", "idempotency.store.complete"]
+
+
+async def test_renewal_that_finds_the_lock_gone_is_a_processing_timeout() -> None:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    from starlette_idempotency import IdempotencyMiddleware, idempotent
+    from tests.conditions import eventually
+    from tests.core.conftest import make_client
+
+    registry = CollectorRegistry()
+    store = MemoryStore()
+    release = asyncio.Event()
+
+    @idempotent(lock_ttl_seconds=0.3)
+    async def slow(request: Request) -> Response:
+        await release.wait()
+        return JSONResponse({})
+
+    app = Starlette(routes=[Route("/slow", slow, methods=["POST"])])
+    middleware = IdempotencyMiddleware(
+        app, store=store, metrics=PrometheusMetrics(registry=registry)
+    )
+    request = asyncio.create_task(
+        make_client(middleware).post("/slow", headers={"Idempotency-Key": "k"})
+    )
+    await eventually(lambda: len(store) == 1)
+    store._entries.clear()  # the lock vanishes (a flush, a failover) while the handler runs
+
+    def counted() -> bool:
+        value = registry.get_sample_value(
+            "idempotency_processing_timeout_total",
+            {"endpoint": "POST /slow", "reason": "renewal_found_gone"},
+        )
+        return value == 1
+
+    await eventually(counted, what="the renewal to find the lock gone")
+    release.set()
+    assert (await request).status_code == 200
