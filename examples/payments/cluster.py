@@ -43,12 +43,19 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any, Literal, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from examples.payments.nginx import render_local
-from starlette_idempotency.testing._process import free_port, stop_process, wait_until
+from starlette_idempotency.testing._process import (
+    SBIN_DIRS,
+    Managed,
+    find_binary,
+    free_port,
+    stop_process,
+    wait_until,
+)
 from starlette_idempotency.testing.postgres_server import PostgresServer, postgres_bin_dirs
 from starlette_idempotency.testing.redis_server import RedisServer, redis_command
 
@@ -72,17 +79,6 @@ class ClusterError(RuntimeError):
     """A part of the demo did not start."""
 
 
-def find_binary(name: str, search: Sequence[str] = ("/usr/sbin", "/usr/local/sbin")) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    for directory in search:
-        candidate = os.path.join(directory, name)
-        if os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
 def missing_binaries(*, need_redis: bool, need_postgres: bool) -> list[str]:
     """One line per missing program, each saying what to install."""
     wanted = ["nginx"]
@@ -94,7 +90,7 @@ def missing_binaries(*, need_redis: bool, need_postgres: bool) -> list[str]:
     return [
         f"{name} not found: {INSTALL_HINTS[name]}"
         for name in wanted
-        if find_binary(name, search.get(name, ("/usr/sbin", "/usr/local/sbin"))) is None
+        if find_binary(name, search.get(name, SBIN_DIRS)) is None
     ]
 
 
@@ -175,7 +171,7 @@ class Pod:
         return self.process is not None and self.process.poll() is None
 
 
-class Cluster:
+class Cluster(Managed):
     """The whole demo on this machine; a context manager that stops all it started.
 
     ``redis_url`` / ``database_url`` use servers that are already running (they are never
@@ -273,17 +269,6 @@ class Cluster:
             shutil.rmtree(self.state_dir, ignore_errors=True)
         if errors:
             raise ClusterError(f"cleanup failed: {errors!r}") from errors[0]
-
-    def __enter__(self) -> Cluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # --- Redis and PostgreSQL ----------------------------------------------------------------
 

@@ -79,13 +79,17 @@ class RedisClient(Protocol):
     async def aclose(self) -> None: ...
 
 
+_NEEDS_RECORD_PRELUDE = frozenset({"finish", "release", "renew"})
+
+
 @functools.cache
 def _lua(name: str) -> str:
-    return (
-        importlib.resources.files("starlette_idempotency.stores")
-        .joinpath(f"lua/{name}.lua")
-        .read_text(encoding="utf-8")
-    )
+    """A script's source; those that read the stored record get ``_record.lua`` first."""
+    lua = importlib.resources.files("starlette_idempotency.stores").joinpath("lua")
+    source = lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    if name in _NEEDS_RECORD_PRELUDE:
+        source = lua.joinpath("_record.lua").read_text(encoding="utf-8") + source
+    return source
 
 
 def _ms(seconds: float) -> int:

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Self
 
 
 def free_port(*, also_free: Sequence[int] = ()) -> int:
@@ -44,9 +46,11 @@ def wait_until(
         time.sleep(interval)
 
 
-def require_binary(name: str, *, hint: str, search: Sequence[str] = ()) -> str:
-    """The path of an executable, looked up on PATH and then in ``search`` (glob-free dirs);
-    raise ``FileNotFoundError`` with an install hint when it is missing."""
+SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin")
+
+
+def find_binary(name: str, search: Sequence[str] = SBIN_DIRS) -> str | None:
+    """The path of an executable, looked up on PATH and then in ``search``; ``None`` if absent."""
     found = shutil.which(name)
     if found:
         return found
@@ -54,7 +58,41 @@ def require_binary(name: str, *, hint: str, search: Sequence[str] = ()) -> str:
         candidate = os.path.join(directory, name)
         if os.access(candidate, os.X_OK):
             return candidate
-    raise FileNotFoundError(f"{name} not found; install it: {hint}")
+    return None
+
+
+def require_binary(name: str, *, hint: str, search: Sequence[str] = SBIN_DIRS) -> str:
+    """Like :func:`find_binary`, but raise ``FileNotFoundError`` with an install hint."""
+    found = find_binary(name, search)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found; install it: {hint}")
+    return found
+
+
+class Managed:
+    """Something started with :meth:`start` and torn down with :meth:`close`, usable as a
+    context manager (torn down too when starting fails half-way)."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
 def stop_process(proc: subprocess.Popen[bytes], *, timeout: float = 10.0) -> None:

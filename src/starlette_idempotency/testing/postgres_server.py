@@ -20,9 +20,13 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from types import TracebackType
 
-from starlette_idempotency.testing._process import free_port, require_binary, wait_until
+from starlette_idempotency.testing._process import (
+    Managed,
+    free_port,
+    require_binary,
+    wait_until,
+)
 
 _INSTALL_HINT = "apt-get install postgresql"
 _SERVER_SETTINGS = (
@@ -44,7 +48,7 @@ def postgres_bin_dirs() -> list[str]:
     return sorted(found, key=version, reverse=True)
 
 
-class PostgresServer:
+class PostgresServer(Managed):
     """One PostgreSQL server on a free port, started on construction's first :meth:`start`.
 
     ``dsn`` connects as the ``postgres`` superuser to the ``postgres`` database.
@@ -96,10 +100,10 @@ class PostgresServer:
         )
         return done.returncode == 0
 
-    def start(self) -> None:
+    def start(self) -> PostgresServer:
         """Initialise the data directory (first time only), start, and wait for connections."""
         if self.running:
-            return
+            return self
         if not self._initialised:
             self._run(
                 self._initdb,
@@ -136,6 +140,7 @@ class PostgresServer:
             with contextlib.suppress(RuntimeError):
                 self.stop(mode="immediate")
             raise TimeoutError(f"{exc}; server log:\n{tail}") from exc
+        return self
 
     def stop(self, *, mode: str = "fast") -> None:
         """Stop the server (``fast`` disconnects clients; ``immediate`` is a crash)."""
@@ -150,22 +155,6 @@ class PostgresServer:
             self.stop(mode="immediate")
         finally:
             shutil.rmtree(self._root, ignore_errors=True)
-
-    def __enter__(self) -> PostgresServer:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 __all__ = ["PostgresServer", "postgres_bin_dirs"]

@@ -13,9 +13,9 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 from starlette_idempotency.testing._process import (
+    Managed,
     free_port,
     require_binary,
     stop_process,
@@ -65,7 +65,7 @@ def _answers_ping(port: int) -> bool:
         return False
 
 
-class RedisServer:
+class RedisServer(Managed):
     """A private ``redis-server`` on a free port (or ``port``), persistence off.
 
     Use it as a context manager or call :meth:`start` and :meth:`close`. :meth:`stop` and
@@ -159,19 +159,8 @@ class RedisServer:
         self.stop()
         self._tmp.cleanup()
 
-    def __enter__(self) -> RedisServer:
-        return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class RedisClusterServers:
+class RedisClusterServers(Managed):
     """Three ``redis-server --cluster-enabled yes`` primaries, no replicas, all slots covered.
 
     Each node's bus port (port + 10000) is free too. ``urls`` / ``ports`` list the nodes;
@@ -255,17 +244,6 @@ class RedisClusterServers:
     def close(self) -> None:
         for node in self.nodes:
             node.close()
-
-    def __enter__(self) -> RedisClusterServers:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 __all__ = ["RedisClusterServers", "RedisServer", "encode_command", "redis_command"]

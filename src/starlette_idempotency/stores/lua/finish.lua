@@ -11,21 +11,15 @@
 --          duplicates waiting in other processes wake up
 --
 -- Returns 1 when the record was written. Returns 0, writing nothing, when another owner holds
--- the key (or, with ARGV[4] = "0", when it is absent). A stored value that is not a JSON
--- object with a string ownerToken is an error reply.
-local current = redis.call('GET', KEYS[1])
-if not current then
+-- the key (or, with ARGV[4] = "0", when it is absent). A malformed stored value is an error
+-- reply (see _record.lua).
+local stored = load_record()
+if stored == nil then
     if ARGV[4] ~= '1' then
         return 0
     end
-else
-    local ok, stored = pcall(cjson.decode, current)
-    if not ok or type(stored) ~= 'table' or type(stored.ownerToken) ~= 'string' then
-        return redis.error_reply('ERR malformed idempotency record at ' .. KEYS[1])
-    end
-    if stored.ownerToken ~= ARGV[2] then
-        return 0
-    end
+elseif stored.ownerToken ~= ARGV[2] then
+    return 0
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 if ARGV[5] ~= '' then

@@ -8,13 +8,9 @@
 -- Returns 1 when the key is gone (deleted now, or already absent) and 0, deleting nothing,
 -- when another owner holds it. A stored value that is not a JSON object with a string
 -- ownerToken is an error reply.
-local current = redis.call('GET', KEYS[1])
-if not current then
+local stored = load_record()
+if stored == nil then
     return 1
-end
-local ok, stored = pcall(cjson.decode, current)
-if not ok or type(stored) ~= 'table' or type(stored.ownerToken) ~= 'string' then
-    return redis.error_reply('ERR malformed idempotency record at ' .. KEYS[1])
 end
 if stored.ownerToken ~= ARGV[1] then
     return 0
