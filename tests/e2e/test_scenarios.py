@@ -6,6 +6,7 @@ Scenario 7 (the store going down) is Redis-only: see ``test_redis_demo.py``.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import pytest
@@ -98,27 +99,11 @@ async def test_6_pod_crash_mid_request_retry_on_other_pod_runs_after_lock_ttl(
     body, key = payment_body(), new_key()
     reference = body["merchantReference"]
     pod_a, pod_b = cluster.pods["pod-a"], cluster.pods["pod-b"]
-
-    async def on_pod_a() -> httpx.Response:
-        return await post(
-            client, f"{pod_a.url}/payments", body, key=key, headers={"X-Demo-Delay-Ms": "60000"}
-        )
-
-    in_flight = asyncio.create_task(on_pod_a())
-    try:
-
-        async def sleeping_on_pod_a() -> bool | None:
-            response = await client.get(f"{pod_a.url}/demo/delayed")
-            return True if reference in response.json()["merchantReferences"] else None
-
-        # pod-a holds the key and waits on the demo delay, before its ledger insert.
-        await eventually(sleeping_on_pod_a, within=10, what="pod-a to be inside the handler")
-        crashed_at = asyncio.get_running_loop().time()
-        cluster.kill_pod("pod-a")
-        with pytest.raises(httpx.TransportError):
-            await in_flight
-    finally:
-        in_flight.cancel()
+    # pod-a holds the key and waits on the demo delay, before its ledger insert.
+    await kill_pod_a_while_delayed(
+        cluster, client, "/payments", body, key, delay_header="X-Demo-Delay-Ms"
+    )
+    crashed_at = asyncio.get_running_loop().time()
 
     # The retry goes to pod-b: 409 while the dead pod's lock lives, then it runs.
     async def retried() -> httpx.Response | None:
@@ -149,28 +134,10 @@ async def test_crash_after_the_provider_call_charges_exactly_once(
     on pod-b finds the recovery point, asks the provider, and does not charge again."""
     body, key = payment_body(), new_key("charge")
     reference = body["merchantReference"]
-    pod_a, pod_b = cluster.pods["pod-a"], cluster.pods["pod-b"]
-    in_flight = asyncio.create_task(
-        post(
-            client,
-            f"{pod_a.url}/charges",
-            body,
-            key=key,
-            headers={"X-Demo-Delay-After-Provider-Ms": "60000"},
-        )
+    pod_b = cluster.pods["pod-b"]
+    await kill_pod_a_while_delayed(
+        cluster, client, "/charges", body, key, delay_header="X-Demo-Delay-After-Provider-Ms"
     )
-    try:
-
-        async def charged_on_pod_a() -> bool | None:
-            response = await client.get(f"{pod_a.url}/demo/delayed")
-            return True if reference in response.json()["merchantReferences"] else None
-
-        await eventually(charged_on_pod_a, within=10, what="pod-a to charge and stall")
-        cluster.kill_pod("pod-a")
-        with pytest.raises(httpx.TransportError):
-            await in_flight
-    finally:
-        in_flight.cancel()
 
     async def retried() -> httpx.Response | None:
         response = await post(client, f"{pod_b.url}/charges", body, key=key)
@@ -192,3 +159,33 @@ async def test_crash_after_the_provider_call_charges_exactly_once(
         assert replay.content == response.content
     finally:
         cluster.start_pod("pod-a")
+
+
+async def kill_pod_a_while_delayed(
+    cluster: Cluster,
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    key: str,
+    *,
+    delay_header: str,
+) -> None:
+    """Send the request to pod-a with a long demo delay, SIGKILL pod-a once its handler sleeps
+    on it, and check that its client saw the connection die."""
+    pod_a = cluster.pods["pod-a"]
+    reference = body["merchantReference"]
+    in_flight = asyncio.create_task(
+        post(client, f"{pod_a.url}{path}", body, key=key, headers={delay_header: "60000"})
+    )
+    try:
+
+        async def sleeping_on_pod_a() -> bool | None:
+            response = await client.get(f"{pod_a.url}/demo/delayed")
+            return True if reference in response.json()["merchantReferences"] else None
+
+        await eventually(sleeping_on_pod_a, within=10, what="pod-a to be inside the handler")
+        cluster.kill_pod("pod-a")
+        with pytest.raises(httpx.TransportError):
+            await in_flight
+    finally:
+        in_flight.cancel()
