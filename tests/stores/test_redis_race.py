@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import multiprocessing.queues
 import queue
@@ -15,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from starlette_idempotency.record import Checkpoint
+from starlette_idempotency.stores.base import AcquireResult
 from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
 from tests.plugins.redis_servers import delete_prefixed, unique_prefix
 from tests.stores.conftest import pending
@@ -30,56 +32,58 @@ TAKEOVER_ROUNDS = 20
 LOCK_TTL = 30.0
 
 
-@pytest.fixture
-async def prefix(redis_url: str) -> AsyncIterator[str]:
-    name = unique_prefix()
-    yield name
-    client = aioredis.from_url(redis_url)
-    try:
-        await delete_prefixed(client, name)
-    finally:
-        await client.aclose()
-
-
-@STRATEGIES
-async def test_one_winner_among_independent_connections(
-    redis_url: str, prefix: str, acquire: AcquireStrategy
-) -> None:
-    clients = [aioredis.from_url(redis_url) for _ in range(CLIENTS)]
+@contextlib.asynccontextmanager
+async def independent_stores(
+    url: str, prefix: str, acquire: AcquireStrategy
+) -> AsyncIterator[list[RedisStore]]:
+    """CLIENTS stores, each with a client (and so connections) of its own, already connected
+    (scripts loaded), so the rounds race on open connections."""
+    clients = [aioredis.from_url(url) for _ in range(CLIENTS)]
     stores = [RedisStore(client, key_prefix=prefix, acquire=acquire) for client in clients]
     try:
-        # Connect (and load the scripts) first, so the rounds race on open connections.
         await asyncio.gather(*(store.get("warm-up") for store in stores))
-        for round_number in range(ROUNDS):
-            key = f"round-{round_number}"
-            results = await asyncio.gather(
-                *(
-                    store.try_acquire(key, pending(key, f"owner-{i}"), LOCK_TTL)
-                    for i, store in enumerate(stores)
-                )
-            )
-            winners = [i for i, result in enumerate(results) if result.acquired]
-            assert len(winners) == 1, f"round {round_number}: winners {winners}"
-            holder = f"owner-{winners[0]}"
-            for result in results:
-                if not result.acquired:
-                    assert result.record is not None
-                    assert result.record.owner_token == holder
-            stored = await stores[0].get(key)
-            assert stored is not None
-            assert stored.owner_token == holder
+        yield stores
     finally:
         await asyncio.gather(*(client.aclose() for client in clients))
 
 
+async def race(stores: list[RedisStore], key: str, round_number: int) -> list[AcquireResult]:
+    """Every store tries to acquire ``key`` at once (store i as owner-i); exactly one wins, and
+    every loser sees the winner's record. Returns the results, the winner's first."""
+    results = await asyncio.gather(
+        *(
+            store.try_acquire(key, pending(key, f"owner-{i}"), LOCK_TTL)
+            for i, store in enumerate(stores)
+        )
+    )
+    winners = [i for i, result in enumerate(results) if result.acquired]
+    assert len(winners) == 1, f"round {round_number}: winners {winners}"
+    losers = [result for result in results if not result.acquired]
+    for result in losers:
+        assert result.record is not None
+        assert result.record.owner_token == f"owner-{winners[0]}"
+    return [results[winners[0]], *losers]
+
+
+@STRATEGIES
+async def test_one_winner_among_independent_connections(
+    redis_url: str, redis_key_prefix: str, acquire: AcquireStrategy
+) -> None:
+    async with independent_stores(redis_url, redis_key_prefix, acquire) as stores:
+        for round_number in range(ROUNDS):
+            key = f"round-{round_number}"
+            _, loser, *_ = await race(stores, key, round_number)
+            stored = await stores[0].get(key)
+            assert stored is not None
+            assert loser.record is not None
+            assert stored.owner_token == loser.record.owner_token
+
+
 @STRATEGIES
 async def test_one_winner_takes_over_a_dead_handlers_checkpoints(
-    redis_url: str, prefix: str, acquire: AcquireStrategy
+    redis_url: str, redis_key_prefix: str, acquire: AcquireStrategy
 ) -> None:
-    clients = [aioredis.from_url(redis_url) for _ in range(CLIENTS)]
-    stores = [RedisStore(client, key_prefix=prefix, acquire=acquire) for client in clients]
-    try:
-        await asyncio.gather(*(store.get("warm-up") for store in stores))
+    async with independent_stores(redis_url, redis_key_prefix, acquire) as stores:
         for round_number in range(TAKEOVER_ROUNDS):
             key = f"takeover-{round_number}"
             dead = pending(key, "dead-owner")
@@ -91,26 +95,13 @@ async def test_one_winner_takes_over_a_dead_handlers_checkpoints(
                 locked_until=now - 1,
             )
             assert await stores[0].save_progress(key, saved, 60)
-
-            results = await asyncio.gather(
-                *(
-                    store.try_acquire(key, pending(key, f"owner-{i}"), LOCK_TTL)
-                    for i, store in enumerate(stores)
-                )
-            )
-
-            winners = [i for i, result in enumerate(results) if result.acquired]
-            assert len(winners) == 1, f"round {round_number}: winners {winners}"
-            taken = results[winners[0]].record
+            winner, *losers = await race(stores, key, round_number)
+            taken = winner.record
             assert taken is not None
             assert taken.owner_token == "dead-owner"
-            for result in results:
-                if not result.acquired:
-                    assert result.record is not None
-                    assert result.record.owner_token == f"owner-{winners[0]}"
-                    assert result.record.checkpoints == taken.checkpoints
-    finally:
-        await asyncio.gather(*(client.aclose() for client in clients))
+            for result in losers:
+                assert result.record is not None
+                assert result.record.checkpoints == taken.checkpoints
 
 
 def _contend(
