@@ -289,6 +289,8 @@ class _GuardedRequest:
         return (time.perf_counter() - self.started) * 1000
 
     async def _decided(self, result: CheckResult, note: str | None = None) -> None:
+        if not self.mw.observer.wants_events:
+            return
         await self.mw.observer.emit(
             "idempotency_check",
             key=self.key,
@@ -301,6 +303,8 @@ class _GuardedRequest:
     async def _ended(self, result: OutcomeResult, status_code: int | None) -> None:
         if result is OutcomeResult.LOCK_LOST:
             self.mw.observer.processing_timeout(self._endpoint(), "lock_lost")
+        if not self.mw.observer.wants_events:
+            return
         await self.mw.observer.emit(
             "idempotency_outcome",
             key=self.key,

@@ -102,6 +102,7 @@ class Observer:
 
     @property
     def wants_events(self) -> bool:
+        """False when nobody listens: then the middleware builds no event at all."""
         return (
             self._on_event is not None
             or self.metrics is not None
@@ -124,8 +125,6 @@ class Observer:
         status_code: int | None = None,
         note: str | None = None,
     ) -> None:
-        if not self.wants_events:
-            return
         event = IdempotencyEvent(
             event=kind,
             idempotency_key=self._shown_key(key),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -89,8 +89,17 @@ class IdempotencyRecord:
         self, status: RecordStatus, response: StoredResponse, expires_at: float
     ) -> IdempotencyRecord:
         """This record moved to a final state with its response (and no lease any more)."""
-        return replace(
-            self, status=status, response=response, expires_at=expires_at, locked_until=None
+        # Built directly: dataclasses.replace costs more than the rest of this on the hot path.
+        return IdempotencyRecord(
+            key=self.key,
+            status=status,
+            request_fingerprint=self.request_fingerprint,
+            owner_token=self.owner_token,
+            created_at=self.created_at,
+            expires_at=expires_at,
+            fingerprint_version=self.fingerprint_version,
+            response=response,
+            checkpoints=self.checkpoints,
         )
 
 

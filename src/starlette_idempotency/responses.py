@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import replace
 from typing import Literal
 
 import orjson
@@ -142,8 +141,8 @@ def stored_response(
         headers.append((name, raw_value.decode("latin-1")))
     if body is None:
         headers.append(BODY_OMITTED_HEADER)
-    stored = StoredResponse(status, tuple(headers), body or b"")
-    return replace(stored, content_type=stored.header("content-type"))
+    content_type = next((value for name, value in headers if name == "content-type"), None)
+    return StoredResponse(status, tuple(headers), body or b"", content_type)
 
 
 async def send_requires_recovery(send: Send, checkpoint: str) -> None:
