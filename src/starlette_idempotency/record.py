@@ -77,6 +77,23 @@ class IdempotencyRecord:
     def is_expired(self, now: float) -> bool:
         return now >= self.expires_at
 
+    # The design's flat names for the stored response (None while InProgress).
+    @property
+    def response_status_code(self) -> int | None:
+        return self.response.status_code if self.response else None
+
+    @property
+    def response_body(self) -> bytes | None:
+        return self.response.body if self.response else None
+
+    @property
+    def response_headers(self) -> tuple[tuple[str, str], ...] | None:
+        return self.response.headers if self.response else None
+
+    @property
+    def response_content_type(self) -> str | None:
+        return self.response.content_type if self.response else None
+
     def lease_expired(self, now: float) -> bool:
         """True for an ``InProgress`` record with checkpoints whose lease has run out."""
         return (

@@ -43,3 +43,21 @@ def test_exported_members() -> None:
     assert starlette_idempotency.__all__ == sorted(starlette_idempotency.__all__)
     for name in starlette_idempotency.__all__:
         assert getattr(starlette_idempotency, name) is not None
+
+
+def test_record_offers_the_designs_flat_response_fields() -> None:
+    from starlette_idempotency import IdempotencyRecord, RecordStatus, StoredResponse
+
+    pending = IdempotencyRecord("k", RecordStatus.IN_PROGRESS, "sha256:x", "owner", 1.0, 2.0)
+    assert pending.response_status_code is None
+    assert pending.response_body is None
+    done = pending.finished(
+        RecordStatus.COMPLETED,
+        StoredResponse(201, (("content-type", "application/json"),), b"{}", "application/json"),
+        expires_at=3.0,
+    )
+    assert done.status == "Completed"
+    assert done.response_status_code == 201
+    assert done.response_body == b"{}"
+    assert done.response_headers == (("content-type", "application/json"),)
+    assert done.response_content_type == "application/json"
