@@ -282,6 +282,9 @@ class _GuardedRequest:
         self.send = send
         self.key: str | None = None
         self.started = time.perf_counter()
+        self.content_length: int | None = None
+        self.content_type = ""
+        self.chosen_headers: list[tuple[str, str]] = []
         self.store_key = ""
         self.record: IdempotencyRecord  # set once the key is owned
 
@@ -334,7 +337,18 @@ class _GuardedRequest:
 
     async def run(self) -> None:
         mw = self.mw
-        raw_keys = [value for name, value in self.scope["headers"] if name == mw._header_bytes]
+        # One pass over the headers for everything the request needs from them.
+        raw_keys: list[bytes] = []
+        wanted = self.policy.fingerprint_header_names
+        for name, value in self.scope["headers"]:
+            if name == mw._header_bytes:
+                raw_keys.append(value)
+            elif name == b"content-length":
+                self.content_length = int(value) if value.isdigit() else None
+            elif name == b"content-type":
+                self.content_type = value.decode("latin-1")
+            if name in wanted:
+                self.chosen_headers.append((name.decode("latin-1"), value.decode("latin-1")))
         if not raw_keys:
             if self.policy.required:
                 await self._reject(
@@ -363,10 +377,9 @@ class _GuardedRequest:
     async def _read_body(self) -> bytes | None:
         """The whole request body, or ``None`` once an answer was sent (413) or the client left."""
         limit = self.mw._max_body_bytes
-        for name, value in self.scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                await self._body_too_large()
-                return None
+        if self.content_length is not None and self.content_length > limit:
+            await self._body_too_large()
+            return None
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -394,19 +407,11 @@ class _GuardedRequest:
         """The request's fingerprint; ``None`` when ``fingerprint="validated"`` finds the body
         is not a valid command."""
         scope = self.scope
-        wanted = self.policy.fingerprint_header_names
-        content_type = ""
-        chosen: list[tuple[str, str]] = []
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                content_type = value.decode("latin-1")
-            if name in wanted:
-                chosen.append((name.decode("latin-1"), value.decode("latin-1")))
         command = self.route.command
         if command is None:
             kind, canonical = raw_body_form(
                 body,
-                json_body=is_json_content_type(content_type),
+                json_body=is_json_content_type(self.content_type),
                 excluded=self.policy.excluded_field_names,
             )
         else:
@@ -418,7 +423,7 @@ class _GuardedRequest:
             method=scope["method"],
             path=scope["path"],
             query_string=scope.get("query_string", b""),
-            headers=chosen,
+            headers=self.chosen_headers,
             body_kind=kind,
             body=canonical,
         )

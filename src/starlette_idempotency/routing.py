@@ -47,8 +47,22 @@ class _Leaf:
     template: str
 
 
+_INCLUDED_ROUTER_TYPES: dict[type, bool] = {}
+
+
+def _is_included_router(route: object) -> bool:
+    """FastAPI's lazily included router (``include_router`` since FastAPI 0.13x), by type once:
+    its public ``matches()`` hides which route matched, so it is entered through ``_match``."""
+    kind = type(route)
+    known = _INCLUDED_ROUTER_TYPES.get(kind)
+    if known is None:
+        known = _INCLUDED_ROUTER_TYPES[kind] = hasattr(kind, "_match") and hasattr(
+            kind, "effective_candidates"
+        )
+    return known
+
+
 def _included_router_match(route: Any, scope: Scope) -> tuple[Match, Scope, Any, Any]:
-    # FastAPI's lazily included router: its public matches() hides which route matched.
     result: tuple[Match, Scope, Any, Any] = route._match(scope)
     return result
 
@@ -56,11 +70,11 @@ def _included_router_match(route: Any, scope: Scope) -> tuple[Match, Scope, Any,
 def find_leaf(routes: Iterable[BaseRoute], scope: Scope, prefix: str = "") -> _Leaf | None:
     """The first route that fully matches ``scope``, with its full path template."""
     for route in routes:
-        if hasattr(route, "_match") and hasattr(route, "effective_candidates"):
+        if _is_included_router(route):
             match, child_scope, matched, context = _included_router_match(route, scope)
             if match is not Match.FULL:
                 continue
-            if hasattr(matched, "effective_candidates"):
+            if _is_included_router(matched):
                 return find_leaf([matched], scope, prefix)
             if isinstance(matched, Mount | Host):
                 return _enter(matched, scope, child_scope, prefix)
