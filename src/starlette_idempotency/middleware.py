@@ -1,87 +1,58 @@
-"""The pure-ASGI middleware that drives the idempotency state machine against a store.
+"""The pure-ASGI middleware: its options, the route lookup, and the store calls.
 
-For a guarded request: validate the key, buffer and fingerprint the body, acquire the key as
-``InProgress``, run the app, and settle the outcome before the last body chunk reaches the
-client (complete, fail or release). A key already held answers with a replay, a 409 or a 422
-without running the app.
+Non-HTTP scopes, other methods and undecorated routes pass straight through; a guarded
+request is handed to :class:`~starlette_idempotency.guarded.GuardedRequest`, which drives the
+state machine through :meth:`IdempotencyMiddleware.call_store`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar
 
-import anyio
 from starlette.requests import HTTPConnection
 
 from starlette_idempotency._types import (
     DEFAULT_HEADER_NAME,
     ASGIApp,
     Clock,
-    Message,
     Receive,
     Scope,
     Send,
     system_clock,
 )
-from starlette_idempotency.context import CONTEXT_SCOPE_KEY, IdempotencyContext
 from starlette_idempotency.errors import (
     ConfigurationError,
-    LockLostError,
     StoreError,
     StoreTimeoutError,
 )
-from starlette_idempotency.fingerprint import (
-    is_json_content_type,
-    raw_body_form,
-    request_fingerprint,
-    storage_key,
-)
-from starlette_idempotency.keys import InvalidKey, parse_key
+from starlette_idempotency.guarded import GuardedRequest
 from starlette_idempotency.observability import (
-    CheckResult,
     EventHook,
     KeyLogging,
     MetricsSink,
     Observer,
-    OutcomeResult,
     StoreCallTracer,
 )
 from starlette_idempotency.policy import (
-    MARKS_SCOPE_KEY,
     FingerprintChangePolicy,
     FingerprintMode,
     IdempotencyPolicy,
     InProgressPolicy,
     RecoveryPolicy,
     ReplayPolicy,
-    RequestMarks,
     StoreErrorPolicy,
-    current_marks,
 )
-from starlette_idempotency.record import Checkpoint, IdempotencyRecord, RecordStatus
 from starlette_idempotency.responses import (
-    ALREADY_PROCESSED_MESSAGE,
-    IN_PROGRESS_MESSAGE,
-    MISMATCH_MESSAGE,
-    STORE_UNAVAILABLE_MESSAGE,
     ErrorFormat,
     ErrorResponder,
-    Problem,
-    retry_after_seconds,
-    send_replay,
-    send_requires_recovery,
-    stored_response,
 )
-from starlette_idempotency.routing import GuardedRoute, RouteResolver
-from starlette_idempotency.stores.base import AcquireResult, IdempotencyStore
+from starlette_idempotency.routing import RouteResolver
+from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.waiting import Waiters
 
 logger = logging.getLogger(__name__)
@@ -89,13 +60,6 @@ logger = logging.getLogger(__name__)
 KeyScope = Callable[[HTTPConnection], "str | Awaitable[str | None] | None"]
 """Returns the owner of a request's keys (a user or tenant id); sync or async."""
 
-# Statuses that say "try again" rather than "this is the outcome": the key is released.
-_TRANSIENT_STATUSES = frozenset({408, 429})
-# Without the decorator's start mark, these are what a step before the endpoint produces
-# (request validation, authentication), so they release the key instead of being stored.
-_PRE_ENDPOINT_STATUSES = frozenset({401, 403, 422})
-# Response extensions whose body bypasses http.response.body and so could not be stored.
-_UNCAPTURABLE_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
 
 _T = TypeVar("_T")
 _warned_anonymous = False
@@ -196,7 +160,7 @@ class IdempotencyMiddleware:
         if route is None:
             await self.app(scope, receive, send)
             return
-        await _GuardedRequest(self, route, scope, receive, send).run()
+        await GuardedRequest(self, route, scope, receive, send).run()
 
     async def call_store(self, operation: Callable[..., Awaitable[_T]], *args: Any) -> _T:
         """Run one store call within ``store_timeout_seconds``; any failure is a StoreError."""
@@ -261,579 +225,3 @@ def _warn_anonymous_once() -> None:
             "share one stored response. Pass key_scope= or add the authentication middleware "
             "outside IdempotencyMiddleware."
         )
-
-
-class _GuardedRequest:
-    """One guarded request's journey through the state machine."""
-
-    def __init__(
-        self,
-        middleware: IdempotencyMiddleware,
-        route: GuardedRoute,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-    ) -> None:
-        self.mw = middleware
-        self.route = route
-        self.policy = route.policy
-        self.scope = scope
-        self.receive = receive
-        self.send = send
-        self.key: str | None = None
-        self.started = time.perf_counter()
-        self.content_length: int | None = None
-        self.content_type = ""
-        self.chosen_headers: list[tuple[str, str]] = []
-        self.store_key = ""
-        self.record: IdempotencyRecord  # set once the key is owned
-
-    def _elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.started) * 1000
-
-    async def _decided(self, result: CheckResult, note: str | None = None) -> None:
-        if not self.mw.observer.wants_events:
-            return
-        await self.mw.observer.emit(
-            "idempotency_check",
-            key=self.key,
-            endpoint=self._endpoint(),
-            result=result,
-            duration_ms=self._elapsed_ms(),
-            note=note,
-        )
-
-    async def _ended(self, result: OutcomeResult, status_code: int | None) -> None:
-        if result is OutcomeResult.LOCK_LOST:
-            self.mw.observer.processing_timeout(self._endpoint(), "lock_lost")
-        if not self.mw.observer.wants_events:
-            return
-        await self.mw.observer.emit(
-            "idempotency_outcome",
-            key=self.key,
-            endpoint=self._endpoint(),
-            result=result,
-            duration_ms=self._elapsed_ms(),
-            status_code=status_code,
-        )
-
-    def _endpoint(self) -> str:
-        return f"{self.scope['method']} {self.route.template}"
-
-    async def _reject(
-        self,
-        problem: Problem,
-        detail: str,
-        result: CheckResult,
-        *,
-        retry_after: int | None = None,
-        note: str | None = None,
-        location: str | None = None,
-    ) -> None:
-        await self._decided(result, note)
-        await self.mw._errors.send(
-            self.send, problem, detail, retry_after=retry_after, location=location
-        )
-
-    async def run(self) -> None:
-        mw = self.mw
-        # One pass over the headers for everything the request needs from them.
-        raw_keys: list[bytes] = []
-        wanted = self.policy.fingerprint_header_names
-        for name, value in self.scope["headers"]:
-            if name == mw._header_bytes:
-                raw_keys.append(value)
-            elif name == b"content-length":
-                self.content_length = int(value) if value.isdigit() else None
-            elif name == b"content-type":
-                self.content_type = value.decode("latin-1")
-            if name in wanted:
-                self.chosen_headers.append((name.decode("latin-1"), value.decode("latin-1")))
-        if not raw_keys:
-            if self.policy.required:
-                await self._reject(
-                    Problem.MISSING_KEY,
-                    f"{mw.header_name} header is required",
-                    CheckResult.MISSING_KEY,
-                )
-            else:
-                await self._decided(CheckResult.MISSING_KEY)
-                await mw.app(self.scope, self.receive, self.send)
-            return
-        key = (
-            parse_key(raw_keys[0], header_name=mw.header_name, max_length=mw._max_key_length)
-            if len(raw_keys) == 1
-            else InvalidKey(f"{mw.header_name} must be sent only once")
-        )
-        if isinstance(key, InvalidKey):
-            await self._reject(Problem.INVALID_KEY, key.message, CheckResult.INVALID_KEY)
-            return
-        self.key = key
-        body = await self._read_body()
-        if body is None:
-            return
-        await self._guard(key, body)
-
-    async def _read_body(self) -> bytes | None:
-        """The whole request body, or ``None`` once an answer was sent (413) or the client left."""
-        limit = self.mw._max_body_bytes
-        if self.content_length is not None and self.content_length > limit:
-            await self._body_too_large()
-            return None
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await self._body_too_large()
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
-    async def _body_too_large(self) -> None:
-        await self._reject(
-            Problem.BODY_TOO_LARGE,
-            f"Request body exceeds the {self.mw._max_body_bytes}-byte limit "
-            "for idempotent requests",
-            CheckResult.TOO_LARGE,
-        )
-
-    def _fingerprint(self, body: bytes) -> str | None:
-        """The request's fingerprint; ``None`` when ``fingerprint="validated"`` finds the body
-        is not a valid command."""
-        scope = self.scope
-        command = self.route.command
-        if command is None:
-            kind, canonical = raw_body_form(
-                body,
-                json_body=is_json_content_type(self.content_type),
-                excluded=self.policy.excluded_field_names,
-            )
-        else:
-            kind, validated = "command", command.canonical(body)
-            if validated is None:
-                return None
-            canonical = validated
-        return request_fingerprint(
-            method=scope["method"],
-            path=scope["path"],
-            query_string=scope.get("query_string", b""),
-            headers=self.chosen_headers,
-            body_kind=kind,
-            body=canonical,
-        )
-
-    async def _guard(self, key: str, body: bytes) -> None:
-        mw, policy = self.mw, self.policy
-        fingerprint = self._fingerprint(body)
-        if fingerprint is None:
-            await self._pass_invalid_command(body)
-            return
-        self.store_key = storage_key(
-            await mw.scope_id(self.scope), self.scope["method"], self.route.template, key
-        )
-        now = mw._clock()
-        pending = IdempotencyRecord(
-            key=key,
-            status=RecordStatus.IN_PROGRESS,
-            request_fingerprint=fingerprint,
-            owner_token=secrets.token_hex(16),
-            created_at=now,
-            expires_at=now + policy.lock_ttl_seconds,
-            fingerprint_version=self.route.fingerprint_version,
-        )
-        try:
-            acquired = await self._try_acquire(pending)
-        except StoreError as exc:
-            await self._on_store_down(exc, body)
-            return
-        if not acquired.acquired:
-            assert acquired.record is not None
-            if self._is_waitable(acquired.record, fingerprint):
-                after_wait = await self._wait_for_first(pending)
-                if after_wait is None:
-                    return
-                acquired = after_wait
-            if not acquired.acquired:
-                assert acquired.record is not None
-                await self._answer_existing(acquired.record, fingerprint)
-                return
-        await self._run_owned(pending, acquired.record, body)
-
-    async def _try_acquire(self, pending: IdempotencyRecord) -> AcquireResult:
-        store, lock_ttl = self.mw.store, self.policy.lock_ttl_seconds
-        if self.policy.on_recovery == "hold":
-            acquire = functools.partial(store.try_acquire, recover=False)
-            return await self.mw.call_store(acquire, self.store_key, pending, lock_ttl)
-        return await self.mw.call_store(store.try_acquire, self.store_key, pending, lock_ttl)
-
-    def _same_request(self, record: IdempotencyRecord, fingerprint: str) -> tuple[bool, str | None]:
-        """Whether ``record`` was made by this same request, and a note for the event."""
-        if record.fingerprint_version != self.route.fingerprint_version:
-            # Fingerprinted under another scheme or route version (a deploy in between):
-            # comparing the two would be meaningless, so the policy decides.
-            return self.policy.on_fingerprint_change == "replay", "fingerprint_version_changed"
-        return record.request_fingerprint == fingerprint, None
-
-    def _is_waitable(self, record: IdempotencyRecord, fingerprint: str) -> bool:
-        return (
-            self.policy.on_in_progress == "wait"
-            and record.status is RecordStatus.IN_PROGRESS
-            and not record.lease_expired(self.mw._clock())
-            and self._same_request(record, fingerprint)[0]
-        )
-
-    async def _wait_for_first(self, pending: IdempotencyRecord) -> AcquireResult | None:
-        """Wait for the request holding the key to finish, then try again.
-
-        Returns the final acquire result, or ``None`` once this request has been answered
-        (409 when the wait timed out or too many requests already wait).
-        """
-        mw = self.mw
-        deadline = time.monotonic() + self.policy.wait_timeout_seconds
-        result: AcquireResult | None = None
-        async with mw.waiters.waiting(self.store_key) as watch:
-            if watch is None:
-                await self._reject_in_progress(None, note="too_many_waiters")
-                return None
-            while (remaining := deadline - time.monotonic()) > 0:
-                changed, record = await watch.changed(remaining)
-                if not changed:
-                    break
-                if record is not None:
-                    if record.status is not RecordStatus.IN_PROGRESS:
-                        return AcquireResult(acquired=False, record=record)
-                    continue  # another request took the key over: wait for it instead
-                try:
-                    result = await self._try_acquire(pending)  # the key is free: take it
-                except StoreError:
-                    continue  # the store hiccupped: keep waiting until the deadline
-                if result.acquired or result.record is None:
-                    return result
-                if result.record.status is not RecordStatus.IN_PROGRESS:
-                    return result
-        await self._reject_in_progress(result.record if result else None, note="wait_timed_out")
-        return None
-
-    async def _pass_invalid_command(self, body: bytes) -> None:
-        """Let the app answer an invalid body with its own 422, without touching the store.
-
-        Should the endpoint start anyway (the app accepted what its own model rejects), the
-        start mark refuses to run it unprotected.
-        """
-        await self._decided(CheckResult.INVALID_BODY)
-        marks = RequestMarks()
-        marks.must_not_start = True
-        scope = self.scope
-        scope[MARKS_SCOPE_KEY] = marks
-        token = current_marks.set(marks)
-        try:
-            await self.mw.app(scope, _replaying_receive(body, self.receive), self.send)
-        finally:
-            current_marks.reset(token)
-
-    async def _on_store_down(self, exc: StoreError, body: bytes) -> None:
-        if self.policy.on_store_error == "fail_open":
-            logger.warning(
-                "idempotency store unavailable, running %s unprotected (fail_open): %s",
-                self._endpoint(),
-                exc,
-            )
-            await self._decided(CheckResult.FAIL_OPEN)
-            await self.mw.app(self.scope, _replaying_receive(body, self.receive), self.send)
-            return
-        logger.error("idempotency store unavailable, answering 503: %s", exc)
-        await self._reject(
-            Problem.STORE_UNAVAILABLE,
-            STORE_UNAVAILABLE_MESSAGE,
-            CheckResult.STORE_ERROR,
-            retry_after=1,
-        )
-
-    async def _reject_in_progress(
-        self, record: IdempotencyRecord | None, note: str | None = None
-    ) -> None:
-        remaining = record.expires_at - self.mw._clock() if record else 1.0
-        await self._reject(
-            Problem.IN_PROGRESS,
-            IN_PROGRESS_MESSAGE,
-            CheckResult.CONFLICT,
-            retry_after=retry_after_seconds(remaining),
-            note=note,
-        )
-
-    async def _answer_existing(self, record: IdempotencyRecord, fingerprint: str) -> None:
-        same_request, note = self._same_request(record, fingerprint)
-        if not same_request:
-            await self._reject(Problem.MISMATCH, MISMATCH_MESSAGE, CheckResult.MISMATCH, note=note)
-        elif record.lease_expired(self.mw._clock()):
-            # on_recovery="hold": a handler checkpointed and died; nobody may run it again
-            # until an operator or a reconciler resolves the record.
-            await self._decided(CheckResult.REQUIRES_RECOVERY, note=note)
-            await send_requires_recovery(self.send, record.checkpoints[-1].name)
-        elif record.status is RecordStatus.IN_PROGRESS or record.response is None:
-            await self._reject_in_progress(record, note)
-        elif self.policy.replay == "reject":
-            await self._reject(
-                Problem.ALREADY_PROCESSED,
-                ALREADY_PROCESSED_MESSAGE,
-                CheckResult.REPLAYED,
-                note="replay_rejected",
-                location=record.response.header("location"),
-            )
-        else:
-            await self._decided(CheckResult.REPLAYED, note=note)
-            await send_replay(self.send, record.response)
-
-    async def _run_owned(
-        self, pending: IdempotencyRecord, taken_over: IdempotencyRecord | None, body: bytes
-    ) -> None:
-        """Run the app as the key's owner and settle the outcome before the response ends."""
-        mw, policy = self.mw, self.policy
-        self.record = pending
-        if taken_over is not None and taken_over.status is RecordStatus.IN_PROGRESS:
-            mw.observer.processing_timeout(self._endpoint(), "expired_lease_taken_over")
-            if taken_over.checkpoints:
-                # The store kept the dead handler's recovery points under our token.
-                self.record = replace(
-                    taken_over,
-                    owner_token=pending.owner_token,
-                    locked_until=pending.expires_at,
-                    expires_at=mw._clock() + policy.ttl_seconds,
-                )
-        await self._decided(
-            CheckResult.ACQUIRED, note="recovering" if self.record.checkpoints else None
-        )
-        scope = self._scope_for_app()
-        marks = RequestMarks()
-        scope[MARKS_SCOPE_KEY] = marks
-        scope[CONTEXT_SCOPE_KEY] = IdempotencyContext(
-            self.record.key, self.record.checkpoints, self._checkpoint
-        )
-        status = 0
-        raw_headers: list[tuple[bytes, bytes]] = []
-        chunks: list[bytes] | None = []  # None once the body outgrew max_response_bytes
-        size = 0
-        settled = False
-
-        async def capture(message: Message) -> None:
-            nonlocal status, raw_headers, chunks, size, settled
-            kind = message["type"]
-            if kind == "http.response.start":
-                status = message["status"]
-                raw_headers = list(message.get("headers", ()))
-            elif kind == "http.response.body" and not settled:
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > policy.max_response_bytes:
-                    chunks = None
-                elif chunks is not None:
-                    chunks.append(chunk)
-                if not message.get("more_body", False):
-                    settled = True
-                    await self._settle(marks, status, raw_headers, chunks)
-            await self.send(message)
-
-        renewal = _LockRenewal(self) if policy.renew_lock else None
-        token = current_marks.set(marks)
-        try:
-            await mw.app(scope, _replaying_receive(body, self.receive), capture)
-        finally:
-            current_marks.reset(token)
-            if renewal is not None:
-                renewal.stop()
-            if not settled:
-                # The app raised, or returned without finishing its response: nothing to
-                # replay, so the client may retry with the same key. Shielded, so a
-                # cancelled request still frees its key.
-                with anyio.CancelScope(shield=True):
-                    await self._release(status or None)
-
-    async def _checkpoint(self, name: str, data: Any) -> None:
-        """Save a recovery point on the record this request owns (see ``checkpoint``)."""
-        mw, policy = self.mw, self.policy
-        if not getattr(mw.store, "supports_recovery", False):
-            raise ConfigurationError(
-                f"{type(mw.store).__name__} cannot keep recovery points: use "
-                "RedisStore, PostgresStore or MemoryStore"
-            )
-        now = mw._clock()
-        record = replace(
-            self.record,
-            checkpoints=(*self.record.checkpoints, Checkpoint(name, data, now)),
-            locked_until=now + policy.lock_ttl_seconds,
-            expires_at=now + policy.ttl_seconds,
-        )
-        await self._save_progress(record)
-
-    async def _save_progress(self, record: IdempotencyRecord) -> None:
-        saved = await self.mw.call_store(
-            self.mw.store.save_progress, self.store_key, record, self.policy.ttl_seconds
-        )
-        if not saved:
-            raise LockLostError(f"the lock for idempotency key {record.key!r} was taken over")
-        self.record = record
-
-    async def renew_lock(self) -> bool:
-        """Extend this request's lock; false when it is gone or held by someone else."""
-        if not self.record.checkpoints:
-            return await self.mw.call_store(
-                self.mw.store.renew,
-                self.store_key,
-                self.record.owner_token,
-                self.policy.lock_ttl_seconds,
-            )
-        # A checkpointed record keeps its lease inside its value.
-        lease = self.mw._clock() + self.policy.lock_ttl_seconds
-        try:
-            await self._save_progress(replace(self.record, locked_until=lease))
-        except LockLostError:
-            return False
-        return True
-
-    def _scope_for_app(self) -> Scope:
-        extensions = self.scope.get("extensions") or {}
-        if not any(name in extensions for name in _UNCAPTURABLE_EXTENSIONS):
-            return self.scope
-        kept = {k: v for k, v in extensions.items() if k not in _UNCAPTURABLE_EXTENSIONS}
-        return {**self.scope, "extensions": kept}
-
-    async def _settle(
-        self,
-        marks: RequestMarks,
-        status: int,
-        raw_headers: list[tuple[bytes, bytes]],
-        chunks: list[bytes] | None,
-    ) -> None:
-        if not self._should_store(marks, status):
-            await self._release(status)
-            return
-        completed = status < 400
-        record = self.record.finished(
-            RecordStatus.COMPLETED if completed else RecordStatus.FAILED,
-            stored_response(status, raw_headers, None if chunks is None else b"".join(chunks)),
-            expires_at=self.mw._clock() + self.policy.ttl_seconds,
-        )
-        store = self.mw.store
-        try:
-            stored = await self.mw.call_store(
-                store.complete if completed else store.fail,
-                self.store_key,
-                record,
-                self.policy.ttl_seconds,
-            )
-        except StoreError as exc:
-            logger.error(
-                "could not store the response for idempotency key %r; a retry is answered 409 "
-                "until the lock expires and then runs again: %s",
-                self.key,
-                exc,
-            )
-            stored = True  # not lost to another owner: the outcome is still this request's
-        if not stored:
-            logger.warning(
-                "lock for idempotency key %r was lost to another request; its response was "
-                "sent to this client but not stored",
-                self.key,
-            )
-            await self._ended(OutcomeResult.LOCK_LOST, status)
-            return
-        await self._ended(OutcomeResult.COMPLETED if completed else OutcomeResult.FAILED, status)
-
-    def _should_store(self, marks: RequestMarks, status: int) -> bool:
-        if marks.retryable or status >= 500 or status in _TRANSIENT_STATUSES:
-            return False
-        if self.route.marks_start:
-            return marks.endpoint_started
-        return status not in _PRE_ENDPOINT_STATUSES
-
-    async def _release(self, status: int | None) -> None:
-        if self.record.checkpoints:
-            # Recovery points mean a side effect may have happened: keep them for the retry.
-            await self._keep_for_recovery(status)
-            return
-        try:
-            released = await self.mw.call_store(
-                self.mw.store.release, self.store_key, self.record.owner_token
-            )
-        except StoreError as exc:
-            logger.error("could not release idempotency key %r: %s", self.key, exc)
-            released = True
-        if released:
-            await self._ended(OutcomeResult.RELEASED, status)
-        else:
-            logger.warning("lock for %r was taken over before it could be released", self.key)
-            await self._ended(OutcomeResult.LOCK_LOST, status)
-
-    async def _keep_for_recovery(self, status: int | None) -> None:
-        """End the lease now, keeping the checkpoints, so a retry recovers at once."""
-        try:
-            await self._save_progress(replace(self.record, locked_until=self.mw._clock()))
-        except LockLostError:
-            await self._ended(OutcomeResult.LOCK_LOST, status)
-            return
-        except StoreError as exc:
-            logger.error("could not end the lease of idempotency key %r: %s", self.key, exc)
-        await self._ended(OutcomeResult.RELEASED, status)
-
-
-def _replaying_receive(body: bytes, receive: Receive) -> Receive:
-    """A receive that hands the buffered body to the app once, then defers to the client
-    (so the app still sees ``http.disconnect``)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
-
-
-class _LockRenewal:
-    """Extends the lock every third of its TTL while the handler runs.
-
-    Nothing is scheduled but a timer until the first third has passed, so short handlers cost
-    no store round trip. A failed renewal never aborts the handler.
-    """
-
-    def __init__(self, request: _GuardedRequest) -> None:
-        self._request = request
-        self._interval = request.policy.lock_ttl_seconds / 3
-        loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = loop.call_later(self._interval, self._start)
-        self._task: asyncio.Task[None] | None = None
-
-    def _start(self) -> None:
-        self._timer = None
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def _loop(self) -> None:
-        request = self._request
-        while True:
-            started = time.monotonic()
-            try:
-                renewed = await request.renew_lock()
-            except StoreError as exc:
-                logger.warning("could not renew the lock for %r: %s", request.key, exc)
-            else:
-                if not renewed:
-                    logger.warning("lock for %r is gone; renewal stopped", request.key)
-                    request.mw.observer.processing_timeout(
-                        request._endpoint(), "renewal_found_gone"
-                    )
-                    return
-            await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()
