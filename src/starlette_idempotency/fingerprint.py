@@ -76,7 +76,11 @@ def request_fingerprint(
     ``headers`` are the (lower-cased name, value) pairs chosen to take part; ``body`` is already
     in canonical form, and ``body_kind`` names that form ("json", "bytes" or "command").
     """
-    query = sorted(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
+    query = (
+        sorted(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
+        if query_string
+        else []
+    )
     # The head is one JSON array, so it ends unambiguously before the body bytes begin.
     head = orjson.dumps([method, path, query, sorted(headers), body_kind])
     digest = hashlib.sha256(head)

@@ -441,6 +441,9 @@ class GuardedRequest:
             await mw.app(scope, _replaying_receive(body, self.receive), capture)
         finally:
             current_marks.reset(token)
+            # The context refers back to this request, which refers to the scope: break the
+            # cycle, or every request would leave its whole scope to the garbage collector.
+            scope.pop(CONTEXT_SCOPE_KEY, None)
             if renewal is not None:
                 renewal.stop()
             if not settled:

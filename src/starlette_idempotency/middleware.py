@@ -151,6 +151,7 @@ class IdempotencyMiddleware:
         self._tracer = StoreCallTracer() if tracing else None
         self.waiters = Waiters(store, self.call_store, max_waiters)
         self._store_name = str(getattr(store, "name", type(store).__name__))
+        self._store_never_blocks = bool(getattr(store, "never_blocks", False))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in self._methods:
@@ -184,6 +185,8 @@ class IdempotencyMiddleware:
 
     async def _bounded(self, operation: Callable[..., Awaitable[_T]], args: tuple[Any, ...]) -> _T:
         try:
+            if self._store_never_blocks:  # a timer per call would cost more than the call
+                return await operation(*args)
             async with asyncio.timeout(self._store_timeout):
                 return await operation(*args)
         except StoreError:

@@ -118,22 +118,32 @@ class RouteResolver:
         self._defaults = defaults
         self._protect_all = protect_all
         self._cache: dict[tuple[int, str], tuple[BaseRoute, GuardedRoute | None]] = {}
+        # Routes without path parameters have exactly one path: those skip the matching.
+        # Keyed by the path of a route that matched, so it holds at most one entry per static
+        # route and method; a path that matched nothing is never remembered.
+        self._static: dict[tuple[int, str, str, str], GuardedRoute | None] = {}
 
     def resolve(self, scope: Scope, app: ASGIApp) -> GuardedRoute | None:
         routes = find_routes(scope, app)
         if not routes:
             return None
+        static_key = (id(routes), scope["method"], scope["path"], scope.get("root_path", ""))
+        if static_key in self._static:
+            return self._static[static_key]
         leaf = find_leaf(routes, dict(scope))
         if leaf is None:
             return None
         cache_key = (id(leaf.route), leaf.template)
         cached = self._cache.get(cache_key)
         if cached is not None and cached[0] is leaf.route:
-            return cached[1]
-        guarded = self._guard(leaf)
-        if len(self._cache) >= _MAX_CACHED_ROUTES:
-            self._cache.clear()
-        self._cache[cache_key] = (leaf.route, guarded)
+            guarded = cached[1]
+        else:
+            guarded = self._guard(leaf)
+            if len(self._cache) >= _MAX_CACHED_ROUTES:
+                self._cache.clear()
+            self._cache[cache_key] = (leaf.route, guarded)
+        if "{" not in leaf.template and len(self._static) < _MAX_CACHED_ROUTES:
+            self._static[static_key] = guarded
         return guarded
 
     def _guard(self, leaf: _Leaf) -> GuardedRoute | None:

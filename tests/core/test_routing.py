@@ -134,3 +134,24 @@ async def test_policy_lookup_is_cached_per_route_not_per_path() -> None:
         await client.post(f"/items/{n}", headers=HEADERS)
     resolver: RouteResolver = middleware._resolver
     assert len(resolver._cache) == 1
+
+
+async def test_static_paths_skip_matching_but_unknown_paths_are_not_remembered() -> None:
+    @idempotent()
+    async def create(request: Request) -> Response:
+        return JSONResponse({})
+
+    app = Starlette(
+        routes=[
+            Route("/static", create, methods=["POST"]),
+            Route("/items/{n:int}", create, methods=["POST"]),
+        ]
+    )
+    middleware = IdempotencyMiddleware(app, store=MemoryStore())
+    client = make_client(middleware)
+    for n in range(5):
+        await client.post("/static", headers={"Idempotency-Key": f"s{n}"})
+        await client.post(f"/items/{n}", headers={"Idempotency-Key": f"i{n}"})
+        await client.post(f"/nowhere/{n}", headers=HEADERS)
+    resolver: RouteResolver = middleware._resolver
+    assert [key[2] for key in resolver._static] == ["/static"]

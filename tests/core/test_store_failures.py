@@ -22,6 +22,8 @@ PAYMENT = {"amount": "10.00", "currency": "EUR"}
 class BrokenStore(MemoryStore):
     """A MemoryStore whose chosen operations fail or hang."""
 
+    never_blocks = False  # it may hang: the middleware must bound its calls
+
     def __init__(self, *, failing: set[str], hang: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.failing = failing

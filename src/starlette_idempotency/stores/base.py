@@ -44,6 +44,8 @@ class IdempotencyStore(Protocol):
     #: Whether the store keeps recovery points: takes over an ``InProgress`` record whose
     #: ``locked_until`` has passed, atomically, even though the record itself lives on.
     supports_recovery: bool
+    # Optional: ``never_blocks = True`` on a store whose calls never wait on I/O lets the
+    # middleware skip the timer that bounds each call (MemoryStore).
 
     async def try_acquire(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True

@@ -31,6 +31,8 @@ class MemoryStore:
 
     name = "memory"
     supports_recovery = True
+    #: Its calls never wait on I/O, so the middleware bounds them with no timer.
+    never_blocks = True
 
     def __init__(self, *, clock: Clock = system_clock, key_prefix: str = DEFAULT_KEY_PREFIX):
         self._clock = clock

@@ -135,6 +135,10 @@ def _raise_store_error(exc: Exception, operation: str) -> NoReturn:
     raise exc
 
 
+async def _keep_session(connection: Any) -> None:
+    """A pool ``reset`` that sends nothing (see :meth:`PostgresStore.connect`)."""
+
+
 def _checkpoints_json(record: IdempotencyRecord) -> str | None:
     if not record.checkpoints:
         return None
@@ -213,11 +217,14 @@ class PostgresStore:
         """Open an asyncpg pool on ``dsn`` (closed again by :meth:`aclose`).
 
         ``pool_options`` go to ``asyncpg.create_pool`` (``min_size`` defaults to 1, and the
-        connect timeout to ``operation_timeout``).
+        connect timeout to ``operation_timeout``). The pool skips asyncpg's reset of a
+        connection on its way back to the pool (a round trip per statement here): the store's
+        single statements leave no session state behind.
         """
         _quote_table(table)  # fail on a bad name before connecting
         asyncpg = _asyncpg()
         pool_options.setdefault("min_size", 1)
+        pool_options.setdefault("reset", _keep_session)
         if operation_timeout is not None:
             pool_options.setdefault("timeout", operation_timeout)
         try:

@@ -175,14 +175,13 @@ class RedisStore:
     ) -> RedisStore:
         """A store with its own ``redis.asyncio.Redis`` client, closed by :meth:`aclose`.
 
-        ``client_options`` go to ``redis.asyncio.from_url`` (timeouts, retry, pool size). The
-        pool is a ``BlockingConnectionPool`` of ``max_connections=100`` unless you say
-        otherwise: a burst of more concurrent requests waits for a connection (within the
-        middleware's ``store_timeout_seconds``) instead of failing with "Too many connections".
+        ``client_options`` go to ``redis.asyncio.from_url`` (timeouts, retry, pool size).
+        ``max_connections`` defaults to 1000 rather than redis-py's 100, past which a burst
+        of concurrent requests would fail with "Too many connections"; redis-py's
+        ``BlockingConnectionPool``, which waits instead, costs about a fifth more CPU per call.
         """
-        client_options.setdefault("max_connections", 100)
-        pool = aioredis.BlockingConnectionPool.from_url(url, **client_options)
-        client: RedisClient = aioredis.Redis.from_pool(pool)  # closes the pool with it
+        client_options.setdefault("max_connections", 1000)
+        client: RedisClient = aioredis.from_url(url, **client_options)
         store = cls(
             client,
             key_prefix=key_prefix,
