@@ -1,0 +1,85 @@
+"""The floor: the least an idempotency layer over Redis can do, hand-written as pure ASGI.
+
+Unique key: one ``SET key "" NX PX 30000 GET`` before the handler and one ``SET key response EX``
+after it. Replay: the same single ``SET NX GET`` returns the stored response. No fingerprint, no
+record format (the value is the 3-digit status followed by the body), no owner token, no
+response headers kept: everything the library adds on top of this is what the benchmark prices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, Protocol
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LOCK_TTL_MS = 30_000
+RETENTION_SECONDS = 24 * 3600
+_IN_PROGRESS = b""
+_KEY_HEADER = b"idempotency-key"
+_CONFLICT_BODY = b'{"error":"in progress"}'
+
+
+class FloorClient(Protocol):
+    """The two ``redis.asyncio.Redis`` methods the floor uses."""
+
+    def set(self, name: Any, value: Any, *args: Any, **kwargs: Any) -> Awaitable[Any]: ...
+
+    def delete(self, *names: Any) -> Awaitable[Any]: ...
+
+
+class FloorRedisMiddleware:
+    """Guards ``POST <path>`` requests that carry an ``Idempotency-Key`` header."""
+
+    def __init__(
+        self, app: ASGIApp, *, client: FloorClient, prefix: str, path: str = "/payments"
+    ) -> None:
+        self.app = app
+        self.client = client
+        self.prefix = prefix.encode("latin-1") + b":"
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+            await self.app(scope, receive, send)
+            return
+        key = next((value for name, value in scope["headers"] if name == _KEY_HEADER), None)
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        skey = self.prefix + key
+        stored = await self.client.set(skey, _IN_PROGRESS, nx=True, px=LOCK_TTL_MS, get=True)
+        if stored is not None:
+            if stored == _IN_PROGRESS:
+                await _send(send, 409, _CONFLICT_BODY)
+            else:
+                await _send(send, int(stored[:3]), stored[3:])
+            return
+        status = 0
+        chunks: list[bytes] = []
+
+        async def capture(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    value = b"%03d" % status + b"".join(chunks)
+                    await self.client.set(skey, value, ex=RETENTION_SECONDS)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        except BaseException:
+            await self.client.delete(skey)
+            raise
+
+
+async def _send(send: Send, status: int, body: bytes) -> None:
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode("latin-1")),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,17 @@
+-- A unique Idempotency-Key on every request: "<run id>-<thread>-<counter>".
+-- Usage: wrk ... -s unique.lua URL -- <run id>
+dofile(string.gsub(debug.getinfo(1, "S").source, "^@(.*/)[^/]*$", "%1") .. "common.lua")
+
+counter = 0
+thread_id = thread_id or 0
+local run_id = "run"
+
+function init(args)
+    run_id = args[1] or run_id
+end
+
+function request()
+    counter = counter + 1
+    wrk.headers["Idempotency-Key"] = run_id .. "-" .. thread_id .. "-" .. counter
+    return wrk.format()
+end
