@@ -83,7 +83,7 @@ async def test_duplicate_waits_and_gets_the_replay() -> None:
         app = App(CountingStore(notifies=notifies), wait_timeout_seconds=5)
         first = await app.start_first()
         duplicate = asyncio.create_task(app.client.post("/pay", json={}, headers=HEADERS))
-        await asyncio.sleep(0)
+        await eventually(lambda: app.middleware.waiters.count == 1, what="the duplicate to wait")
         app.gate.set()
         assert (await first).json() == {"n": 1}
         replay = await duplicate
@@ -119,7 +119,7 @@ async def test_waiter_runs_itself_when_the_first_fails_transiently() -> None:
     app = App(MemoryStore(), statuses=(503, 201), wait_timeout_seconds=5)
     first = await app.start_first()
     duplicate = asyncio.create_task(app.client.post("/pay", json={}, headers=HEADERS))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: app.middleware.waiters.count == 1, what="the duplicate to wait")
     app.gate.set()
     assert (await first).status_code == 503  # released: the waiter may run
     retried = await duplicate
