@@ -83,7 +83,8 @@ async def test_duplicate_waits_and_gets_the_replay() -> None:
         app = App(CountingStore(notifies=notifies), wait_timeout_seconds=5)
         first = await app.start_first()
         duplicate = asyncio.create_task(app.client.post("/pay", json={}, headers=HEADERS))
-        await eventually(lambda: app.middleware.waiters.count == 1, what="the duplicate to wait")
+        waiters = app.middleware.waiters
+        await eventually(lambda: waiters.count == 1, what="the duplicate to wait")  # noqa: B023
         app.gate.set()
         assert (await first).json() == {"n": 1}
         replay = await duplicate
