@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette_idempotency.errors import StoreError
 from starlette_idempotency.record import IdempotencyRecord, RecordStatus
-from starlette_idempotency.stores.base import IdempotencyStore
+from starlette_idempotency.stores.base import ChangeNotifyingStore, IdempotencyStore
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +51,13 @@ class KeyWatch:
         return True, self._latest
 
     async def _next_tick(self, delay: float) -> None:
-        wait_for_change = getattr(self._store, "wait_for_change", None)
-        if wait_for_change is not None:
+        if isinstance(self._store, ChangeNotifyingStore):
             try:
                 async with asyncio.timeout(_MAX_POLL_SECONDS):
-                    await wait_for_change(self._key)
+                    await self._store.wait_for_change(self._key)
             except TimeoutError:
                 return
-            except (StoreError, OSError, NotImplementedError) as exc:
+            except Exception as exc:  # notices are an optimisation: without them, poll
                 logger.debug("no change notifications for %r, polling: %s", self._key, exc)
             else:
                 return
