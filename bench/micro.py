@@ -232,7 +232,8 @@ def profile_server(
     import uvloop
 
     from bench.load import run_wrk
-    from bench.servers import free_port, http_request, wait_until
+    from bench.servers import http_request
+    from starlette_idempotency.testing._process import free_port, wait_until
 
     app, _ = build_app(
         AppSettings(config=config, redis_url=redis_url, prefix=f"profile-{config}-{mode}")

@@ -12,16 +12,16 @@ import contextlib
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.app import EXECUTIONS_PATH, PAYMENT_PATH, REQUEST_BODY, AppSettings
+from starlette_idempotency.testing._process import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 _START_TIMEOUT = 30.0
@@ -61,22 +61,6 @@ def machine_cpu() -> tuple[float, float]:
     busy = values[0] + values[1] + values[2]
     total = sum(values[:8])  # guest time is already in user
     return busy / _TICKS, total / _TICKS
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-def wait_until(condition: Callable[[], bool], *, timeout: float, what: str) -> None:
-    """Poll ``condition`` every 50 ms until it holds; ``TimeoutError`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def http_request(
