@@ -12,6 +12,7 @@ import functools
 import logging
 import secrets
 import time
+from collections.abc import Awaitable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,22 @@ _UNCAPTURABLE_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysen
 
 class GuardedRequest:
     """One guarded request's journey through the state machine."""
+
+    __slots__ = (
+        "chosen_headers",
+        "content_length",
+        "content_type",
+        "key",
+        "mw",
+        "policy",
+        "receive",
+        "record",
+        "route",
+        "scope",
+        "send",
+        "started",
+        "store_key",
+    )
 
     def __init__(
         self,
@@ -261,12 +278,12 @@ class GuardedRequest:
                 return
         await self._run_owned(pending, acquired.record, body)
 
-    async def _try_acquire(self, pending: IdempotencyRecord) -> AcquireResult:
+    def _try_acquire(self, pending: IdempotencyRecord) -> Awaitable[AcquireResult]:
         store, lock_ttl = self.mw.store, self.policy.lock_ttl_seconds
         if self.policy.on_recovery == "hold":
             acquire = functools.partial(store.try_acquire, recover=False)
-            return await self.mw.call_store(acquire, self.store_key, pending, lock_ttl)
-        return await self.mw.call_store(store.try_acquire, self.store_key, pending, lock_ttl)
+            return self.mw.call_store(acquire, self.store_key, pending, lock_ttl)
+        return self.mw.call_store(store.try_acquire, self.store_key, pending, lock_ttl)
 
     def _same_request(self, record: IdempotencyRecord, fingerprint: str) -> tuple[bool, str | None]:
         """Whether ``record`` was made by this same request, and a note for the event."""

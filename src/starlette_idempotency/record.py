@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -120,11 +121,44 @@ class IdempotencyRecord:
         )
 
 
+# Every request formats and parses a few times within the same few seconds: the date and
+# time of day are remembered per whole second, and only the milliseconds are worked out.
+_FORMATTED_SECONDS: dict[int, str] = {}
+_PARSED_SECONDS: dict[str, int] = {}
+_MAX_REMEMBERED_SECONDS = 256
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(cache) >= _MAX_REMEMBERED_SECONDS:
+        cache.clear()
+    cache[key] = value
+
+
 def _format_time(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
+    """``2026-11-30T10:00:00.123Z``: ISO 8601 in UTC, to the millisecond (truncated)."""
+    # Rounded to the microsecond as datetime.fromtimestamp rounds, then truncated.
+    fraction, whole = math.modf(epoch)
+    second, micros = int(whole), round(fraction * 1_000_000)
+    if micros >= 1_000_000:
+        second, micros = second + 1, micros - 1_000_000
+    elif micros < 0:
+        second, micros = second - 1, micros + 1_000_000
+    prefix = _FORMATTED_SECONDS.get(second)
+    if prefix is None:
+        prefix = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        _remember(_FORMATTED_SECONDS, second, prefix)
+    return f"{prefix}.{micros // 1000:03d}Z"
 
 
 def _parse_time(text: str) -> float:
+    """Seconds since the epoch of an ISO 8601 time; what :func:`_format_time` wrote is read
+    without ``datetime`` once its second has been seen."""
+    if len(text) == 24 and text[19] == "." and text[23] == "Z" and text[20:23].isdigit():
+        second = _PARSED_SECONDS.get(text[:19])
+        if second is None:
+            second = round(datetime.fromisoformat(text[:19] + "+00:00").timestamp())
+            _remember(_PARSED_SECONDS, text[:19], second)
+        return second + int(text[20:23]) / 1000
     return datetime.fromisoformat(text).timestamp()
 
 
@@ -188,7 +222,7 @@ def record_from_dict(data: dict[str, Any]) -> IdempotencyRecord:
                 body = raw_body.encode("utf-8")
             response = StoredResponse(
                 status_code=int(data["responseStatusCode"]),
-                headers=tuple((str(k), str(v)) for k, v in data.get("responseHeaders") or ()),
+                headers=tuple([(str(k), str(v)) for k, v in data.get("responseHeaders") or ()]),
                 body=body,
                 content_type=data.get("responseContentType"),
             )
@@ -204,7 +238,9 @@ def record_from_dict(data: dict[str, Any]) -> IdempotencyRecord:
             locked_until=(
                 None if data.get("lockedUntil") is None else int(data["lockedUntil"]) / 1000
             ),
-            checkpoints=checkpoints_from_wire(data.get("checkpoints") or []),
+            checkpoints=checkpoints_from_wire(points)
+            if (points := data.get("checkpoints"))
+            else (),
         )
     except (KeyError, TypeError, binascii.Error) as exc:
         raise ValueError(f"malformed idempotency record: {exc!r}") from exc

@@ -18,12 +18,11 @@ connection to the pool. This store never shields a call and lets ``CancelledErro
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.resources
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal, Protocol
 
@@ -56,6 +55,30 @@ AcquireStrategy = Literal["setnx", "lua"]
 DEFAULT_WAIT_TIMEOUT_MS = 100
 
 _DRIVER_ERRORS = (redis_errors.RedisError, redis_errors.RedisClusterException, OSError)
+
+
+class _DriverErrors:
+    """Turns the driver's errors inside ``with`` into StoreError (a class: on the hot path a
+    generator-based context manager costs several times more)."""
+
+    __slots__ = ("_key", "_operation")
+
+    def __init__(self, operation: str, key: str) -> None:
+        self._operation = operation
+        self._key = key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
+        if isinstance(exc, redis_errors.TimeoutError | TimeoutError):
+            raise StoreTimeoutError(
+                f"redis {self._operation} timed out for key {self._key!r}"
+            ) from exc
+        if isinstance(exc, _DRIVER_ERRORS):
+            raise StoreError(
+                f"redis {self._operation} failed for key {self._key!r}: {exc}"
+            ) from exc
 
 
 class RedisScript(Protocol):
@@ -196,15 +219,6 @@ class RedisStore:
         """The Redis key that holds ``key``'s record."""
         return self._prefix + key
 
-    @contextlib.contextmanager
-    def _errors(self, operation: str, key: str) -> Iterator[None]:
-        try:
-            yield
-        except (redis_errors.TimeoutError, TimeoutError) as exc:
-            raise StoreTimeoutError(f"redis {operation} timed out for key {key!r}") from exc
-        except _DRIVER_ERRORS as exc:
-            raise StoreError(f"redis {operation} failed for key {key!r}: {exc}") from exc
-
     @staticmethod
     def _load(key: str, raw: bytes | str) -> IdempotencyRecord:
         try:
@@ -223,11 +237,15 @@ class RedisStore:
         keeps its checkpoints and TTL, gets ``pending``'s owner token and a lease of
         ``lock_ttl``, and comes back as ``record``.
         """
-        skey = self.storage_key(key)
-        value = dump_record(pending)
-        with self._errors("try_acquire", key):
+        skey, value, px = self.storage_key(key), dump_record(pending), _ms(lock_ttl)
+        with _DriverErrors("try_acquire", key):
             for _ in range(3):  # a takeover lost to another contender reads the key again
-                existing = await self._acquire(skey, value, _ms(lock_ttl))
+                try:
+                    existing = await self._acquire(skey, value, px)
+                except redis_errors.ResponseError as exc:
+                    if not self._fall_back_from_nx_get(exc):
+                        raise
+                    existing = await self._acquire_set_then_get(skey, value, px)
                 if existing is None:
                     return AcquireResult(acquired=True)
                 current = self._load(key, existing)
@@ -241,19 +259,20 @@ class RedisStore:
                     return AcquireResult(acquired=True, record=current)
         return AcquireResult(acquired=False, record=current)
 
-    async def _acquire(self, skey: str, value: bytes, px: int) -> Any:
-        """``None`` when ``value`` was written, else the value holding ``skey``."""
+    def _acquire(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
+        """Resolves to ``None`` when ``value`` was written, else to the value holding ``skey``.
+
+        Returns the client's own awaitable where it can, so no frame of ours waits on it; a
+        server that rejects ``SET NX GET`` raises ``ResponseError``, which ``try_acquire``
+        hands to :meth:`_fall_back_from_nx_get`.
+        """
         if self._wait_replicas:
-            return await self._acquire_and_wait(skey, value, px)
+            return self._acquire_and_wait(skey, value, px)
         if self._acquire_strategy == "lua":
-            return await self._acquire_script(keys=[skey], args=[value, px])
+            return self._acquire_script(keys=[skey], args=[value, px])
         if self._nx_get:
-            try:
-                return await self._client.set(skey, value, px=px, nx=True, get=True)
-            except redis_errors.ResponseError as exc:
-                if not self._fall_back_from_nx_get(exc):
-                    raise
-        return await self._acquire_set_then_get(skey, value, px)
+            return self._client.set(skey, value, px=px, nx=True, get=True)  # type: ignore[no-any-return]
+        return self._acquire_set_then_get(skey, value, px)
 
     def _fall_back_from_nx_get(self, exc: redis_errors.ResponseError) -> bool:
         """True (once, for good) when ``exc`` is the server rejecting ``SET NX GET``."""
@@ -366,7 +385,7 @@ class RedisStore:
         # A final record wakes waiting duplicates; new recovery points or a lease do not.
         skey = self.storage_key(key)
         channel = skey if absent_ok else ""
-        with self._errors(operation, key):
+        with _DriverErrors(operation, key):
             written = await self._finish_script(
                 keys=[skey],
                 args=[dump_record(record), record.owner_token, _ms(ttl), int(absent_ok), channel],
@@ -397,13 +416,13 @@ class RedisStore:
     async def release(self, key: str, owner_token: str) -> bool:
         """Delete the key if ``owner_token`` holds it; false when another owner does."""
         skey = self.storage_key(key)
-        with self._errors("release", key):
+        with _DriverErrors("release", key):
             released = await self._release_script(keys=[skey], args=[owner_token, skey])
         return bool(released)
 
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
         """Reset the lock TTL to ``lock_ttl`` if ``owner_token`` holds it ``InProgress``."""
-        with self._errors("renew", key):
+        with _DriverErrors("renew", key):
             renewed = await self._renew_script(
                 keys=[self.storage_key(key)], args=[owner_token, _ms(lock_ttl)]
             )
@@ -412,12 +431,12 @@ class RedisStore:
     async def wait_for_change(self, key: str) -> None:
         """Return once ``key`` is completed, failed, released or resolved by any process
         (bounded by the caller): a pub/sub notice on the channel named after the key."""
-        with self._errors("wait_for_change", key):
+        with _DriverErrors("wait_for_change", key):
             await self._changes.wait(self.storage_key(key))
 
     async def get(self, key: str) -> IdempotencyRecord | None:
         """The live record under ``key``, if any."""
-        with self._errors("get", key):
+        with _DriverErrors("get", key):
             raw = await self._client.get(self.storage_key(key))
         return None if raw is None else self._load(key, raw)
 
