@@ -106,6 +106,8 @@ def storage_key(scope_id: str, method: str, route_template: str, key: str) -> st
     The store adds its prefix (``idempotency:`` by default). Braces are escaped too, so Redis
     Cluster never reads a route template's ``{param}`` as a hash tag.
     """
-    return ":".join(
-        part.translate(_KEY_PART_ESCAPES) for part in (scope_id, method, route_template, key)
+    escapes = _KEY_PART_ESCAPES
+    return (
+        f"{scope_id.translate(escapes)}:{method.translate(escapes)}:"
+        f"{route_template.translate(escapes)}:{key.translate(escapes)}"
     )

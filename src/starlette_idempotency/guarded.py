@@ -57,7 +57,7 @@ _TRANSIENT_STATUSES = frozenset({408, 429})
 # (request validation, authentication), so they release the key instead of being stored.
 _PRE_ENDPOINT_STATUSES = frozenset({401, 403, 422})
 # Response extensions whose body bypasses http.response.body and so could not be stored.
-_UNCAPTURABLE_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
+_UNCAPTURABLE_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
 
 
 class GuardedRequest:
@@ -346,7 +346,7 @@ class GuardedRequest:
         scope[MARKS_SCOPE_KEY] = marks
         token = current_marks.set(marks)
         try:
-            await self.mw.app(scope, _replaying_receive(body, self.receive), self.send)
+            await self.mw.app(scope, _ReplayingReceive(body, self.receive), self.send)
         finally:
             current_marks.reset(token)
 
@@ -358,7 +358,7 @@ class GuardedRequest:
                 exc,
             )
             await self._decided(CheckResult.FAIL_OPEN)
-            await self.mw.app(self.scope, _replaying_receive(body, self.receive), self.send)
+            await self.mw.app(self.scope, _ReplayingReceive(body, self.receive), self.send)
             return
         logger.error("idempotency store unavailable, answering 503: %s", exc)
         await self._reject(
@@ -428,34 +428,11 @@ class GuardedRequest:
         scope[CONTEXT_SCOPE_KEY] = IdempotencyContext(
             self.record.key, self.record.checkpoints, self._checkpoint
         )
-        status = 0
-        raw_headers: list[tuple[bytes, bytes]] = []
-        chunks: list[bytes] | None = []  # None once the body outgrew max_response_bytes
-        size = 0
-        settled = False
-
-        async def capture(message: Message) -> None:
-            nonlocal status, raw_headers, chunks, size, settled
-            kind = message["type"]
-            if kind == "http.response.start":
-                status = message["status"]
-                raw_headers = list(message.get("headers", ()))
-            elif kind == "http.response.body" and not settled:
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > policy.max_response_bytes:
-                    chunks = None
-                elif chunks is not None:
-                    chunks.append(chunk)
-                if not message.get("more_body", False):
-                    settled = True
-                    await self._settle(marks, status, raw_headers, chunks)
-            await self.send(message)
-
+        capture = _ResponseCapture(self, marks)
         renewal = LockRenewal(self) if policy.renew_lock else None
         token = current_marks.set(marks)
         try:
-            await mw.app(scope, _replaying_receive(body, self.receive), capture)
+            await mw.app(scope, _ReplayingReceive(body, self.receive), capture)
         finally:
             current_marks.reset(token)
             # The context refers back to this request, which refers to the scope: break the
@@ -463,12 +440,12 @@ class GuardedRequest:
             scope.pop(CONTEXT_SCOPE_KEY, None)
             if renewal is not None:
                 renewal.stop()
-            if not settled:
+            if not capture.settled:
                 # The app raised, or returned without finishing its response: nothing to
                 # replay, so the client may retry with the same key. Shielded, so a
                 # cancelled request still frees its key.
                 with anyio.CancelScope(shield=True):
-                    await self._release(status or None)
+                    await self._release(capture.status or None)
 
     async def _checkpoint(self, name: str, data: Any) -> None:
         """Save a recovery point on the record this request owns (see ``checkpoint``)."""
@@ -513,8 +490,8 @@ class GuardedRequest:
         return True
 
     def _scope_for_app(self) -> Scope:
-        extensions = self.scope.get("extensions") or {}
-        if not any(name in extensions for name in _UNCAPTURABLE_EXTENSIONS):
+        extensions = self.scope.get("extensions")
+        if not extensions or _UNCAPTURABLE_EXTENSIONS.isdisjoint(extensions):
             return self.scope
         kept = {k: v for k, v in extensions.items() if k not in _UNCAPTURABLE_EXTENSIONS}
         return {**self.scope, "extensions": kept}
@@ -598,16 +575,54 @@ class GuardedRequest:
         await self._ended(OutcomeResult.RELEASED, status)
 
 
-def _replaying_receive(body: bytes, receive: Receive) -> Receive:
+class _ResponseCapture:
+    """The ``send`` the app gets: passes every message on to the client, keeps a copy of the
+    response (up to ``max_response_bytes`` of body), and settles the outcome before the last
+    body chunk goes out."""
+
+    __slots__ = ("_marks", "_request", "chunks", "raw_headers", "settled", "size", "status")
+
+    def __init__(self, request: GuardedRequest, marks: RequestMarks) -> None:
+        self._request = request
+        self._marks = marks
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] | None = []  # None once the body outgrew max_response_bytes
+        self.size = 0
+        self.settled = False
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        request = self._request
+        if kind == "http.response.start":
+            self.status = message["status"]
+            self.raw_headers = list(message.get("headers", ()))
+        elif kind == "http.response.body" and not self.settled:
+            chunk = message.get("body", b"")
+            self.size += len(chunk)
+            if self.size > request.policy.max_response_bytes:
+                self.chunks = None
+            elif self.chunks is not None:
+                self.chunks.append(chunk)
+            if not message.get("more_body", False):
+                self.settled = True
+                await request._settle(self._marks, self.status, self.raw_headers, self.chunks)
+        await request.send(message)
+
+
+class _ReplayingReceive:
     """A receive that hands the buffered body to the app once, then defers to the client
     (so the app still sees ``http.disconnect``)."""
-    sent = False
 
-    async def replay() -> Message:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
+    __slots__ = ("_body", "_receive")
+
+    def __init__(self, body: bytes, receive: Receive) -> None:
+        self._body: bytes | None = body
+        self._receive = receive
+
+    async def __call__(self) -> Message:
+        body = self._body
+        if body is None:
+            return await self._receive()
+        self._body = None
         return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay

@@ -210,6 +210,9 @@ def checkpoints_from_wire(points: list[dict[str, Any]]) -> tuple[Checkpoint, ...
     return tuple(Checkpoint(p["name"], p.get("data"), _parse_time(p["at"])) for p in points)
 
 
+_STATUSES = {status.value: status for status in RecordStatus}
+
+
 def record_from_dict(data: dict[str, Any]) -> IdempotencyRecord:
     """Parse a record's wire form; raises ``ValueError`` on a malformed one."""
     try:
@@ -228,7 +231,7 @@ def record_from_dict(data: dict[str, Any]) -> IdempotencyRecord:
             )
         return IdempotencyRecord(
             key=data["key"],
-            status=RecordStatus(data["status"]),
+            status=_STATUSES[data["status"]],
             request_fingerprint=data["requestFingerprint"],
             fingerprint_version=str(data.get("fingerprintVersion", "1")),
             owner_token=data["ownerToken"],
