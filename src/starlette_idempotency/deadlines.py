@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 _MAX_RESOLUTION = 0.05
+_UNBOUNDED: AbstractContextManager[None] = nullcontext()
 
 
 class _Bound:
@@ -23,23 +25,19 @@ class _Bound:
 
     __slots__ = ("cancelling", "deadline", "expired", "task", "watch")
 
-    def __init__(self, task: asyncio.Task[Any] | None, watch: _LoopWatch | None) -> None:
+    def __init__(self, task: asyncio.Task[Any], watch: _LoopWatch) -> None:
         self.task = task
         self.watch = watch
         self.expired = False
-        if task is not None and watch is not None:
-            self.deadline = watch.loop.time() + watch.timeout
-            self.cancelling = task.cancelling()
+        self.deadline = watch.loop.time() + watch.timeout
+        self.cancelling = task.cancelling()
 
     def __enter__(self) -> None:
-        if self.watch is not None:
-            self.watch.add(self)
+        self.watch.add(self)
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, traceback: object
     ) -> None:
-        if self.watch is None or self.task is None:
-            return
         self.watch.calls.discard(self)
         if not self.expired:
             return
@@ -69,7 +67,6 @@ class _LoopWatch:
         for call in self.calls:
             if not call.expired and call.deadline <= now:
                 call.expired = True
-                assert call.task is not None
                 call.task.cancel()
         if self.calls:
             self._timer = self.loop.call_later(self._resolution, self._check)
@@ -90,11 +87,11 @@ class CallDeadlines:
         )
         self._last: _LoopWatch | None = None
 
-    def bound(self) -> _Bound:
+    def bound(self) -> AbstractContextManager[None]:
         """A context manager bounding the awaits inside it (none outside a task)."""
         task = asyncio.current_task()
         if task is None:
-            return _Bound(None, None)
+            return _UNBOUNDED
         loop = task.get_loop()
         watch = self._last
         if watch is None or watch.loop is not loop:
