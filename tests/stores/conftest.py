@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from starlette_idempotency.errors import StoreError
 from starlette_idempotency.record import IdempotencyRecord, RecordStatus, StoredResponse
 from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.stores.memory import MemoryStore
 from starlette_idempotency.stores.postgres import PostgresStore
-from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
+from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.testing import FakeClock
-from starlette_idempotency.testing.redis_server import RedisClusterServers
+from starlette_idempotency.testing.redis_server import RedisClusterServers, RedisServer
 from tests.plugins.redis_servers import delete_prefixed, unique_prefix
 
 #: How long a real-time backend may take to drop a key after its TTL, before the test fails.
@@ -73,23 +74,50 @@ async def memory_backend(request: pytest.FixtureRequest) -> AsyncIterator[Harnes
     await store.aclose()
 
 
-def redis_backend(acquire: AcquireStrategy, *, cluster: bool = False) -> Factory:
+async def glide_client(url: str, cluster_ports: list[int] | None = None) -> Any:
+    """A valkey-glide client on the standalone Redis at ``url`` or on a cluster's nodes."""
+    from glide import (
+        GlideClient,
+        GlideClusterClient,
+        GlideClusterClientConfiguration,
+        NodeAddress,
+    )
+
+    from starlette_idempotency.stores.redis_glide import config_from_url
+
+    if cluster_ports is None:
+        return await GlideClient.create(config_from_url(url))
+    nodes = [NodeAddress("127.0.0.1", port) for port in cluster_ports]
+    return await GlideClusterClient.create(GlideClusterClientConfiguration(nodes))
+
+
+def redis_backend(
+    acquire: AcquireStrategy, *, cluster: bool = False, driver: DriverName = "redis-py"
+) -> Factory:
     @contextlib.asynccontextmanager
     async def factory(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-        client: aioredis.Redis | aioredis.RedisCluster
+        # ``admin`` (redis-py) cleans up; the store's own client comes from ``driver``.
+        admin: aioredis.Redis | aioredis.RedisCluster
         if cluster:
             servers: RedisClusterServers = request.getfixturevalue("redis_cluster")
-            client = aioredis.RedisCluster.from_url(servers.url)
+            url = servers.url
+            admin = aioredis.RedisCluster.from_url(url)
+            ports: list[int] | None = servers.ports
         else:
-            client = aioredis.from_url(request.getfixturevalue("redis_url"))
+            url = request.getfixturevalue("redis_url")
+            admin = aioredis.from_url(url)
+            ports = None
+        client = admin if driver == "redis-py" else await glide_client(url, ports)
         prefix = unique_prefix()
         store = RedisStore(client, key_prefix=prefix, acquire=acquire)
         try:
             yield real_time_harness(store)
         finally:
             await store.aclose()
-            await delete_prefixed(client, prefix)
-            await client.aclose()
+            await delete_prefixed(admin, prefix)
+            if client is not admin:
+                await client.close()
+            await admin.aclose()
 
     return factory
 
@@ -111,6 +139,12 @@ STORE_FACTORIES: list[Any] = [
     pytest.param(memory_backend, id="memory"),
     pytest.param(redis_backend("setnx"), id="redis-setnx", marks=pytest.mark.redis),
     pytest.param(redis_backend("lua"), id="redis-lua", marks=pytest.mark.redis),
+    pytest.param(
+        redis_backend("setnx", driver="glide"), id="redis-glide-setnx", marks=pytest.mark.redis
+    ),
+    pytest.param(
+        redis_backend("lua", driver="glide"), id="redis-glide-lua", marks=pytest.mark.redis
+    ),
     pytest.param(postgres_backend, id="postgres", marks=pytest.mark.postgres),
     pytest.param(
         redis_backend("setnx", cluster=True),
@@ -120,6 +154,11 @@ STORE_FACTORIES: list[Any] = [
     pytest.param(
         redis_backend("lua", cluster=True),
         id="redis-cluster-lua",
+        marks=[pytest.mark.redis, pytest.mark.cluster],
+    ),
+    pytest.param(
+        redis_backend("setnx", cluster=True, driver="glide"),
+        id="redis-glide-cluster-setnx",
         marks=[pytest.mark.redis, pytest.mark.cluster],
     ),
 ]
@@ -182,6 +221,20 @@ async def poll(condition: Callable[[], Awaitable[bool]], what: str, within: floa
         pytest.fail(f"timed out after {within}s waiting for {what}")
 
 
+async def equals(value: Awaitable[Any], expected: Any) -> bool:
+    """Whether ``value`` resolves to ``expected`` (a condition for :func:`poll`)."""
+    return bool(await value == expected)
+
+
+async def answers(store: IdempotencyStore) -> bool:
+    """Whether ``store`` answers a read (a condition for :func:`poll` after an outage)."""
+    try:
+        await store.get("probe")
+    except StoreError:
+        return False
+    return True
+
+
 def finished(
     record: IdempotencyRecord,
     *,
@@ -197,3 +250,35 @@ def finished(
         content_type="application/json",
     )
     return record.finished(status, response, record.created_at + ttl)
+
+
+@pytest.fixture
+async def admin(private_redis: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    """A raw client on the private Redis, for INFO, CLIENT PAUSE and SCRIPT FLUSH."""
+    raw = aioredis.from_url(private_redis.url)
+    await raw.ping()
+    yield raw
+    await raw.aclose()
+
+
+async def command_calls(admin: aioredis.Redis) -> dict[str, int]:
+    stats: dict[str, Any] = await admin.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): int(value["calls"])
+        for name, value in stats.items()
+        if name != "cmdstat_info"
+    }
+
+
+async def commands_sent(
+    admin: aioredis.Redis, action: Callable[[], Awaitable[Any]]
+) -> dict[str, int]:
+    """The commands the server ran (name -> calls) while ``action`` ran, INFO excluded."""
+    before = await command_calls(admin)
+    await action()
+    after = await command_calls(admin)
+    return {
+        name: calls - before.get(name, 0)
+        for name, calls in after.items()
+        if calls != before.get(name, 0)
+    }

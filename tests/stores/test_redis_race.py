@@ -17,13 +17,14 @@ import redis.asyncio as aioredis
 
 from starlette_idempotency.record import Checkpoint
 from starlette_idempotency.stores.base import AcquireResult
-from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
+from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from tests.plugins.redis_servers import delete_prefixed, unique_prefix
 from tests.stores.conftest import pending
 
 pytestmark = pytest.mark.redis
 
 STRATEGIES = pytest.mark.parametrize("acquire", ["setnx", "lua"])
+DRIVERS = pytest.mark.parametrize("driver", ["redis-py", "glide"])
 CLIENTS = 20
 ROUNDS = 50
 PROCESSES = 4
@@ -34,17 +35,19 @@ LOCK_TTL = 30.0
 
 @contextlib.asynccontextmanager
 async def independent_stores(
-    url: str, prefix: str, acquire: AcquireStrategy
+    url: str, prefix: str, acquire: AcquireStrategy, driver: DriverName
 ) -> AsyncIterator[list[RedisStore]]:
     """CLIENTS stores, each with a client (and so connections) of its own, already connected
     (scripts loaded), so the rounds race on open connections."""
-    clients = [aioredis.from_url(url) for _ in range(CLIENTS)]
-    stores = [RedisStore(client, key_prefix=prefix, acquire=acquire) for client in clients]
+    stores = [
+        RedisStore.from_url(url, key_prefix=prefix, acquire=acquire, driver=driver)
+        for _ in range(CLIENTS)
+    ]
     try:
         await asyncio.gather(*(store.get("warm-up") for store in stores))
         yield stores
     finally:
-        await asyncio.gather(*(client.aclose() for client in clients))
+        await asyncio.gather(*(store.aclose() for store in stores))
 
 
 async def race(stores: list[RedisStore], key: str, round_number: int) -> list[AcquireResult]:
@@ -66,10 +69,11 @@ async def race(stores: list[RedisStore], key: str, round_number: int) -> list[Ac
 
 
 @STRATEGIES
+@DRIVERS
 async def test_one_winner_among_independent_connections(
-    redis_url: str, redis_key_prefix: str, acquire: AcquireStrategy
+    redis_url: str, redis_key_prefix: str, acquire: AcquireStrategy, driver: DriverName
 ) -> None:
-    async with independent_stores(redis_url, redis_key_prefix, acquire) as stores:
+    async with independent_stores(redis_url, redis_key_prefix, acquire, driver) as stores:
         for round_number in range(ROUNDS):
             key = f"round-{round_number}"
             _, loser, *_ = await race(stores, key, round_number)
@@ -80,10 +84,11 @@ async def test_one_winner_among_independent_connections(
 
 
 @STRATEGIES
+@DRIVERS
 async def test_one_winner_takes_over_a_dead_handlers_checkpoints(
-    redis_url: str, redis_key_prefix: str, acquire: AcquireStrategy
+    redis_url: str, redis_key_prefix: str, acquire: AcquireStrategy, driver: DriverName
 ) -> None:
-    async with independent_stores(redis_url, redis_key_prefix, acquire) as stores:
+    async with independent_stores(redis_url, redis_key_prefix, acquire, driver) as stores:
         for round_number in range(TAKEOVER_ROUNDS):
             key = f"takeover-{round_number}"
             dead = pending(key, "dead-owner")

@@ -33,7 +33,7 @@ from starlette_idempotency.record import (
 from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
 from starlette_idempotency.testing.redis_server import RedisServer, encode_command
-from tests.stores.conftest import finished, pending, poll
+from tests.stores.conftest import commands_sent, equals, finished, pending, poll
 
 pytestmark = pytest.mark.redis
 
@@ -52,38 +52,6 @@ async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     raw = aioredis.from_url(redis_url)
     yield raw
     await raw.aclose()
-
-
-@pytest.fixture
-async def admin(private_redis: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    """A raw client on the private Redis, for INFO, CLIENT PAUSE and SCRIPT FLUSH."""
-    raw = aioredis.from_url(private_redis.url)
-    await raw.ping()
-    yield raw
-    await raw.aclose()
-
-
-async def command_calls(admin: aioredis.Redis) -> dict[str, int]:
-    stats: dict[str, Any] = await admin.info("commandstats")
-    return {
-        name.removeprefix("cmdstat_"): int(value["calls"])
-        for name, value in stats.items()
-        if name != "cmdstat_info"
-    }
-
-
-async def commands_sent(
-    admin: aioredis.Redis, action: Callable[[], Awaitable[Any]]
-) -> dict[str, int]:
-    """The commands the server ran (name -> calls) while ``action`` ran, INFO excluded."""
-    before = await command_calls(admin)
-    await action()
-    after = await command_calls(admin)
-    return {
-        name: calls - before.get(name, 0)
-        for name, calls in after.items()
-        if calls != before.get(name, 0)
-    }
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -374,13 +342,13 @@ async def test_a_call_cancelled_mid_flight_leaves_nothing_behind(
                 await store.try_acquire("k", pending("k", "owner-a"), LOCK_TTL)
 
         call = asyncio.create_task(bounded_call())
-        await poll(lambda: _equals(blocked_clients(admin), 2), "both writes held by the pause")
+        await poll(lambda: equals(blocked_clients(admin), 2), "both writes held by the pause")
         with pytest.raises(TimeoutError):
             await call
         # The store's connection was closed, so Redis drops its held command with it.
-        await poll(lambda: _equals(blocked_clients(admin), 1), "the cancelled client gone")
+        await poll(lambda: equals(blocked_clients(admin), 1), "the cancelled client gone")
         await admin.client_unpause()
-        await poll(lambda: _equals(admin.get("p:control"), b"ran"), "the control write to run")
+        await poll(lambda: equals(admin.get("p:control"), b"ran"), "the control write to run")
 
         assert await admin.get("p:k") is None, "the cancelled acquire ran after all"
         pool: Any = client.connection_pool
@@ -392,10 +360,6 @@ async def test_a_call_cancelled_mid_flight_leaves_nothing_behind(
     finally:
         control.close()
         await client.aclose()
-
-
-async def _equals(value: Awaitable[Any], expected: Any) -> bool:
-    return bool(await value == expected)
 
 
 # -- WAIT --------------------------------------------------------------------------------------
@@ -492,7 +456,7 @@ async def test_aclose_closes_a_client_from_url(
 
     await store.aclose()
 
-    await poll(lambda: _equals(connected_clients(), 1), "the store's connection to close")
+    await poll(lambda: equals(connected_clients(), 1), "the store's connection to close")
 
 
 @STRATEGIES

@@ -5,26 +5,23 @@ with the lock TTL or the retention TTL as the Redis TTL. Acquiring is one atomic
 (``SET NX PX GET`` or a Lua script); every later write is a Lua compare-and-set on the owner
 token. Standalone Redis and Redis Cluster both work: each operation touches a single key.
 
+The commands go through a driver (:mod:`.redis_driver`): redis-py or valkey-glide, picked by
+the client passed in (or ``from_url(..., driver=...)``).
+
 Recovery points: a conflict on an ``InProgress`` record whose lease (``lockedUntil``, inside the
 value) has passed and whose fingerprint matches is taken over with a second, rare step, a
 compare-and-set on the whole value the acquire returned (``takeover.lua``). Leases are
 judged on this process's wall clock, as the middleware sets them: keep app servers on NTP.
-
-Cancellation: redis-py 8 closes a connection when a command on it is cancelled between send and
-reply (``Connection.send_packed_command`` / ``read_response`` catch ``BaseException`` and
-disconnect), so a call cut short by the middleware's ``asyncio.timeout`` returns no half-read
-connection to the pool. This store never shields a call and lets ``CancelledError`` through.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.resources
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable
 from dataclasses import replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.record import (
@@ -40,30 +37,23 @@ from starlette_idempotency.stores.base import (
     resolve_record,
 )
 from starlette_idempotency.stores.redis_changes import RedisChangeListener
-
-try:
-    import redis.asyncio as aioredis
-    from redis import exceptions as redis_errors
-except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ImportError(
-        "RedisStore needs the redis driver: pip install 'starlette-idempotency[redis]'"
-    ) from exc
+from starlette_idempotency.stores.redis_driver import Arg, RedisDriver, ReplicaWaitingDriver
 
 logger = logging.getLogger(__name__)
 
 AcquireStrategy = Literal["setnx", "lua"]
+DriverName = Literal["redis-py", "glide"]
 DEFAULT_WAIT_TIMEOUT_MS = 100
-
-_DRIVER_ERRORS = (redis_errors.RedisError, redis_errors.RedisClusterException, OSError)
 
 
 class _DriverErrors:
     """Turns the driver's errors inside ``with`` into StoreError (a class: on the hot path a
     generator-based context manager costs several times more)."""
 
-    __slots__ = ("_key", "_operation")
+    __slots__ = ("_driver", "_key", "_operation")
 
-    def __init__(self, operation: str, key: str) -> None:
+    def __init__(self, driver: RedisDriver, operation: str, key: str) -> None:
+        self._driver = driver
         self._operation = operation
         self._key = key
 
@@ -71,48 +61,36 @@ class _DriverErrors:
         return None
 
     def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
-        if isinstance(exc, redis_errors.TimeoutError | TimeoutError):
+        if isinstance(exc, self._driver.timeouts):
             raise StoreTimeoutError(
                 f"redis {self._operation} timed out for key {self._key!r}"
             ) from exc
-        if isinstance(exc, _DRIVER_ERRORS):
+        if isinstance(exc, self._driver.errors):
             raise StoreError(
                 f"redis {self._operation} failed for key {self._key!r}: {exc}"
             ) from exc
 
 
-class RedisScript(Protocol):
-    """What ``register_script`` returns (redis-py ``AsyncScript``)."""
-
-    sha: str
-
-    async def __call__(
-        self, keys: Sequence[Any] | None = None, args: Sequence[Any] | None = None
-    ) -> Any: ...
-
-
-class RedisClient(Protocol):
-    """The methods of ``redis.asyncio.Redis`` / ``RedisCluster`` this store uses."""
-
-    def set(self, name: Any, value: Any, *args: Any, **kwargs: Any) -> Any: ...
-    def get(self, name: Any) -> Any: ...
-    def pipeline(self, *args: Any, **kwargs: Any) -> Any: ...
-    def register_script(self, script: Any) -> Any: ...
-    def script_load(self, script: Any) -> Any: ...
-    async def aclose(self) -> None: ...
-
-
-_NEEDS_RECORD_PRELUDE = frozenset({"finish", "release", "renew"})
-
-
-@functools.cache
-def _lua(name: str) -> str:
-    """A script's source; those that read the stored record get ``_record.lua`` first."""
-    lua = importlib.resources.files("starlette_idempotency.stores").joinpath("lua")
-    source = lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-    if name in _NEEDS_RECORD_PRELUDE:
-        source = lua.joinpath("_record.lua").read_text(encoding="utf-8") + source
-    return source
+def _driver_for(client: object) -> RedisDriver:
+    """The driver for a redis-py or valkey-glide client (each imported only when installed)."""
+    try:
+        from starlette_idempotency.stores.redis_py import RedisPyDriver, is_redis_py_client
+    except ImportError:
+        pass
+    else:
+        if is_redis_py_client(client):
+            return RedisPyDriver(client)  # type: ignore[arg-type]
+    try:
+        from starlette_idempotency.stores.redis_glide import GlideDriver, is_glide_client
+    except ImportError:
+        pass
+    else:
+        if is_glide_client(client):
+            return GlideDriver(client)
+    raise ConfigurationError(
+        f"RedisStore needs a redis.asyncio client (Redis or RedisCluster) or a valkey-glide "
+        f"client (GlideClient or GlideClusterClient), not {type(client).__name__}"
+    )
 
 
 def _ms(seconds: float) -> int:
@@ -131,8 +109,10 @@ def _recoverable(current: IdempotencyRecord, pending: IdempotencyRecord, now: fl
 class RedisStore:
     """Idempotency records in Redis (standalone or Cluster), shared by every process using it.
 
-    ``client`` is a ``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster``; a client passed
-    in is never closed by :meth:`aclose` (use :meth:`from_url` to let the store own one).
+    ``client`` is a ``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster`` (redis-py), or a
+    ``glide.GlideClient`` or ``glide.GlideClusterClient`` (valkey-glide, the ``glide`` extra);
+    a client passed in is never closed by :meth:`aclose` (use :meth:`from_url` to let the
+    store own one).
 
     ``acquire`` picks how :meth:`try_acquire` writes: ``"setnx"`` sends ``SET NX PX GET``
     (Redis >= 7; on older servers the store falls back, once per instance, to ``SET NX PX``
@@ -145,7 +125,8 @@ class RedisStore:
     round trip. When fewer than ``N`` replicas acknowledge in time the lock is still held and
     a warning is logged: ``WAIT`` is not a consensus protocol, and a failing request would not
     make the lock any safer. On a conflict nothing is written and ``WAIT`` returns at once
-    unless fewer than ``N`` replicas are connected.
+    unless fewer than ``N`` replicas are connected. ``wait_replicas`` needs redis-py: on
+    valkey-glide's one multiplexed connection a ``WAIT`` would hold up every other caller.
     """
 
     name = "redis"
@@ -153,12 +134,31 @@ class RedisStore:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: Any,
         *,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         acquire: AcquireStrategy = "setnx",
         wait_replicas: int = 0,
         wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
+    ) -> None:
+        self._init(
+            _driver_for(client),
+            key_prefix=key_prefix,
+            acquire=acquire,
+            wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
+            owns_client=False,
+        )
+
+    def _init(
+        self,
+        driver: RedisDriver,
+        *,
+        key_prefix: str,
+        acquire: AcquireStrategy,
+        wait_replicas: int,
+        wait_timeout_ms: int,
+        owns_client: bool,
     ) -> None:
         if "{" in key_prefix or "}" in key_prefix:
             raise ConfigurationError(
@@ -171,19 +171,27 @@ class RedisStore:
         if wait_replicas and wait_timeout_ms <= 0:
             # WAIT with a timeout of 0 blocks forever.
             raise ConfigurationError(f"wait_timeout_ms must be > 0, not {wait_timeout_ms!r}")
-        self._client = client
+        self._waiting: ReplicaWaitingDriver | None = None
+        if wait_replicas:
+            if not isinstance(driver, ReplicaWaitingDriver):
+                raise ConfigurationError(
+                    "wait_replicas needs a redis-py client: WAIT on valkey-glide's one "
+                    "multiplexed connection would hold up every other caller's commands"
+                )
+            self._waiting = driver
+        self._driver = driver
         self._prefix = f"{key_prefix}:"
         self._acquire_strategy = acquire
         self._wait_replicas = wait_replicas
         self._wait_timeout_ms = wait_timeout_ms
-        self._owns_client = False
+        self._owns_client = owns_client
         self._nx_get = True  # cleared for good once the server rejects SET NX GET
-        self._acquire_script: RedisScript = client.register_script(_lua("acquire"))
-        self._finish_script: RedisScript = client.register_script(_lua("finish"))
-        self._release_script: RedisScript = client.register_script(_lua("release"))
-        self._renew_script: RedisScript = client.register_script(_lua("renew"))
-        self._takeover_script: RedisScript = client.register_script(_lua("takeover"))
-        self._changes = RedisChangeListener(client)
+        self._changes = RedisChangeListener(driver.subscription)
+        self._undoing: set[asyncio.Task[None]] = set()
+        # What abandons an acquire the driver may still send (nothing on redis-py).
+        self._lost_acquire_errors: tuple[type[BaseException], ...] = (
+            (asyncio.CancelledError, *driver.timeouts) if driver.late_command_window else ()
+        )
 
     @classmethod
     def from_url(
@@ -194,25 +202,41 @@ class RedisStore:
         acquire: AcquireStrategy = "setnx",
         wait_replicas: int = 0,
         wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
+        driver: DriverName = "redis-py",
         **client_options: Any,
     ) -> RedisStore:
-        """A store with its own ``redis.asyncio.Redis`` client, closed by :meth:`aclose`.
+        """A store with a client of its own for ``url``, closed by :meth:`aclose`.
 
-        ``client_options`` go to ``redis.asyncio.from_url`` (timeouts, retry, pool size).
-        ``max_connections`` defaults to 1000 rather than redis-py's 100, past which a burst
-        of concurrent requests would fail with "Too many connections"; redis-py's
-        ``BlockingConnectionPool``, which waits instead, costs about a fifth more CPU per call.
+        ``driver="redis-py"`` (the ``redis`` extra): ``client_options`` go to
+        ``redis.asyncio.from_url`` (timeouts, retry, pool size); ``max_connections`` defaults
+        to 1000 rather than redis-py's 100, past which a burst of concurrent requests would
+        fail with "Too many connections".
+
+        ``driver="glide"`` (the ``glide`` extra): a valkey-glide ``GlideClient``, created on
+        first use; ``url`` is ``redis://[[user]:password@]host[:port][/db]`` (``rediss://``
+        for TLS) and ``client_options`` go to ``glide.GlideClientConfiguration``
+        (``request_timeout`` in milliseconds, ``client_name``, ...).
         """
-        client_options.setdefault("max_connections", 1000)
-        client: RedisClient = aioredis.from_url(url, **client_options)
-        store = cls(
-            client,
+        made: RedisDriver
+        if driver == "redis-py":
+            from starlette_idempotency.stores.redis_py import RedisPyDriver, connect
+
+            made = RedisPyDriver(connect(url, **client_options))
+        elif driver == "glide":
+            from starlette_idempotency.stores.redis_glide import GlideDriver, config_from_url
+
+            made = GlideDriver(config_from_url(url, **client_options))
+        else:
+            raise ConfigurationError(f"driver must be 'redis-py' or 'glide', not {driver!r}")
+        store = cls.__new__(cls)
+        store._init(
+            made,
             key_prefix=key_prefix,
             acquire=acquire,
             wait_replicas=wait_replicas,
             wait_timeout_ms=wait_timeout_ms,
+            owns_client=True,
         )
-        store._owns_client = True
         return store
 
     def storage_key(self, key: str) -> str:
@@ -238,17 +262,27 @@ class RedisStore:
         ``lock_ttl``, and comes back as ``record``.
         """
         skey, value, px = self.storage_key(key), dump_record(pending), _ms(lock_ttl)
-        with _DriverErrors("try_acquire", key):
+        with _DriverErrors(self._driver, "try_acquire", key):
             for _ in range(3):  # a takeover lost to another contender reads the key again
                 try:
-                    existing = await self._acquire(skey, value, px)
-                except redis_errors.ResponseError as exc:
-                    if not self._fall_back_from_nx_get(exc):
-                        raise
-                    existing = await self._acquire_set_then_get(skey, value, px)
+                    try:
+                        existing = await self._acquire(skey, value, px)
+                    except Exception as exc:
+                        if not self._fall_back_from_nx_get(exc):
+                            raise
+                        existing = await self._acquire_set_then_get(skey, value, px)
+                except self._lost_acquire_errors:
+                    self._undo_late_acquire(key, pending.owner_token)
+                    raise
                 if existing is None:
                     return AcquireResult(acquired=True)
                 current = self._load(key, existing)
+                if current.owner_token == pending.owner_token:
+                    # Our own write (an acquire, or a takeover keeping its checkpoints),
+                    # answered as a conflict: the client resent a command whose reply was
+                    # lost (redis-py's retry, glide after a reconnect).
+                    taken_over = current if current.checkpoints else None
+                    return AcquireResult(acquired=True, record=taken_over)
                 now = time.time()
                 if not (recover and _recoverable(current, pending, now)):
                     break
@@ -259,26 +293,57 @@ class RedisStore:
                     return AcquireResult(acquired=True, record=current)
         return AcquireResult(acquired=False, record=current)
 
+    def _undo_late_acquire(self, key: str, owner_token: str) -> None:
+        """After an acquire that was cancelled or timed out on a driver that may still send it.
+
+        The caller gave up (a deadline, a client gone) and will not run the handler, but the
+        acquire may still land and hold the key for ``lock_ttl``, answering retries 409. A
+        release fenced by the caller's owner token undoes it, and writes nothing when the
+        acquire did not write: sent at once, it is queued behind the acquire on the same
+        connection; sent again when the driver's window for late commands has passed, it
+        also undoes an acquire the driver resent out of order (after a reconnect).
+        """
+        task = asyncio.get_running_loop().create_task(self._release_twice(key, owner_token))
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
+
+    async def _release_twice(self, key: str, owner_token: str) -> None:
+        # Sent whole (EVAL): a NOSCRIPT answer would have the client resend it behind later
+        # commands, the next acquire of the key among them.
+        skey = self.storage_key(key)
+        try:
+            with _DriverErrors(self._driver, "release", key):
+                await self._driver.eval_script("release", skey, [owner_token, skey])
+                await asyncio.sleep(self._driver.late_command_window)
+                await self._driver.eval_script("release", skey, [owner_token, skey])
+        except StoreError as exc:
+            logger.warning(
+                "could not undo the abandoned acquire of %r; it may hold the key until its "
+                "lock expires: %s",
+                key,
+                exc,
+            )
+
     def _acquire(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
         """Resolves to ``None`` when ``value`` was written, else to the value holding ``skey``.
 
-        Returns the client's own awaitable where it can, so no frame of ours waits on it; a
-        server that rejects ``SET NX GET`` raises ``ResponseError``, which ``try_acquire``
-        hands to :meth:`_fall_back_from_nx_get`.
+        Returns the driver's own awaitable where it can, so no frame of ours waits on it; a
+        server that rejects ``SET NX GET`` raises, and ``try_acquire`` hands the error to
+        :meth:`_fall_back_from_nx_get`.
         """
-        if self._wait_replicas:
-            return self._acquire_and_wait(skey, value, px)
+        if self._waiting is not None:
+            return self._acquire_and_wait(self._waiting, skey, value, px)
         if self._acquire_strategy == "lua":
-            return self._acquire_script(keys=[skey], args=[value, px])
+            return self._driver.run_script("acquire", skey, [value, str(px)])
         if self._nx_get:
-            return self._client.set(skey, value, px=px, nx=True, get=True)  # type: ignore[no-any-return]
+            return self._driver.set_nx_get(skey, value, px)
         return self._acquire_set_then_get(skey, value, px)
 
-    def _fall_back_from_nx_get(self, exc: redis_errors.ResponseError) -> bool:
+    def _fall_back_from_nx_get(self, exc: BaseException) -> bool:
         """True (once, for good) when ``exc`` is the server rejecting ``SET NX GET``."""
         if self._acquire_strategy != "setnx" or not self._nx_get:
             return False
-        if "syntax error" not in str(exc).lower():  # Redis < 7: "ERR syntax error"
+        if not self._driver.rejects_nx_get(exc):
             return False
         self._nx_get = False
         logger.info("Redis rejected SET NX GET (%s); acquiring with SET NX, then GET", exc)
@@ -287,25 +352,30 @@ class RedisStore:
     async def _acquire_set_then_get(self, skey: str, value: bytes, px: int) -> Any:
         # Two round trips for Redis < 7. The key may expire between them: then try once more.
         for _ in range(2):
-            if await self._client.set(skey, value, px=px, nx=True):
+            if await self._driver.set_nx(skey, value, px):
                 return None
-            existing = await self._client.get(skey)
+            existing = await self._driver.get(skey)
             if existing is not None:
                 return existing
         raise StoreError(f"key {skey!r} kept expiring between SET NX and GET")
 
-    async def _acquire_and_wait(self, skey: str, value: bytes, px: int) -> Any:
+    async def _acquire_and_wait(
+        self, waiting: ReplicaWaitingDriver, skey: str, value: bytes, px: int
+    ) -> Any:
         # Retries: the SET NX GET fallback, a key lapsing between SET NX and GET.
+        replicas, timeout_ms = self._wait_replicas, self._wait_timeout_ms
         for _ in range(3):
             if self._acquire_strategy == "lua":
-                reply, replicas = await self._eval_and_wait(
-                    skey, self._acquire_script, "acquire", value, px
+                reply, acknowledged = await waiting.run_script_and_wait(
+                    "acquire", skey, [value, str(px)], replicas=replicas, timeout_ms=timeout_ms
                 )
             else:
                 nx_get = self._nx_get
                 try:
-                    reply, replicas = await self._set_and_wait(skey, value, px, get=nx_get)
-                except redis_errors.ResponseError as exc:
+                    reply, acknowledged = await waiting.set_nx_and_wait(
+                        skey, value, px, get=nx_get, replicas=replicas, timeout_ms=timeout_ms
+                    )
+                except Exception as exc:
                     if self._fall_back_from_nx_get(exc):
                         continue
                     raise
@@ -313,71 +383,38 @@ class RedisStore:
                     if reply:
                         reply = None
                     else:
-                        reply = await self._client.get(skey)
+                        reply = await self._driver.get(skey)
                         if reply is None:
                             continue
                         return reply
             if reply is None:
-                self._check_replicas(skey, replicas)
+                self._check_replicas(skey, acknowledged)
             return reply
         raise StoreError(f"key {skey!r} kept expiring between SET NX and GET")
 
     async def _take_over(self, skey: str, expected: bytes | str, value: bytes) -> bool:
-        if not self._wait_replicas:
-            return bool(await self._takeover_script(keys=[skey], args=[expected, value]))
-        reply, replicas = await self._eval_and_wait(
-            skey, self._takeover_script, "takeover", expected, value
+        if self._waiting is None:
+            return bool(await self._driver.run_script("takeover", skey, [expected, value]))
+        reply, acknowledged = await self._waiting.run_script_and_wait(
+            "takeover",
+            skey,
+            [expected, value],
+            replicas=self._wait_replicas,
+            timeout_ms=self._wait_timeout_ms,
         )
         if reply:
-            self._check_replicas(skey, replicas)
+            self._check_replicas(skey, acknowledged)
         return bool(reply)
 
-    async def _with_wait(self, skey: str, queue: Callable[[Any], object]) -> tuple[Any, int]:
-        """Pipeline the command ``queue`` adds and ``WAIT`` behind it on the same connection
-        (``WAIT`` counts only its own connection's writes); the command's reply and ``WAIT``'s."""
-        pipe = self._client.pipeline(transaction=False)
-        queue(pipe)
-        pipe.wait(self._wait_replicas, self._wait_timeout_ms, **await self._wait_target(skey))
-        reply, replicas = await pipe.execute()
-        return reply, int(replicas)
-
-    async def _set_and_wait(
-        self, skey: str, value: bytes, px: int, *, get: bool
-    ) -> tuple[Any, int]:
-        return await self._with_wait(
-            skey, lambda pipe: pipe.set(skey, value, px=px, nx=True, get=get)
-        )
-
-    async def _eval_and_wait(
-        self, skey: str, script: RedisScript, name: str, *args: Any
-    ) -> tuple[Any, int]:
-        def queue(pipe: Any) -> None:
-            # EVALSHA by name: ClusterPipeline blocks only its evalsha() helper.
-            pipe.execute_command("EVALSHA", script.sha, 1, skey, *args)
-
-        try:
-            return await self._with_wait(skey, queue)
-        except redis_errors.NoScriptError:  # the server lost it (restart, SCRIPT FLUSH)
-            await self._client.script_load(_lua(name))
-            return await self._with_wait(skey, queue)
-
-    def _check_replicas(self, skey: str, replicas: int) -> None:
-        if replicas < self._wait_replicas:
+    def _check_replicas(self, skey: str, acknowledged: int) -> None:
+        if acknowledged < self._wait_replicas:
             logger.warning(
                 "%d of %d Redis replicas acknowledged the lock on %r within %d ms",
-                replicas,
+                acknowledged,
                 self._wait_replicas,
                 skey,
                 self._wait_timeout_ms,
             )
-
-    async def _wait_target(self, skey: str) -> dict[str, Any]:
-        # WAIT counts the writes of its own connection: in a cluster pipeline, send it to the
-        # node that owns the key so it shares that node's connection with the acquire.
-        if not isinstance(self._client, aioredis.RedisCluster):
-            return {}
-        await self._client.initialize()  # the slot map (a no-op once loaded)
-        return {"target_nodes": self._client.get_node_from_key(skey)}
 
     async def _write_if_owner(
         self, operation: str, key: str, record: IdempotencyRecord, ttl: float, *, absent_ok: bool
@@ -385,11 +422,10 @@ class RedisStore:
         # A final record wakes waiting duplicates; new recovery points or a lease do not.
         skey = self.storage_key(key)
         channel = skey if absent_ok else ""
-        with _DriverErrors(operation, key):
-            written = await self._finish_script(
-                keys=[skey],
-                args=[dump_record(record), record.owner_token, _ms(ttl), int(absent_ok), channel],
-            )
+        args: list[Arg] = [dump_record(record), record.owner_token, str(_ms(ttl))]
+        args += [str(int(absent_ok)), channel]
+        with _DriverErrors(self._driver, operation, key):
+            written = await self._driver.run_script("finish", skey, args)
         return bool(written)
 
     async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
@@ -416,37 +452,39 @@ class RedisStore:
     async def release(self, key: str, owner_token: str) -> bool:
         """Delete the key if ``owner_token`` holds it; false when another owner does."""
         skey = self.storage_key(key)
-        with _DriverErrors("release", key):
-            released = await self._release_script(keys=[skey], args=[owner_token, skey])
+        with _DriverErrors(self._driver, "release", key):
+            released = await self._driver.run_script("release", skey, [owner_token, skey])
         return bool(released)
 
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
         """Reset the lock TTL to ``lock_ttl`` if ``owner_token`` holds it ``InProgress``."""
-        with _DriverErrors("renew", key):
-            renewed = await self._renew_script(
-                keys=[self.storage_key(key)], args=[owner_token, _ms(lock_ttl)]
+        with _DriverErrors(self._driver, "renew", key):
+            renewed = await self._driver.run_script(
+                "renew", self.storage_key(key), [owner_token, str(_ms(lock_ttl))]
             )
         return bool(renewed)
 
     async def wait_for_change(self, key: str) -> None:
         """Return once ``key`` is completed, failed, released or resolved by any process
         (bounded by the caller): a pub/sub notice on the channel named after the key."""
-        with _DriverErrors("wait_for_change", key):
+        with _DriverErrors(self._driver, "wait_for_change", key):
             await self._changes.wait(self.storage_key(key))
 
     async def get(self, key: str) -> IdempotencyRecord | None:
         """The live record under ``key``, if any."""
-        with _DriverErrors("get", key):
-            raw = await self._client.get(self.storage_key(key))
+        with _DriverErrors(self._driver, "get", key):
+            raw = await self._driver.get(self.storage_key(key))
         return None if raw is None else self._load(key, raw)
 
     async def aclose(self) -> None:
         """Close the change listener, and the client if :meth:`from_url` created it; a client
         passed in stays open."""
+        undoing = list(self._undoing)  # undoing abandoned acquires is best effort
+        for task in undoing:
+            task.cancel()
+        await asyncio.gather(*undoing, return_exceptions=True)
         await self._changes.aclose()
         if not self._owns_client:
             return
-        try:
-            await self._client.aclose()
-        except _DRIVER_ERRORS as exc:
-            raise StoreError(f"closing the redis client failed: {exc}") from exc
+        with _DriverErrors(self._driver, "aclose", "*"):
+            await self._driver.aclose()

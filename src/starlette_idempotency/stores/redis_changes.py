@@ -1,8 +1,9 @@
 """Change notices for waiting duplicates over Redis pub/sub.
 
 The complete, fail and release scripts ``PUBLISH`` on a channel named after the storage key.
-Each :class:`~starlette_idempotency.stores.redis.RedisStore` keeps one subscriber connection,
-shared by every waiter of its process; a channel is subscribed while someone waits on it, and
+Each :class:`~starlette_idempotency.stores.redis.RedisStore` keeps one subscriber connection
+(its driver's :class:`~starlette_idempotency.stores.redis_driver.Subscription`), shared by
+every waiter of its process; a channel is subscribed while someone waits on it, and
 unsubscribed a few seconds after the last waiter left, so a waiter's repeated waits do not
 cost a SUBSCRIBE each. Keyspace notifications are not used: they are off by default and
 node-local in a cluster, while a published message reaches subscribers on every node.
@@ -14,22 +15,22 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
 
 from starlette_idempotency.errors import StoreError
+from starlette_idempotency.stores.redis_driver import Subscription
 
 logger = logging.getLogger(__name__)
 
 _LINGER_SECONDS = 5.0
-_READ_TIMEOUT_SECONDS = 1.0
 
 
 class RedisChangeListener:
     """One pub/sub connection; waiters block in :meth:`wait` until their channel gets a notice."""
 
-    def __init__(self, client: Any) -> None:
-        self._client = client
-        self._pubsub: Any = None
+    def __init__(self, open_subscription: Callable[[], Subscription]) -> None:
+        self._open_subscription = open_subscription
+        self._pubsub: Subscription | None = None
         self._reader: asyncio.Task[None] | None = None
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: Counter[str] = Counter()
@@ -59,7 +60,7 @@ class RedisChangeListener:
             return
         try:
             if self._pubsub is None:
-                self._pubsub = self._client.pubsub()
+                self._pubsub = self._open_subscription()
             await self._pubsub.subscribe(channel)
         except Exception as exc:
             raise StoreError(f"redis SUBSCRIBE {channel!r} failed: {exc}") from exc
@@ -76,19 +77,15 @@ class RedisChangeListener:
 
     async def _unsubscribe(self, channel: str) -> None:
         with contextlib.suppress(Exception):
-            await self._pubsub.unsubscribe(channel)
+            if self._pubsub is not None:
+                await self._pubsub.unsubscribe(channel)
 
     async def _read(self) -> None:
         try:
-            while True:
-                message = await self._pubsub.get_message(
-                    ignore_subscribe_messages=True, timeout=_READ_TIMEOUT_SECONDS
-                )
-                if message is None or message.get("type") != "message":
+            while self._pubsub is not None:
+                channel = await self._pubsub.next_channel()
+                if channel is None:
                     continue
-                channel = message["channel"]
-                if isinstance(channel, bytes):
-                    channel = channel.decode()
                 event = self._events.pop(channel, None)
                 if event is not None:
                     event.set()
