@@ -225,6 +225,11 @@ def _wire_ours(
         url = _require(settings.redis_url, "a Redis URL", name)
         acquire: AcquireStrategy = "lua" if name == "ours-redis-lua" else "setnx"
         store = RedisStore.from_url(url, key_prefix=prefix, acquire=acquire)
+    elif name == "ours-redis-glide":
+        from starlette_idempotency.stores.redis import RedisStore
+
+        url = _require(settings.redis_url, "a Redis URL", name)
+        store = RedisStore.from_url(url, key_prefix=prefix, driver="glide")
     elif name == "ours-postgres":
         import asyncpg  # type: ignore[import-untyped]
 

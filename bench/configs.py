@@ -37,6 +37,12 @@ CONFIGS: tuple[Config, ...] = (
     Config(
         "ours-redis-lua", "ours", "IdempotencyMiddleware + RedisStore(acquire='lua')", ("redis",)
     ),
+    Config(
+        "ours-redis-glide",
+        "ours",
+        "IdempotencyMiddleware + RedisStore(driver='glide'), valkey-glide instead of redis-py",
+        ("redis",),
+    ),
     Config("ours-postgres", "ours", "IdempotencyMiddleware + PostgresStore", ("postgres",)),
     Config("aih-memory", "peer", "asgi-idempotency-header + MemoryBackend"),
     Config("aih-redis", "peer", "asgi-idempotency-header + RedisBackend", ("redis",)),
@@ -57,6 +63,7 @@ REDIS_CONFIGS: tuple[str, ...] = tuple(c.name for c in CONFIGS if "redis" in c.n
 FLOOR_FOR: dict[str, str] = {
     "ours-redis-setnx": "floor-redis",
     "ours-redis-lua": "floor-redis",
+    "ours-redis-glide": "floor-redis",
 }
 
 

@@ -586,7 +586,7 @@ def _count_target(
 def targets(report: Report) -> list[Target]:
     runs = Runs(report.runs)
     found: list[Target] = []
-    for config in ("ours-redis-setnx", "ours-redis-lua"):
+    for config in FLOOR_FOR:
         for mode, minimum in (("unique", RATIO_UNIQUE_VS_FLOOR), ("replay", RATIO_REPLAY_VS_FLOOR)):
             mode_: Mode = "unique" if mode == "unique" else "replay"
             found.append(
@@ -639,7 +639,7 @@ def targets(report: Report) -> list[Target]:
                 f"`ours-memory` {mode_name} ahead of every peer (memory backends; extra)",
             )
         )
-    for config in ("ours-redis-setnx", "ours-redis-lua"):
+    for config in FLOOR_FOR:
         found.append(
             _count_target(
                 report.counts,

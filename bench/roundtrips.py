@@ -24,6 +24,7 @@ from typing import Any
 
 from bench.app import AppSettings, AppState, build_app
 from bench.asgi import Reply, call, running
+from bench.configs import FLOOR_FOR
 
 RENEWAL_LOCK_TTL = 1.5  # seconds; renewal starts at a third of it (0.5 s)
 SHORT_HANDLER = 0.2  # < TTL / 3: must cost no renewal
@@ -351,4 +352,4 @@ async def count_all(
     return results
 
 
-_REDIS_COUNTED = ("floor-redis", "ours-redis-setnx", "ours-redis-lua", "aih-redis", "mobius-redis")
+_REDIS_COUNTED = ("floor-redis", *FLOOR_FOR, "aih-redis", "mobius-redis")
