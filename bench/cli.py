@@ -41,6 +41,7 @@ _PACKAGES = (
     "fastapi",
     "pydantic",
     "redis",
+    "valkey-glide",
     "asyncpg",
     "orjson",
     "starlette-idempotency",

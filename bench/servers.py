@@ -87,12 +87,15 @@ class Executions:
 
 
 class UvicornServer:
-    """One uvicorn worker (uvloop, httptools, no access log) serving one configuration."""
+    """uvicorn (uvloop, httptools, no access log) serving one configuration: one worker, or
+    ``workers`` processes behind one port (then ``pid``, the CPU and the RSS are the
+    supervisor's, and the execution counters one worker's)."""
 
-    def __init__(self, settings: AppSettings, log_path: Path) -> None:
+    def __init__(self, settings: AppSettings, log_path: Path, *, workers: int = 1) -> None:
         self.settings = settings
         self.port = free_port()
         self.log_path = log_path
+        self.workers = workers
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -118,6 +121,7 @@ class UvicornServer:
             "--no-access-log",
             "--log-level",
             "warning",
+            *(["--workers", str(self.workers)] if self.workers > 1 else []),
         ]
         env = {**_base_env(), **self.settings.to_env()}
         with open(self.log_path, "ab") as log:
