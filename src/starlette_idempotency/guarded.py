@@ -429,7 +429,7 @@ class GuardedRequest:
             self.record.key, self.record.checkpoints, self._checkpoint
         )
         capture = _ResponseCapture(self, marks)
-        renewal = LockRenewal(self) if policy.renew_lock else None
+        renewal = LockRenewal(self, mw.renewal_timers) if policy.renew_lock else None
         token = current_marks.set(marks)
         try:
             await mw.app(scope, _ReplayingReceive(body, self.receive), capture)

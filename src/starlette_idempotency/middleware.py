@@ -31,6 +31,7 @@ from starlette_idempotency.errors import (
     StoreTimeoutError,
 )
 from starlette_idempotency.guarded import GuardedRequest
+from starlette_idempotency.loop_timers import PerLoop
 from starlette_idempotency.observability import (
     EventHook,
     KeyLogging,
@@ -47,6 +48,7 @@ from starlette_idempotency.policy import (
     ReplayPolicy,
     StoreErrorPolicy,
 )
+from starlette_idempotency.renewal import RENEWAL_RESOLUTION
 from starlette_idempotency.responses import (
     ErrorFormat,
     ErrorResponder,
@@ -123,6 +125,8 @@ class IdempotencyMiddleware:
         self._key_scope = key_scope
         self._max_body_bytes = max_body_bytes
         self._deadlines = CallDeadlines(store_timeout_seconds)
+        #: Where running handlers wait for their first lock renewal (one timer per loop).
+        self.renewal_timers = PerLoop(RENEWAL_RESOLUTION)
         self._clock = clock
         defaults = IdempotencyPolicy(
             ttl_hours=ttl_hours,

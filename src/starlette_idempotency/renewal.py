@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from starlette_idempotency.errors import StoreError
+from starlette_idempotency.loop_timers import PerLoop
 
 if TYPE_CHECKING:
     from starlette_idempotency.guarded import GuardedRequest
@@ -15,23 +16,33 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+#: How late, at most, a renewal starts after its first third (less for short lock TTLs).
+RENEWAL_RESOLUTION = 0.05
+
+
 class LockRenewal:
     """Extends the lock every third of its TTL while the handler runs.
 
-    Nothing is scheduled but a timer until the first third has passed, so short handlers cost
-    no store round trip. A failed renewal never aborts the handler.
+    Until the first third has passed the request only waits in its event loop's
+    :class:`~starlette_idempotency.loop_timers.LoopTimer`, so a short handler costs no store
+    round trip and no timer of its own. A failed renewal never aborts the handler.
     """
 
-    def __init__(self, request: GuardedRequest) -> None:
-        self._request = request
-        self._interval = request.policy.lock_ttl_seconds / 3
-        loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = loop.call_later(self._interval, self._start)
-        self._task: asyncio.Task[None] | None = None
+    __slots__ = ("_interval", "_request", "_task", "_timer", "due", "fired")
 
-    def _start(self) -> None:
-        self._timer = None
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+    def __init__(self, request: GuardedRequest, timers: PerLoop) -> None:
+        self._request = request
+        self._interval = interval = request.policy.lock_ttl_seconds / 3
+        self._timer = timer = timers.get(asyncio.get_running_loop())
+        if interval / 10 < timer.resolution:  # a short lock TTL needs a finer check
+            timer.resolution = interval / 10
+        self._task: asyncio.Task[None] | None = None
+        self.due = timer.loop.time() + interval
+        self.fired = False
+        timer.add(self)
+
+    def fire(self) -> None:
+        self._task = self._timer.loop.create_task(self._loop())
 
     async def _loop(self) -> None:
         request = self._request
@@ -51,7 +62,6 @@ class LockRenewal:
             await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
 
     def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.discard(self)
         if self._task is not None:
             self._task.cancel()

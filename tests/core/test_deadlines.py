@@ -106,10 +106,10 @@ async def test_an_operation_that_swallows_the_cancellation_leaves_the_task_clean
 async def test_the_timer_stops_once_no_call_is_in_flight() -> None:
     deadlines = CallDeadlines(0.1)
     await _bounded(deadlines, 0.01)
-    watch = deadlines._last
-    assert watch is not None
-    assert not watch.calls
-    await eventually(lambda: watch._timer is None, what="the idle timer to stop")
+    timer = deadlines.timers.last
+    assert timer is not None
+    assert not timer.entries
+    await eventually(lambda: not timer.armed, what="the idle timer to stop")
 
 
 def test_one_instance_serves_successive_event_loops() -> None:
@@ -130,4 +130,4 @@ async def test_outside_a_task_nothing_is_bounded() -> None:
 
     asyncio.get_running_loop().call_soon(callback)
     await asyncio.wait_for(done.wait(), 5)
-    assert deadlines._last is None  # nothing was watched
+    assert deadlines.timers.last is None  # nothing was watched

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from tests.conditions import eventually
 from tests.core.conftest import make_client
 
 LOCK_TTL = 0.3
@@ -66,3 +67,70 @@ async def test_without_renewal_the_lock_lapses_and_a_retry_runs() -> None:
     status, runs = await run_scenario(renew=False)
     assert status == 200
     assert len(runs) == 2
+
+
+async def test_short_handlers_leave_no_timer_behind() -> None:
+    """Handlers shorter than a third of the TTL only pass through the loop's renewal timer:
+    no renewal runs, nothing stays registered, and the timer disarms once they are done."""
+    renewals: list[str] = []
+
+    @idempotent(lock_ttl_seconds=LOCK_TTL)
+    async def quick(request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    store = MemoryStore()
+    original_renew = store.renew
+
+    async def counting_renew(key: str, owner_token: str, lock_ttl: float) -> bool:
+        renewals.append(key)
+        return await original_renew(key, owner_token, lock_ttl)
+
+    store.renew = counting_renew  # type: ignore[method-assign]
+    middleware = IdempotencyMiddleware(
+        Starlette(routes=[Route("/quick", quick, methods=["POST"])]), store=store
+    )
+    client = make_client(middleware)
+    responses = await asyncio.gather(
+        *(client.post("/quick", headers={"Idempotency-Key": f"k{n}"}) for n in range(50))
+    )
+
+    assert {response.status_code for response in responses} == {200}
+    timer = middleware.renewal_timers.last
+    assert timer is not None
+    assert not timer.entries
+    await eventually(lambda: not timer.armed, what="the renewal timer to disarm")
+    assert renewals == []
+
+
+async def test_concurrent_slow_handlers_are_each_renewed() -> None:
+    renewed: set[str] = set()
+    release = asyncio.Event()
+    started: list[str] = []
+
+    @idempotent(lock_ttl_seconds=LOCK_TTL)
+    async def slow(request: Request) -> Response:
+        started.append(request.headers["idempotency-key"])
+        await release.wait()
+        return JSONResponse({"ok": True})
+
+    store = MemoryStore()
+    original_renew = store.renew
+
+    async def recording_renew(key: str, owner_token: str, lock_ttl: float) -> bool:
+        renewed.add(key)
+        return await original_renew(key, owner_token, lock_ttl)
+
+    store.renew = recording_renew  # type: ignore[method-assign]
+    client = make_client(
+        IdempotencyMiddleware(
+            Starlette(routes=[Route("/slow", slow, methods=["POST"])]), store=store
+        )
+    )
+    keys = [f"k{n}" for n in range(20)]
+    posts = [
+        asyncio.create_task(client.post("/slow", headers={"Idempotency-Key": k})) for k in keys
+    ]
+    await eventually(lambda: len(renewed) == len(keys), what="every handler's lock renewed")
+    release.set()
+    assert {(await post).status_code for post in posts} == {200}
+    assert {key.rsplit(":", 1)[1] for key in renewed} == set(keys)
