@@ -170,12 +170,18 @@ def _wire(
     if name == "floor-redis":
         import redis.asyncio as aioredis
 
-        from bench.floor import FloorRedisMiddleware
+        from bench.floor import FloorMiddleware
 
         client = aioredis.from_url(_require(settings.redis_url, "a Redis URL", name))
-        app.add_middleware(FloorRedisMiddleware, client=client, prefix=prefix)
+        app.add_middleware(FloorMiddleware, client=client, prefix=prefix)
         closers.append(client.aclose)
         state.store = client
+        return endpoint
+    if name == "floor-memory":
+        from bench.floor import DictFloorClient, FloorMiddleware
+
+        state.store = DictFloorClient()
+        app.add_middleware(FloorMiddleware, client=state.store, prefix=prefix)
         return endpoint
     if name.startswith("ours-"):
         return _wire_ours(app, settings, state, endpoint, starters, closers)

@@ -27,6 +27,11 @@ CONFIGS: tuple[Config, ...] = (
         "hand-written pure ASGI middleware: SET NX PX GET before, SET EX after",
         ("redis",),
     ),
+    Config(
+        "floor-memory",
+        "floor",
+        "the floor's middleware over a dict in the process (SET NX GET semantics, no expiry)",
+    ),
     Config("ours-memory", "ours", "IdempotencyMiddleware + MemoryStore"),
     Config(
         "ours-redis-setnx",

@@ -1,9 +1,11 @@
-"""The floor: the least an idempotency layer over Redis can do, hand-written as pure ASGI.
+"""The floor: the least an idempotency layer can do, hand-written as pure ASGI.
 
 Unique key: one ``SET key "" NX PX 30000 GET`` before the handler and one ``SET key response EX``
 after it. Replay: the same single ``SET NX GET`` returns the stored response. No fingerprint, no
 record format (the value is the 3-digit status followed by the body), no owner token, no
 response headers kept: everything the library adds on top of this is what the benchmark prices.
+The commands go to Redis through redis-py (``floor-redis``) or to a dict in the process
+(``floor-memory``, :class:`DictFloorClient`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,26 @@ class FloorClient(Protocol):
     def delete(self, *names: Any) -> Awaitable[Any]: ...
 
 
-class FloorRedisMiddleware:
+class DictFloorClient:
+    """``SET NX GET`` and ``DEL`` over a dict: the floor of an in-process store (no expiry)."""
+
+    def __init__(self) -> None:
+        self._values: dict[bytes, bytes] = {}
+
+    async def set(
+        self, name: bytes, value: bytes, *, nx: bool = False, get: bool = False, **_: Any
+    ) -> bytes | None:
+        current = self._values.get(name)
+        if not (nx and current is not None):
+            self._values[name] = value
+        return current if get else None
+
+    async def delete(self, *names: bytes) -> None:
+        for name in names:
+            self._values.pop(name, None)
+
+
+class FloorMiddleware:
     """Guards ``POST <path>`` requests that carry an ``Idempotency-Key`` header."""
 
     def __init__(

@@ -25,7 +25,7 @@ from bench.app import AppSettings, build_app
 from bench.asgi import call, running
 from bench.load import MODES, LoadSettings, Mode
 
-MICRO_CONFIGS = ("bare", "ours-memory", "aih-memory", "mobius-memory")
+MICRO_CONFIGS = ("bare", "floor-memory", "ours-memory", "aih-memory", "mobius-memory")
 PACKAGE_MARK = "/starlette_idempotency/"
 _T = TypeVar("_T")
 

@@ -118,11 +118,15 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
 
 
 def _floor_of(config: str) -> str | None:
+    """The floor that a configuration's floor ratios compare against (Redis or in-process)."""
     if config in FLOOR_FOR:
         return FLOOR_FOR[config]
-    if "redis" in BY_NAME[config].needs and config != "floor-redis":
+    kind, needs = BY_NAME[config].kind, BY_NAME[config].needs
+    if kind not in ("ours", "peer"):
+        return None
+    if "redis" in needs:
         return "floor-redis"
-    return None
+    return None if needs else "floor-memory"
 
 
 def load_section(runs: Runs, mode: Mode) -> list[str]:
