@@ -17,13 +17,12 @@ import pytest
 import redis.asyncio as aioredis
 from glide import GlideClient, GlideError
 
-from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
+from starlette_idempotency.errors import ConfigurationError, StoreError
 from starlette_idempotency.record import Checkpoint, dump_record, record_to_dict
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.stores.redis_glide import config_from_url
 from starlette_idempotency.testing.redis_server import RedisServer
 from tests.stores.conftest import (
-    answers,
     command_calls,
     commands_sent,
     equals,
@@ -125,21 +124,6 @@ async def test_a_request_takes_the_same_commands_as_on_redis_py(
     assert done == {"evalsha": 1, "get": 1, "set": 1, "publish": 1}
 
 
-async def test_scripts_are_reloaded_after_script_flush(
-    admin: aioredis.Redis, private_glide: GlideClient
-) -> None:
-    store = RedisStore(private_glide, key_prefix="p", acquire="lua")
-    record = pending("k", "owner-a")
-    assert (await store.try_acquire("k", record, 30)).acquired
-
-    await admin.script_flush()
-
-    assert not (await store.try_acquire("k", pending("k", "owner-b"), 30)).acquired
-    assert await store.renew("k", "owner-a", 30)
-    assert await store.complete("k", finished(record), 60)
-    assert await store.release("k", "owner-a")
-
-
 # -- the client: created on first use, owned or not ---------------------------------------------
 
 
@@ -180,69 +164,6 @@ async def test_a_failed_first_connection_is_tried_again(private_redis: RedisServ
         assert isinstance(caught.value.__cause__, GlideError)
 
         private_redis.start()
-        assert (await store.try_acquire("k", pending("k", "owner-a"), LOCK_TTL)).acquired
-    finally:
-        await store.aclose()
-
-
-# -- errors ------------------------------------------------------------------------------------
-
-
-async def test_malformed_or_foreign_values_raise_store_error(
-    redis_url: str, redis_key_prefix: str
-) -> None:
-    store = RedisStore.from_url(redis_url, key_prefix=redis_key_prefix, driver="glide")
-    client = aioredis.from_url(redis_url)
-    try:
-        await client.set(f"{redis_key_prefix}:junk", b"not json {")
-        await client.rpush(f"{redis_key_prefix}:list", b"x")
-        record = pending("junk", "owner-a")
-        for key in ("junk", "list"):
-            with pytest.raises(StoreError):
-                await store.get(key)
-            with pytest.raises(StoreError):
-                await store.try_acquire(key, record, LOCK_TTL)
-            with pytest.raises(StoreError):
-                await store.complete(key, finished(record), RETENTION_TTL)
-            with pytest.raises(StoreError):
-                await store.release(key, "owner-a")
-    finally:
-        await store.aclose()
-        await client.aclose()
-
-
-async def test_a_stopped_server_raises_store_error_and_the_store_reconnects(
-    private_redis: RedisServer,
-) -> None:
-    store = RedisStore.from_url(private_redis.url, driver="glide", request_timeout=300)
-    try:
-        assert (await store.try_acquire("warm", pending("warm", "a"), LOCK_TTL)).acquired
-        private_redis.stop()
-        with pytest.raises(StoreError):
-            await store.get("k")
-
-        private_redis.start()
-        await poll(lambda: answers(store), "glide to reconnect", within=10)
-        record = pending("k", "owner-a")
-        assert (await store.try_acquire("k", record, LOCK_TTL)).acquired
-        assert await store.complete("k", finished(record), RETENTION_TTL)
-    finally:
-        await store.aclose()
-
-
-async def test_a_hung_server_raises_store_timeout_error(private_redis: RedisServer) -> None:
-    store = RedisStore.from_url(private_redis.url, driver="glide", request_timeout=200)
-    try:
-        await store.get("warm")
-        private_redis.freeze()
-        try:
-            started = time.monotonic()
-            with pytest.raises(StoreTimeoutError):
-                await store.get("k")
-            assert time.monotonic() - started < 2.0
-        finally:
-            private_redis.thaw()
-        await poll(lambda: answers(store), "the thawed server to answer")
         assert (await store.try_acquire("k", pending("k", "owner-a"), LOCK_TTL)).acquired
     finally:
         await store.aclose()
@@ -303,6 +224,45 @@ async def test_an_acquire_abandoned_on_a_paused_server_is_undone(
         assert (await store.try_acquire("k", pending("k", "owner-b"), LOCK_TTL)).acquired
     finally:
         await store.aclose()
+
+
+# -- change notices ----------------------------------------------------------------------------
+
+
+@DRIVERS
+async def test_concurrent_waiters_share_one_subscriber_connection(
+    redis_url: str, redis_key_prefix: str, driver: DriverName
+) -> None:
+    name = f"waiters-{uuid.uuid4().hex[:8]}"
+    waiting = RedisStore.from_url(
+        redis_url, key_prefix=redis_key_prefix, driver=driver, client_name=name
+    )
+    other = RedisStore.from_url(redis_url, key_prefix=redis_key_prefix)
+    admin = aioredis.from_url(redis_url)
+    keys = [f"k{n}" for n in range(10)]
+    try:
+        records = {key: pending(key, "owner") for key in keys}
+        for key, record in records.items():
+            assert (await other.try_acquire(key, record, LOCK_TTL)).acquired
+        await waiting.get("warm")  # connected: the waits below start together
+        waiters = [asyncio.create_task(waiting.wait_for_change(key)) for key in keys]
+
+        async def subscriber_connections() -> list[int]:
+            clients: list[dict[str, Any]] = await admin.client_list()
+            return [int(c["sub"]) for c in clients if c.get("name") == name and int(c["sub"])]
+
+        await poll(
+            lambda: equals(subscriber_connections(), [len(keys)]),
+            "one connection subscribed to every key",
+        )
+        for key, record in records.items():
+            assert await other.complete(key, finished(record), RETENTION_TTL)
+        async with asyncio.timeout(5):
+            await asyncio.gather(*waiters)
+    finally:
+        await waiting.aclose()
+        await other.aclose()
+        await admin.aclose()
 
 
 # -- helpers -----------------------------------------------------------------------------------

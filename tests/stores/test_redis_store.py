@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from glide import GlideError
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -31,13 +32,22 @@ from starlette_idempotency.record import (
     record_to_dict,
 )
 from starlette_idempotency.stores.base import IdempotencyStore
-from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
+from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.testing.redis_server import RedisServer, encode_command
-from tests.stores.conftest import commands_sent, equals, finished, pending, poll
+from tests.stores.conftest import (
+    answers,
+    commands_sent,
+    equals,
+    finished,
+    glide_client,
+    pending,
+    poll,
+)
 
 pytestmark = pytest.mark.redis
 
 STRATEGIES = pytest.mark.parametrize("acquire", ["setnx", "lua"])
+DRIVERS = pytest.mark.parametrize("driver", ["redis-py", "glide"])
 LOCK_TTL = 30.0
 RETENTION_TTL = 60.0
 
@@ -214,10 +224,26 @@ async def test_only_a_syntax_error_switches_to_the_fallback(private_client: aior
     assert not store._fall_back_from_nx_get(ResponseError("ERR syntax error")), "only once"
 
 
+@pytest.fixture(params=["redis-py", "glide"])
+async def any_private_client(
+    request: pytest.FixtureRequest, private_redis: RedisServer
+) -> AsyncIterator[Any]:
+    """A client of either driver on the private Redis, connected."""
+    if request.param == "redis-py":
+        client = aioredis.from_url(private_redis.url)
+        await client.ping()
+        yield client
+        await client.aclose()
+    else:
+        glide = await glide_client(private_redis.url)
+        yield glide
+        await glide.close()
+
+
 async def test_scripts_are_reloaded_after_script_flush(
-    admin: aioredis.Redis, private_client: aioredis.Redis
+    admin: aioredis.Redis, any_private_client: Any
 ) -> None:
-    store = RedisStore(private_client, key_prefix="p", acquire="lua")
+    store = RedisStore(any_private_client, key_prefix="p", acquire="lua")
     record = pending("k", "owner-a")
     assert (await store.try_acquire("k", record, 30)).acquired
 
@@ -232,10 +258,11 @@ async def test_scripts_are_reloaded_after_script_flush(
 # -- errors ------------------------------------------------------------------------------------
 
 
+@DRIVERS
 async def test_malformed_or_foreign_values_raise_store_error(
-    client: aioredis.Redis, redis_key_prefix: str
+    client: aioredis.Redis, redis_url: str, redis_key_prefix: str, driver: DriverName
 ) -> None:
-    store = RedisStore(client, key_prefix=redis_key_prefix)
+    store = RedisStore.from_url(redis_url, key_prefix=redis_key_prefix, driver=driver)
     await client.set(f"{redis_key_prefix}:junk", b"not json {")
     await client.set(f"{redis_key_prefix}:array", b"[1, 2]")
     await client.rpush(f"{redis_key_prefix}:list", b"x")
@@ -252,6 +279,7 @@ async def test_malformed_or_foreign_values_raise_store_error(
             await store.release(key, "owner-a")
         with pytest.raises(StoreError):
             await store.renew(key, "owner-a", LOCK_TTL)
+    await store.aclose()
 
 
 def all_operations(store: RedisStore) -> list[Callable[[], Awaitable[Any]]]:
@@ -266,11 +294,26 @@ def all_operations(store: RedisStore) -> list[Callable[[], Awaitable[Any]]]:
     ]
 
 
+#: Per driver: no retries of its own and short timeouts, so an outage shows at once.
+QUICK_FAILURES: dict[DriverName, Callable[[], dict[str, Any]]] = {
+    "redis-py": lambda: {"socket_timeout": 0.2, "retry": no_retry()},
+    "glide": lambda: {"request_timeout": 200},
+}
+#: What the StoreError of a stopped server is caused by, per driver.
+CONNECTION_ERRORS: dict[DriverName, type[BaseException]] = {
+    "redis-py": RedisConnectionError,
+    "glide": GlideError,
+}
+
+
 @STRATEGIES
+@DRIVERS
 async def test_a_stopped_server_raises_store_error_and_the_store_recovers(
-    private_redis: RedisServer, acquire: AcquireStrategy
+    private_redis: RedisServer, acquire: AcquireStrategy, driver: DriverName
 ) -> None:
-    store = RedisStore.from_url(private_redis.url, acquire=acquire, retry=no_retry())
+    store = RedisStore.from_url(
+        private_redis.url, acquire=acquire, driver=driver, **QUICK_FAILURES[driver]()
+    )
     try:
         assert (await store.try_acquire("warm", pending("warm", "a"), LOCK_TTL)).acquired
         private_redis.stop()
@@ -278,9 +321,11 @@ async def test_a_stopped_server_raises_store_error_and_the_store_recovers(
         for operation in all_operations(store):
             with pytest.raises(StoreError) as caught:
                 await operation()
-            assert isinstance(caught.value.__cause__, RedisConnectionError)
+            assert isinstance(caught.value.__cause__, CONNECTION_ERRORS[driver])
 
         private_redis.start()
+        # glide reconnects in the background, with backoff
+        await poll(lambda: answers(store), "the store to reconnect", within=10)
         record = pending("k", "owner-a")
         assert (await store.try_acquire("k", record, LOCK_TTL)).acquired
         assert await store.complete("k", finished(record), RETENTION_TTL)
@@ -291,16 +336,22 @@ async def test_a_stopped_server_raises_store_error_and_the_store_recovers(
         await store.aclose()
 
 
-async def test_a_hung_server_raises_store_timeout_error(private_redis: RedisServer) -> None:
-    store = RedisStore.from_url(private_redis.url, socket_timeout=0.2, retry=no_retry())
+@DRIVERS
+async def test_a_hung_server_raises_store_timeout_error(
+    private_redis: RedisServer, driver: DriverName
+) -> None:
+    store = RedisStore.from_url(private_redis.url, driver=driver, **QUICK_FAILURES[driver]())
     try:
         await store.get("warm")
         private_redis.freeze()
         try:
+            started = time.monotonic()
             with pytest.raises(StoreTimeoutError):
                 await store.get("k")
+            assert time.monotonic() - started < 2.0
         finally:
             private_redis.thaw()
+        await poll(lambda: answers(store), "the thawed server to answer")
         assert (await store.try_acquire("k", pending("k", "owner-a"), LOCK_TTL)).acquired
     finally:
         await store.aclose()

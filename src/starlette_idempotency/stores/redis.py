@@ -134,7 +134,7 @@ class RedisStore:
 
     def __init__(
         self,
-        client: Any,
+        client: object,
         *,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         acquire: AcquireStrategy = "setnx",
@@ -486,5 +486,7 @@ class RedisStore:
         await self._changes.aclose()
         if not self._owns_client:
             return
-        with _DriverErrors(self._driver, "aclose", "*"):
+        try:
             await self._driver.aclose()
+        except self._driver.errors as exc:
+            raise StoreError(f"closing the redis client failed: {exc}") from exc

@@ -112,11 +112,14 @@ class GlideSubscription:
     def __init__(self, driver: GlideDriver) -> None:
         self._driver = driver
         self._client: TGlideClient | None = None
+        self._connecting = asyncio.Lock()  # concurrent first subscribes make one client
 
     async def _connected(self) -> TGlideClient:
         if self._client is None:
-            commands = await self._driver.connected()
-            self._client = await type(commands).create(commands.config)
+            async with self._connecting:
+                if self._client is None:
+                    commands = await self._driver.connected()
+                    self._client = await type(commands).create(commands.config)
         return self._client
 
     async def subscribe(self, channel: str) -> None:
@@ -144,13 +147,12 @@ class GlideDriver:
     timeouts: tuple[type[BaseException], ...] = (GlideTimeoutError, TimeoutError)
 
     def __init__(self, client: TGlideClient | ClientConfiguration) -> None:
-        self._client: TGlideClient | None = None
-        self._config: ClientConfiguration | None = None
+        self._client: TGlideClient | None
+        self._config: ClientConfiguration | None
         if isinstance(client, ClientConfiguration):
-            self._config = client
+            self._client, self._config, config = None, client, client
         else:
-            self._client = client
-        config = client if isinstance(client, ClientConfiguration) else client.config
+            self._client, self._config, config = client, None, client.config
         self.late_command_window = (config.request_timeout or GLIDE_REQUEST_TIMEOUT_MS) / 1000
         self._connecting: asyncio.Task[TGlideClient] | None = None
         self._scripts: dict[str, Script] = {}
