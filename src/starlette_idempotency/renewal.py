@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -28,7 +29,7 @@ class LockRenewal:
     round trip and no timer of its own. A failed renewal never aborts the handler.
     """
 
-    __slots__ = ("_interval", "_request", "_task", "_timer", "due", "fired")
+    __slots__ = ("_context", "_interval", "_request", "_task", "_timer", "due", "fired")
 
     def __init__(self, request: GuardedRequest, timers: PerLoop) -> None:
         self._request = request
@@ -37,12 +38,15 @@ class LockRenewal:
         if interval / 10 < timer.resolution:  # a short lock TTL needs a finer check
             timer.resolution = interval / 10
         self._task: asyncio.Task[None] | None = None
+        # The renewal task starts from the loop timer's callback: give it this request's
+        # context (tracing spans, log correlation), not the one that armed the timer.
+        self._context = contextvars.copy_context()
         self.due = timer.loop.time() + interval
         self.fired = False
         timer.add(self)
 
     def fire(self) -> None:
-        self._task = self._timer.loop.create_task(self._loop())
+        self._task = self._timer.loop.create_task(self._loop(), context=self._context)
 
     async def _loop(self) -> None:
         request = self._request

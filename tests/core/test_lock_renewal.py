@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from tests.conditions import eventually
@@ -69,13 +71,17 @@ async def test_without_renewal_the_lock_lapses_and_a_retry_runs() -> None:
     assert len(runs) == 2
 
 
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+
 def renewal_recording_store(renewed: list[str]) -> MemoryStore:
-    """A MemoryStore that appends the key of every lock renewal to ``renewed``."""
+    """A MemoryStore that appends the key of every lock renewal to ``renewed``, with the
+    ``REQUEST_ID`` the renewal ran under (``key@request id``)."""
     store = MemoryStore()
     renew = store.renew
 
     async def recording_renew(key: str, owner_token: str, lock_ttl: float) -> bool:
-        renewed.append(key)
+        renewed.append(f"{key}@{REQUEST_ID.get()}")
         return await renew(key, owner_token, lock_ttl)
 
     store.renew = recording_renew  # type: ignore[method-assign]
@@ -120,11 +126,16 @@ async def test_concurrent_slow_handlers_are_each_renewed() -> None:
         return JSONResponse({"ok": True})
 
     store = renewal_recording_store(renewed)
-    client = make_client(
-        IdempotencyMiddleware(
-            Starlette(routes=[Route("/slow", slow, methods=["POST"])]), store=store
-        )
+    guarded = IdempotencyMiddleware(
+        Starlette(routes=[Route("/slow", slow, methods=["POST"])]), store=store
     )
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        # What tracing or log correlation does outside the middleware: a value per request.
+        REQUEST_ID.set(dict(scope["headers"]).get(b"idempotency-key", b"").decode())
+        await guarded(scope, receive, send)
+
+    client = make_client(app)
     keys = [f"k{n}" for n in range(20)]
     posts = [
         asyncio.create_task(client.post("/slow", headers={"Idempotency-Key": k})) for k in keys
@@ -132,4 +143,5 @@ async def test_concurrent_slow_handlers_are_each_renewed() -> None:
     await eventually(lambda: len(set(renewed)) == len(keys), what="every handler's lock renewed")
     release.set()
     assert {(await post).status_code for post in posts} == {200}
-    assert {key.rsplit(":", 1)[1] for key in renewed} == set(keys)
+    # each renewal ran in its own request's context: key@request id with the same key twice
+    assert {entry.rsplit(":", 1)[1] for entry in renewed} == {f"{k}@{k}" for k in keys}
