@@ -47,14 +47,13 @@ class LoopTimer:
         self.entries.discard(entry)
 
     def _check(self) -> None:
-        self._timer = None
         now = self.loop.time()
-        for entry in self.entries:
-            if not entry.fired and entry.due <= now:
-                entry.fired = True
-                entry.fire()
-        if self.entries:
-            self._timer = self.loop.call_later(self.resolution, self._check)
+        due = [entry for entry in self.entries if not entry.fired and entry.due <= now]
+        # Re-armed before firing: an entry whose fire() fails cannot stop the others' timer.
+        self._timer = self.loop.call_later(self.resolution, self._check) if self.entries else None
+        for entry in due:
+            entry.fired = True
+            entry.fire()
 
 
 class PerLoop:
