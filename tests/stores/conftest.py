@@ -27,6 +27,10 @@ from starlette_idempotency.testing import FakeClock
 from starlette_idempotency.testing.redis_server import RedisClusterServers, RedisServer
 from tests.plugins.redis_servers import delete_prefixed, unique_prefix
 
+#: Every Redis acquire strategy, and every Redis driver, for tests that run on each.
+STRATEGIES = pytest.mark.parametrize("acquire", ["setnx", "lua"])
+DRIVERS = pytest.mark.parametrize("driver", ["redis-py", "glide"])
+
 #: How long a real-time backend may take to drop a key after its TTL, before the test fails.
 EXPIRY_GRACE_SECONDS = 5.0
 

@@ -21,11 +21,10 @@ from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
 from starlette_idempotency.stores.redis_driver import lua_source
 from starlette_idempotency.testing.redis_server import RedisClusterServers
 from tests.plugins.redis_servers import delete_prefixed, unique_prefix
-from tests.stores.conftest import finished, pending, poll
+from tests.stores.conftest import STRATEGIES, finished, pending, poll
 
 pytestmark = [pytest.mark.redis, pytest.mark.cluster]
 
-STRATEGIES = pytest.mark.parametrize("acquire", ["setnx", "lua"])
 LOCK_TTL = 30.0
 ACQUIRE_SHA = hashlib.sha1(lua_source("acquire").encode()).hexdigest()
 

@@ -23,6 +23,8 @@ from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, Redi
 from starlette_idempotency.stores.redis_glide import config_from_url
 from starlette_idempotency.testing.redis_server import RedisServer
 from tests.stores.conftest import (
+    DRIVERS,
+    STRATEGIES,
     command_calls,
     commands_sent,
     equals,
@@ -34,8 +36,6 @@ from tests.stores.conftest import (
 
 pytestmark = pytest.mark.redis
 
-STRATEGIES = pytest.mark.parametrize("acquire", ["setnx", "lua"])
-DRIVERS = pytest.mark.parametrize("driver", ["redis-py", "glide"])
 LOCK_TTL = 30.0
 RETENTION_TTL = 60.0
 

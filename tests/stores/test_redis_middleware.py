@@ -20,12 +20,11 @@ from starlette_idempotency.stores.redis_py import RedisPyDriver
 from starlette_idempotency.testing.redis_server import RedisServer
 from tests.conditions import eventually
 from tests.core.conftest import make_client
-from tests.stores.conftest import answers, poll
+from tests.stores.conftest import DRIVERS, answers, poll
 
 pytestmark = pytest.mark.redis
 
 HEADERS = {"Idempotency-Key": "k"}
-DRIVERS = pytest.mark.parametrize("driver", ["redis-py", "glide"])
 
 
 class Pod:

@@ -19,12 +19,10 @@ from starlette_idempotency.record import Checkpoint
 from starlette_idempotency.stores.base import AcquireResult
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from tests.plugins.redis_servers import delete_prefixed, unique_prefix
-from tests.stores.conftest import pending
+from tests.stores.conftest import DRIVERS, STRATEGIES, pending
 
 pytestmark = pytest.mark.redis
 
-STRATEGIES = pytest.mark.parametrize("acquire", ["setnx", "lua"])
-DRIVERS = pytest.mark.parametrize("driver", ["redis-py", "glide"])
 CLIENTS = 20
 ROUNDS = 50
 PROCESSES = 4

@@ -35,6 +35,8 @@ from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.testing.redis_server import RedisServer, encode_command
 from tests.stores.conftest import (
+    DRIVERS,
+    STRATEGIES,
     answers,
     commands_sent,
     equals,
@@ -46,8 +48,6 @@ from tests.stores.conftest import (
 
 pytestmark = pytest.mark.redis
 
-STRATEGIES = pytest.mark.parametrize("acquire", ["setnx", "lua"])
-DRIVERS = pytest.mark.parametrize("driver", ["redis-py", "glide"])
 LOCK_TTL = 30.0
 RETENTION_TTL = 60.0
 
