@@ -225,17 +225,15 @@ def _wire_ours(
         from starlette_idempotency import MemoryStore
 
         store = MemoryStore(key_prefix=prefix)
-    elif name in ("ours-redis-setnx", "ours-redis-lua"):
-        from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
-
-        url = _require(settings.redis_url, "a Redis URL", name)
-        acquire: AcquireStrategy = "lua" if name == "ours-redis-lua" else "setnx"
-        store = RedisStore.from_url(url, key_prefix=prefix, acquire=acquire)
-    elif name == "ours-redis-glide":
+    elif name.startswith("ours-redis-"):  # setnx and lua on redis-py; glide (setnx)
         from starlette_idempotency.stores.redis import RedisStore
 
-        url = _require(settings.redis_url, "a Redis URL", name)
-        store = RedisStore.from_url(url, key_prefix=prefix, driver="glide")
+        store = RedisStore.from_url(
+            _require(settings.redis_url, "a Redis URL", name),
+            key_prefix=prefix,
+            acquire="lua" if name == "ours-redis-lua" else "setnx",
+            driver="glide" if name == "ours-redis-glide" else "redis-py",
+        )
     elif name == "ours-postgres":
         import asyncpg  # type: ignore[import-untyped]
 

@@ -155,6 +155,27 @@ def measured_wrk(
     return wrk, CpuUse(server_cpu, store_cpu, wrk_cpu, foreign, capacity)
 
 
+def warm_up(server: UvicornServer, run_id: str, settings: LoadSettings) -> None:
+    """Fresh keys through wrk for ``settings.warmup`` seconds (none when it is 0)."""
+    if settings.warmup > 0:
+        run_wrk(
+            server.port, "unique", f"{run_id}-warm", duration=settings.warmup, settings=settings
+        )
+
+
+def replayed_key(server: UvicornServer, run_id: str) -> str:
+    """A key completed once and replayed once: what the replay mode sends."""
+    key = f"{run_id}-replayed"
+    for attempt in range(2):  # the first completes the key, the second must replay
+        status, body = server.post(key)
+        if status != 201:
+            raise RuntimeError(
+                f"{server.settings.config}: pre-warm POST #{attempt + 1} answered {status}: "
+                f"{body[:200]!r}"
+            )
+    return key
+
+
 def measure(
     server: UvicornServer,
     services: Services,
@@ -165,21 +186,9 @@ def measure(
 ) -> list[RunResult]:
     """Warm the server up, then measure the unique-key mode and the replay mode on it."""
     results: list[RunResult] = []
-    if settings.warmup > 0:
-        run_wrk(
-            server.port, "unique", f"{run_id}-warm", duration=settings.warmup, settings=settings
-        )
+    warm_up(server, run_id, settings)
     for mode in MODES:
-        if mode == "replay":
-            argument = f"{run_id}-replayed"
-            for attempt in range(2):  # the first completes the key, the second must replay
-                status, body = server.post(argument)
-                if status != 201:
-                    raise RuntimeError(
-                        f"{config}: pre-warm POST #{attempt + 1} answered {status}: {body[:200]!r}"
-                    )
-        else:
-            argument = f"{run_id}-u"
+        argument = replayed_key(server, run_id) if mode == "replay" else f"{run_id}-u"
         before = server.settled_executions()
         wrk, cpu = measured_wrk(server, services, mode, argument, settings)
         after = server.settled_executions()

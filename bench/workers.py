@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 from bench.app import AppSettings
-from bench.load import MODES, LoadSettings, Mode, run_wrk
+from bench.load import MODES, LoadSettings, Mode, replayed_key, run_wrk, warm_up
 from bench.servers import UvicornServer, private_services
 
 CONFIGS = ("bare", "floor-redis", "ours-redis-setnx", "ours-redis-glide")
@@ -28,12 +28,8 @@ BASELINE = "ours-redis-setnx"
 
 def _measure(server: UvicornServer, run_id: str, settings: LoadSettings) -> dict[Mode, float]:
     """req/s of each mode on one server, after a warm-up."""
-    run_wrk(server.port, "unique", f"{run_id}-warm", duration=settings.warmup, settings=settings)
-    replayed = f"{run_id}-replayed"
-    for _ in range(2):  # the first completes the key, the second replays it
-        status, body = server.post(replayed)
-        if status != 201:
-            raise RuntimeError(f"{server.settings.config}: POST answered {status}: {body[:200]!r}")
+    warm_up(server, run_id, settings)
+    replayed = replayed_key(server, run_id)
     rates: dict[Mode, float] = {}
     for mode in MODES:
         argument = replayed if mode == "replay" else f"{run_id}-u"

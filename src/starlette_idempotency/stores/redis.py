@@ -79,7 +79,7 @@ def _driver_for(client: object) -> RedisDriver:
         pass
     else:
         if is_redis_py_client(client):
-            return RedisPyDriver(client)  # type: ignore[arg-type]
+            return RedisPyDriver(client)
     try:
         from starlette_idempotency.stores.redis_glide import GlideDriver, is_glide_client
     except ImportError:

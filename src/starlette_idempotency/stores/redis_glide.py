@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, ParamSpec, TypeAlias, TypeVar, cast
+from typing import Any, ParamSpec, TypeAlias, TypeGuard, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 from starlette_idempotency.errors import ConfigurationError
@@ -57,7 +57,7 @@ _NX = ConditionalChange.ONLY_IF_DOES_NOT_EXIST
 _SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}
 
 
-def is_glide_client(client: object) -> bool:
+def is_glide_client(client: object) -> TypeGuard[TGlideClient]:
     """Whether ``client`` is a valkey-glide asyncio client (standalone or cluster)."""
     return isinstance(client, GlideClient | GlideClusterClient)
 

@@ -9,7 +9,7 @@ to the pool. Nothing here shields a call; ``CancelledError`` goes through.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 from starlette_idempotency.stores.redis_driver import Arg, lua_source
 
@@ -47,7 +47,7 @@ class RedisClient(Protocol):
     async def aclose(self) -> None: ...
 
 
-def is_redis_py_client(client: object) -> bool:
+def is_redis_py_client(client: object) -> TypeGuard[RedisClient]:
     """Whether ``client`` is a ``redis.asyncio`` client (standalone or Cluster)."""
     return isinstance(client, aioredis.Redis | aioredis.RedisCluster)
 
