@@ -441,11 +441,9 @@ class GuardedRequest:
             if renewal is not None:
                 renewal.stop()
             if not capture.settled:
-                # The app raised, or returned without finishing its response: nothing to
-                # replay, so the client may retry with the same key. Shielded, so a
-                # cancelled request still frees its key.
+                # Shielded, so a cancelled request still settles or frees its key.
                 with anyio.CancelScope(shield=True):
-                    await self._release(capture.status or None)
+                    await capture.settle_unfinished()
 
     async def _checkpoint(self, name: str, data: Any) -> None:
         """Save a recovery point on the record this request owns (see ``checkpoint``)."""
@@ -578,15 +576,32 @@ class GuardedRequest:
 class _ResponseCapture:
     """The ``send`` the app gets: passes every message on to the client, keeps a copy of the
     response (up to ``max_response_bytes`` of body), and settles the outcome before the last
-    body chunk goes out."""
+    body chunk goes out.
 
-    __slots__ = ("_marks", "_request", "chunks", "raw_headers", "settled", "size", "status")
+    Once the app has started its response the outcome is decided, however the response ends:
+    a client that hangs up mid-stream, a ``send`` that raises, an app that stops its body on
+    ``http.disconnect`` or raises half-way, a cancelled request task. Then
+    :meth:`settle_unfinished` stores what was decided without the body it could not capture
+    whole, so a retry never runs the handler again nor sees a truncated body as whole.
+    """
+
+    __slots__ = (
+        "_marks",
+        "_request",
+        "chunks",
+        "ended",
+        "raw_headers",
+        "settled",
+        "size",
+        "status",
+    )
 
     def __init__(self, request: GuardedRequest, marks: RequestMarks) -> None:
         self._request = request
         self._marks = marks
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.ended = False  # the app sent its last body chunk
         self.chunks: list[bytes] | None = []  # None once the body outgrew max_response_bytes
         self.size = 0
         self.settled = False
@@ -597,7 +612,7 @@ class _ResponseCapture:
         if kind == "http.response.start":
             self.status = message["status"]
             self.raw_headers = list(message.get("headers", ()))
-        elif kind == "http.response.body" and not self.settled:
+        elif kind == "http.response.body" and not self.ended:
             chunk = message.get("body", b"")
             self.size += len(chunk)
             if self.size > request.policy.max_response_bytes:
@@ -606,7 +621,18 @@ class _ResponseCapture:
                 self.chunks.append(chunk)
             if not message.get("more_body", False):
                 self.settled = True
+                self.ended = True
                 await request._settle(self._marks, self.status, self.raw_headers, self.chunks)
+    async def settle_unfinished(self) -> None:
+        """Settle a request whose response did not run to its end (see the class docs)."""
+        if not self.status:
+            # The app raised or returned before it started a response: nothing was decided,
+            # so the client may retry with the same key.
+            await self._request._release(None)
+            return
+        body = self.chunks if self.ended else None
+        await self._request._settle(self._marks, self.status, self.raw_headers, body)
+
         await request.send(message)
 
 
