@@ -1,16 +1,27 @@
 """Finding the route a request will reach, before the app runs, and its idempotency policy.
 
-The middleware must decide before the endpoint runs, so it repeats the router's matching:
-the first FULL match wins, ``Mount`` and ``Host`` are entered with their prefix joined into
-the template, and FastAPI's lazily included routers (``include_router`` since FastAPI 0.13x)
-are entered through their effective routes. The per-route result is cached, keyed by the route
-object and its template, never by the raw path.
+The middleware must decide before the endpoint runs, so it repeats the router's matching on
+every guarded request: the first FULL match wins, ``Mount`` and ``Host`` are entered with
+their prefix joined into the template, and FastAPI's lazily included routers (``include_router``
+since FastAPI 0.13x) are entered through their effective routes.
+
+Nothing is cached by request. Which route a request reaches depends on its host,
+``root_path``, method and path, on whatever a custom route matches on (any header), and on route
+lists that may change after the first request (lists keep no version to compare). Matching
+costs about 1 µs per Starlette route tried, several for FastAPI's included routes, and the
+router pays as much again on the same request. Only the policy of a matched route is cached,
+keyed by the route object, its endpoint and its full template.
+
+The routes are those of the app the middleware wraps, found by following ``.app`` down the
+stack: the scope the middleware receives is the scope that app's router will match, however
+many mounts were entered above it. ``scope["app"]`` can name a parent app whose routes sit
+above that scope, so it is used only when its own middleware stack holds this middleware.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAX_CACHED_ROUTES = 2048
+_MAX_STACK_DEPTH = 64  # bounds the walk down ``.app`` attributes, should they ever form a cycle
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +57,19 @@ class _Leaf:
     route: BaseRoute
     endpoint: Callable[..., Any] | None
     template: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Routes:
+    """The routes an app dispatches to, and the ``root_path`` it sets before matching them
+    (``FastAPI(root_path=...)`` does, in its own ``__call__``); ``""`` when it sets none."""
+
+    routes: Sequence[BaseRoute]
+    root_path: str = ""
+
+    def scope_for(self, scope: Scope) -> Scope:
+        """A copy of ``scope`` as this app's router will see it."""
+        return {**scope, "root_path": self.root_path} if self.root_path else dict(scope)
 
 
 _INCLUDED_ROUTER_TYPES: dict[type, bool] = {}
@@ -91,24 +116,35 @@ def find_leaf(routes: Iterable[BaseRoute], scope: Scope, prefix: str = "") -> _L
 
 
 def _enter(route: Mount | Host, scope: Scope, child_scope: Scope, prefix: str) -> _Leaf | None:
-    inner_scope = {**scope, **child_scope}
+    # ``Mount.routes`` is empty when the mounted app is wrapped (in IdempotencyMiddleware, say),
+    # yet the router still dispatches through the wrapper to the routes below it.
+    below = _routes_below(route.app) or _Routes(route.routes)
     inner_prefix = prefix + route.path if isinstance(route, Mount) else prefix
-    return find_leaf(route.routes, inner_scope, inner_prefix)
+    return find_leaf(below.routes, below.scope_for({**scope, **child_scope}), inner_prefix)
 
 
-def find_routes(scope: Scope, app: ASGIApp) -> Sequence[BaseRoute] | None:
-    """The routes of the app this request goes to.
+def _stack(app: object) -> Iterator[object]:
+    """``app``, what it wraps (its ``.app``), what that wraps, and so on."""
+    node: object = app
+    for _ in range(_MAX_STACK_DEPTH):
+        if node is None:
+            return
+        yield node
+        node = getattr(node, "app", None)
 
-    Starlette puts itself in ``scope["app"]`` before its middleware runs; a middleware that wraps
-    an app directly finds the router by following ``.app`` attributes down the stack.
-    """
-    candidate: Any = scope.get("app")
-    if candidate is None:
-        candidate = app
-        while candidate is not None and not hasattr(candidate, "routes"):
-            candidate = getattr(candidate, "app", None)
-    routes: Sequence[BaseRoute] | None = getattr(candidate, "routes", None)
-    return routes
+
+def _wraps(outer: object, app: object) -> bool:
+    return any(node is app for node in _stack(outer))
+
+
+def _routes_below(app: object) -> _Routes | None:
+    """The routes of the first router found by following ``.app`` down from ``app``."""
+    for node in _stack(app):
+        routes: Sequence[BaseRoute] | None = getattr(node, "routes", None)
+        if routes is not None:
+            root_path = getattr(node, "root_path", "")
+            return _Routes(routes, root_path if isinstance(root_path, str) else "")
+    return None
 
 
 class RouteResolver:
@@ -117,34 +153,55 @@ class RouteResolver:
     def __init__(self, defaults: IdempotencyPolicy, *, protect_all: bool) -> None:
         self._defaults = defaults
         self._protect_all = protect_all
-        self._cache: dict[tuple[int, str], tuple[BaseRoute, GuardedRoute | None]] = {}
-        # Routes without path parameters have exactly one path: those skip the matching.
-        # Keyed by the path of a route that matched, so it holds at most one entry per static
-        # route and method; a path that matched nothing is never remembered.
-        self._static: dict[tuple[int, str, str, str], GuardedRoute | None] = {}
+        # The key holds ids; the value holds the objects themselves, so that no id in a key can
+        # be reused by a new route or endpoint while the entry lives.
+        self._cache: dict[tuple[int, int, str], tuple[BaseRoute, object, GuardedRoute | None]] = {}
+        self._warned_unrouted = False
 
     def resolve(self, scope: Scope, app: ASGIApp) -> GuardedRoute | None:
-        routes = find_routes(scope, app)
-        if not routes:
-            return None
-        static_key = (id(routes), scope["method"], scope["path"], scope.get("root_path", ""))
-        if static_key in self._static:
-            return self._static[static_key]
-        leaf = find_leaf(routes, dict(scope))
+        leaf = self._locate(scope, app)
         if leaf is None:
             return None
-        cache_key = (id(leaf.route), leaf.template)
+        cache_key = (id(leaf.route), id(leaf.endpoint), leaf.template)
         cached = self._cache.get(cache_key)
-        if cached is not None and cached[0] is leaf.route:
-            guarded = cached[1]
-        else:
-            guarded = self._guard(leaf)
-            if len(self._cache) >= _MAX_CACHED_ROUTES:
-                self._cache.clear()
-            self._cache[cache_key] = (leaf.route, guarded)
-        if "{" not in leaf.template and len(self._static) < _MAX_CACHED_ROUTES:
-            self._static[static_key] = guarded
+        if cached is not None and cached[0] is leaf.route and cached[1] is leaf.endpoint:
+            return cached[2]
+        guarded = self._guard(leaf)
+        if len(self._cache) >= _MAX_CACHED_ROUTES:
+            self._cache.clear()
+        self._cache[cache_key] = (leaf.route, leaf.endpoint, guarded)
         return guarded
+
+    def _locate(self, scope: Scope, app: ASGIApp) -> _Leaf | None:
+        """The route ``scope`` reaches in ``app``, the app the middleware wraps.
+
+        Where ``.app`` leads to no router (a plain function middleware in between, or the
+        middleware given to one ``Route(middleware=...)``), the app or route named in the scope
+        is used instead, but only once its own stack is seen to hold ``app``.
+        """
+        below = _routes_below(app)
+        if below is None:
+            owner = scope.get("app")
+            if owner is not None and _wraps(getattr(owner, "middleware_stack", None), app):
+                below = _routes_below(owner)
+        if below is not None:
+            return find_leaf(below.routes, below.scope_for(scope))
+        route = scope.get("route")
+        if (
+            isinstance(route, BaseRoute)
+            and not isinstance(route, Mount | Host)
+            and _wraps(getattr(route, "app", None), app)
+        ):
+            endpoint = scope.get("endpoint", getattr(route, "endpoint", None))
+            return _Leaf(route, endpoint, str(getattr(route, "path", "")))
+        if not self._warned_unrouted:
+            self._warned_unrouted = True
+            logger.warning(
+                "IdempotencyMiddleware finds no router below %r: its requests pass through "
+                "unguarded. Wrap a Starlette or FastAPI app, or add the middleware to one.",
+                app,
+            )
+        return None
 
     def _guard(self, leaf: _Leaf) -> GuardedRoute | None:
         overrides = getattr(leaf.endpoint, POLICY_ATTRIBUTE, None)

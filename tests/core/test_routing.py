@@ -1,157 +1,186 @@
-"""Route lookup: included routers, mounts, direct wrapping, the bounded per-route cache."""
+"""Route lookup: included routers, mounts, direct wrapping, the bounded per-route cache.
+
+The helpers here (:class:`Endpoints`, :func:`assert_behaviour`) are shared by the other
+``test_routing_*`` modules.
+"""
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
+import httpx
 from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Match, Mount, Route
+from starlette.types import Scope
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from starlette_idempotency.routing import RouteResolver
 from tests.core.conftest import make_client
 
-HEADERS = {"Idempotency-Key": "k"}
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-async def assert_guarded(app: object, path: str, runs: Counter[str]) -> None:
-    client = make_client(app)  # type: ignore[arg-type]
-    first = await client.post(path, json={}, headers=HEADERS)
+@dataclass
+class Endpoints:
+    """Endpoints that count their runs by name and answer ``{"ran": name}``."""
+
+    runs: Counter[str] = field(default_factory=Counter)
+
+    def make(self, name: str, *, guarded: bool) -> Endpoint:
+        async def endpoint(request: Request) -> Response:
+            self.runs[name] += 1
+            return JSONResponse({"ran": name})
+
+        return idempotent()(endpoint) if guarded else endpoint
+
+    def guarded(self, name: str) -> Endpoint:
+        return self.make(name, guarded=True)
+
+    def open(self, name: str) -> Endpoint:
+        return self.make(name, guarded=False)
+
+
+async def assert_behaviour(
+    client: httpx.AsyncClient, url: str, endpoints: Endpoints, name: str, *, guarded: bool
+) -> None:
+    """POST ``url`` twice with one fresh key, then once without a key. A guarded endpoint runs
+    once, is replayed, and demands a key (400); an open one runs every time."""
+    key = {"Idempotency-Key": uuid.uuid4().hex}
+    before = endpoints.runs[name]
+    first = await client.post(url, headers=key)
+    retry = await client.post(url, headers=key)
+    keyless = await client.post(url)
     assert first.status_code == 200, first.text
-    replay = await client.post(path, json={}, headers=HEADERS)
-    assert replay.headers.get("x-idempotent-replay") == "true"
-    assert runs[path] == 1
-    assert (await client.post(path, json={})).status_code == 400
+    assert first.json() == {"ran": name}
+    if guarded:
+        assert retry.headers.get("x-idempotent-replay") == "true"
+        assert keyless.status_code == 400, keyless.text
+        assert endpoints.runs[name] == before + 1
+    else:
+        assert "x-idempotent-replay" not in retry.headers
+        assert keyless.json() == {"ran": name}
+        assert endpoints.runs[name] == before + 3
+
+
+def stored_templates(store: MemoryStore) -> set[str]:
+    """The route template part of each stored key (``...:METHOD:template:key``, escaped)."""
+    return {key.split(":")[-2] for key in store._entries}
 
 
 async def test_nested_include_router() -> None:
-    runs: Counter[str] = Counter()
+    endpoints = Endpoints()
     app = FastAPI()
     outer = APIRouter(prefix="/api")
     inner = APIRouter(prefix="/v1")
-
-    @inner.post("/items/{item_id}")
-    @idempotent()
-    async def create(item_id: int) -> dict[str, int]:
-        runs[f"/api/v1/items/{item_id}"] += 1
-        return {"item": item_id}
-
+    inner.add_api_route("/items/{item_id}", endpoints.guarded("item"), methods=["POST"])
     outer.include_router(inner)
     app.include_router(outer)
     store = MemoryStore()
     app.add_middleware(IdempotencyMiddleware, store=store)
-    await assert_guarded(app, "/api/v1/items/7", runs)
-    (key,) = store._entries
-    assert ":POST:/api/v1/items/%7Bitem_id%7D:k" in key
+    await assert_behaviour(make_client(app), "/api/v1/items/7", endpoints, "item", guarded=True)
+    assert stored_templates(store) == {"/api/v1/items/%7Bitem_id%7D"}
 
 
 async def test_mounted_sub_app_joins_the_prefix() -> None:
-    runs: Counter[str] = Counter()
-
-    @idempotent()
-    async def create(request: Request) -> Response:
-        runs[request.url.path] += 1
-        return JSONResponse({"ok": True})
-
-    sub = Starlette(routes=[Route("/orders/{order_id}", create, methods=["POST"])])
+    endpoints = Endpoints()
+    sub = Starlette(routes=[Route("/orders/{id}", endpoints.guarded("order"), methods=["POST"])])
     app = Starlette(routes=[Mount("/shop", app=sub)])
     store = MemoryStore()
     app.add_middleware(IdempotencyMiddleware, store=store)
-    await assert_guarded(app, "/shop/orders/3", runs)
-    (key,) = store._entries
-    assert ":POST:/shop/orders/%7Border_id%7D:k" in key
+    await assert_behaviour(make_client(app), "/shop/orders/3", endpoints, "order", guarded=True)
+    assert stored_templates(store) == {"/shop/orders/%7Bid%7D"}
 
 
 async def test_middleware_wrapping_the_app_directly() -> None:
-    runs: Counter[str] = Counter()
-
-    @idempotent()
-    async def create(request: Request) -> Response:
-        runs[request.url.path] += 1
-        return JSONResponse({"ok": True})
-
-    inner = Starlette(routes=[Mount("/m", routes=[Route("/x", create, methods=["POST"])])])
+    endpoints = Endpoints()
+    inner = Starlette(
+        routes=[Mount("/m", routes=[Route("/x", endpoints.guarded("x"), methods=["POST"])])]
+    )
     app = IdempotencyMiddleware(inner, store=MemoryStore())
-    await assert_guarded(app, "/m/x", runs)
+    await assert_behaviour(make_client(app), "/m/x", endpoints, "x", guarded=True)
 
 
 async def test_first_full_match_wins() -> None:
-    runs: Counter[str] = Counter()
-
-    async def plain(request: Request) -> Response:
-        runs["plain"] += 1
-        return JSONResponse({})
-
-    @idempotent()
-    async def guarded(request: Request) -> Response:
-        runs["guarded"] += 1
-        return JSONResponse({})
-
+    endpoints = Endpoints()
     app = Starlette(
         routes=[
-            Route("/same", plain, methods=["GET"]),  # PARTIAL for POST: skipped
-            Route("/same", guarded, methods=["POST"]),
-            Route("/same", plain, methods=["POST"]),  # never reached
+            Route("/same", endpoints.open("get"), methods=["GET"]),  # PARTIAL for POST: skipped
+            Route("/same", endpoints.guarded("first"), methods=["POST"]),
+            Route("/same", endpoints.open("never"), methods=["POST"]),
         ]
     )
     app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
-    client = make_client(app)
-    for _ in range(2):
-        await client.post("/same", headers=HEADERS)
-    assert runs == Counter({"guarded": 1})
+    await assert_behaviour(make_client(app), "/same", endpoints, "first", guarded=True)
+    assert endpoints.runs == Counter({"first": 1})
 
 
 async def test_protect_all_guards_undecorated_routes() -> None:
-    runs: Counter[str] = Counter()
+    endpoints = Endpoints()
     app = FastAPI()
-
-    @app.post("/open")
-    async def open_route() -> dict[str, int]:
-        runs["/open"] += 1
-        return {"n": runs["/open"]}
+    app.add_api_route("/open", endpoints.open("open"), methods=["POST"])
 
     @app.get("/read")
     async def read() -> dict[str, int]:
         return {}
 
     app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), protect_all=True)
-    await assert_guarded(app, "/open", runs)
-    assert (await make_client(app).get("/read")).status_code == 200
+    client = make_client(app)
+    await assert_behaviour(client, "/open", endpoints, "open", guarded=True)
+    assert (await client.get("/read")).status_code == 200
 
 
 async def test_policy_lookup_is_cached_per_route_not_per_path() -> None:
-    @idempotent()
-    async def create(request: Request) -> Response:
-        return JSONResponse({})
-
-    app = Starlette(routes=[Route("/items/{n:int}", create, methods=["POST"])])
+    endpoints = Endpoints()
+    app = Starlette(routes=[Route("/items/{n:int}", endpoints.guarded("item"), methods=["POST"])])
     middleware = IdempotencyMiddleware(app, store=MemoryStore())
     client = make_client(middleware)
     for n in range(20):
-        await client.post(f"/items/{n}", headers=HEADERS)
+        await client.post(f"/items/{n}", headers={"Idempotency-Key": "k"})
     resolver: RouteResolver = middleware._resolver
     assert len(resolver._cache) == 1
 
 
-async def test_static_paths_skip_matching_but_unknown_paths_are_not_remembered() -> None:
-    @idempotent()
-    async def create(request: Request) -> Response:
-        return JSONResponse({})
+async def test_one_route_object_mounted_under_two_prefixes_keeps_both_templates() -> None:
+    endpoints = Endpoints()
+    shared = Route("/orders", endpoints.guarded("order"), methods=["POST"])
+    app = Starlette(routes=[Mount("/a", routes=[shared]), Mount("/b", routes=[shared])])
+    store = MemoryStore()
+    client = make_client(IdempotencyMiddleware(app, store=store))
+    await assert_behaviour(client, "/a/orders", endpoints, "order", guarded=True)
+    await assert_behaviour(client, "/b/orders", endpoints, "order", guarded=True)
+    assert stored_templates(store) == {"/a/orders", "/b/orders"}
 
-    app = Starlette(
-        routes=[
-            Route("/static", create, methods=["POST"]),
-            Route("/items/{n:int}", create, methods=["POST"]),
-        ]
-    )
+
+class HeaderRoute(BaseRoute):
+    """A custom route on one path that picks its endpoint by a request header."""
+
+    def __init__(self, path: str, by_variant: dict[str, Endpoint]) -> None:
+        self.path = path
+        self.by_variant = by_variant
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        variant = dict(scope["headers"]).get(b"x-variant", b"").decode()
+        if scope["path"] != self.path or variant not in self.by_variant:
+            return Match.NONE, {}
+        return Match.FULL, {"endpoint": self.by_variant[variant]}
+
+    async def handle(self, scope: Scope, receive: object, send: object) -> None:
+        await Route(self.path, scope["endpoint"], methods=["POST"])(scope, receive, send)  # type: ignore[arg-type]
+
+
+async def test_custom_route_matching_on_a_header_is_resolved_per_request() -> None:
+    endpoints = Endpoints()
+    by_variant = {"safe": endpoints.guarded("safe"), "free": endpoints.open("free")}
+    app = Starlette(routes=[HeaderRoute("/orders", by_variant)])
     middleware = IdempotencyMiddleware(app, store=MemoryStore())
-    client = make_client(middleware)
-    for n in range(5):
-        await client.post("/static", headers={"Idempotency-Key": f"s{n}"})
-        await client.post(f"/items/{n}", headers={"Idempotency-Key": f"i{n}"})
-        await client.post(f"/nowhere/{n}", headers=HEADERS)
-    resolver: RouteResolver = middleware._resolver
-    assert [key[2] for key in resolver._static] == ["/static"]
+    for order in (["safe", "free"], ["free", "safe"]):
+        for variant in order:
+            client = make_client(middleware)
+            client.headers["x-variant"] = variant
+            await assert_behaviour(client, "/orders", endpoints, variant, guarded=variant == "safe")
