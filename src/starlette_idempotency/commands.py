@@ -4,6 +4,14 @@ The body is validated with the FastAPI route's own body model, then fingerprinte
 field: a field left out that has a static default equals the same field sent with that value,
 ``10`` equals ``10.0`` where the model says float, and a field filled by a ``default_factory``
 (a fresh id, the current time) counts only when the client sent it, or no retry would match.
+The command is written by the standard library's encoder, exact for what its parser reads:
+integers of any size, ``NaN``, ``Infinity`` and ``-Infinity`` apart, lone surrogates escaped.
+
+Only a body FastAPI reads as JSON is a command: ``application/json`` or ``application/*+json``,
+or no content type on a route that allows it (``strict_content_type=False``, or FastAPI before
+that option). Any other body, and a command that cannot be written exactly (nested deeper
+than 254 levels), takes the raw fingerprint, as does every request to a route whose body is a
+form. A body the parser or the model rejects is no command: the app answers its own 422.
 
 Finding the body model uses FastAPI's ``APIRoute.body_field`` (tested with FastAPI 0.115+).
 """
@@ -14,11 +22,18 @@ import decimal
 import json
 from typing import Any
 
-import orjson
 from pydantic import BaseModel, SecretBytes, SecretStr, TypeAdapter, ValidationError
 from pydantic_core import to_jsonable_python
 
-_SORT_KEYS = orjson.OPT_SORT_KEYS
+from starlette_idempotency.fingerprint import (
+    is_json_content_type,
+    json_depth_within_limit,
+    raw_body_form,
+)
+
+
+def _encode(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
 
 
 def _command(value: Any, excluded: frozenset[str]) -> Any:
@@ -40,7 +55,7 @@ def _command(value: Any, excluded: frozenset[str]) -> Any:
     if isinstance(value, list | tuple):
         return [_command(item, excluded) for item in value]
     if isinstance(value, set | frozenset):
-        return sorted((_command(item, excluded) for item in value), key=orjson.dumps)
+        return sorted((_command(item, excluded) for item in value), key=_encode)
     if isinstance(value, decimal.Decimal):
         return format(value.normalize(), "f")  # 10, 10.0 and 1E+1 are one amount
     if isinstance(value, SecretStr | SecretBytes):
@@ -49,26 +64,68 @@ def _command(value: Any, excluded: frozenset[str]) -> Any:
 
 
 class CommandFingerprinter:
-    """Validates a JSON body against a type and gives its canonical command bytes."""
+    """Validates a JSON body against a type and gives its canonical command bytes.
 
-    def __init__(self, body_type: Any, excluded: frozenset[str]) -> None:
+    ``json_without_content_type`` says whether the route reads a body sent without a content
+    type as JSON, as FastAPI does unless its ``strict_content_type`` is on.
+    """
+
+    def __init__(
+        self, body_type: Any, excluded: frozenset[str], *, json_without_content_type: bool = True
+    ) -> None:
         self._adapter: TypeAdapter[Any] = TypeAdapter(body_type)
         self._excluded = excluded
+        self._json_without_content_type = json_without_content_type
 
-    def canonical(self, body: bytes) -> bytes | None:
-        """The canonical command, or ``None`` when the body is not a valid command."""
+    def canonical(self, body: bytes, content_type: str) -> tuple[str, bytes] | None:
+        """The body's canonical form as ``(kind, bytes)``: the ``command`` when the body is
+        one, the raw form when FastAPI would not read it as JSON or the command cannot be
+        written exactly, ``None`` when the body is not a valid command."""
+        reads_json = (
+            is_json_content_type(content_type) if content_type else self._json_without_content_type
+        )
+        if body and not reads_json:
+            return self._raw(body, content_type)
         try:
             # The standard library's parser, as Starlette's Request.json() uses: whatever the
             # app accepts (NaN, integers past 64 bits) is accepted here too.
-            value = self._adapter.validate_python(json.loads(body) if body else None)
-        except (ValueError, ValidationError):
+            data = json.loads(body) if body else None
+        except RecursionError:
+            return self._raw(body, content_type)
+        except ValueError:
             return None
-        return orjson.dumps(_command(value, self._excluded), option=_SORT_KEYS)
+        if not json_depth_within_limit(data):
+            return self._raw(body, content_type)
+        try:
+            value = self._adapter.validate_python(data)
+        except ValidationError:
+            return None
+        try:
+            return "command", _encode(_command(value, self._excluded)).encode("ascii")
+        except (RecursionError, ValueError, ArithmeticError):
+            return self._raw(body, content_type)
+
+    def _raw(self, body: bytes, content_type: str) -> tuple[str, bytes]:
+        return raw_body_form(body, content_type=content_type, excluded=self._excluded)
+
+
+def _is_form(body_field: Any) -> bool:
+    from fastapi import params
+
+    return isinstance(body_field.field_info, params.Form)
 
 
 def fingerprinter_for_route(route: Any, excluded: frozenset[str]) -> CommandFingerprinter | None:
-    """The fingerprinter for a FastAPI route's body, or ``None`` where there is no body model."""
+    """The fingerprinter for a FastAPI route's JSON body, or ``None`` where there is no body
+    model or the body is a form (read by FastAPI's form parser: the raw fingerprint applies)."""
     body_field = getattr(route, "body_field", None)
-    if body_field is None:
+    if body_field is None or _is_form(body_field):
         return None
-    return CommandFingerprinter(body_field.field_info.annotation, excluded)
+    # A DefaultPlaceholder until set; an including router may still change it, in which case
+    # a body without a content type takes the raw fingerprint, which is always safe.
+    strict = getattr(route, "strict_content_type", False)
+    return CommandFingerprinter(
+        body_field.field_info.annotation,
+        excluded,
+        json_without_content_type=not getattr(strict, "value", strict),
+    )

@@ -1,64 +1,297 @@
 """Request fingerprints and storage keys.
 
 The fingerprint is SHA-256 over a canonical form of the request: method, actual path, sorted
-query parameters, the chosen headers and the body. JSON bodies are canonicalised first (keys
-sorted, whitespace dropped, excluded fields removed at every depth, matched case-insensitively),
-so two encodings of one request are the same request. Anything else is hashed as bytes.
+query parameters, the chosen headers and the body, whose form is named by its kind:
+
+``json``
+    A JSON body (``application/json``, ``application/*+json``), parsed by orjson and written
+    back with sorted keys and no whitespace, so two encodings of one value are one request.
+    Excluded fields are dropped at every depth, their names matched case-insensitively.
+``json-exact``
+    JSON that orjson cannot carry exactly: integers outside 64 bits (orjson reads them as
+    floats), ``NaN``, ``Infinity``, ``1e400``, lone surrogates, a byte order mark, UTF-16.
+    Parsed by the standard library, as Starlette and FastAPI parse it, and written back by it.
+``form``
+    ``application/x-www-form-urlencoded``: fields stably sorted by name, so fields sent in
+    another order are the same request while repeated fields keep their order; excluded
+    fields dropped by name as Starlette decodes it, case-insensitively. Escapes are
+    normalised only where every decoder agrees (``+`` is ``%20``, ``%41`` is ``A``): raw
+    non-ASCII bytes and escaped ones stay apart, as Starlette decodes them apart, and so do
+    ``%FF`` and ``%FE``, which it decodes alike. Names that some decoder may read alike
+    (``%FF`` and ``%FE`` again) keep their relative order too.
+``bytes``
+    Everything else, byte for byte: multipart bodies too, so a client retrying one must resend
+    the same bytes, boundary included. Also JSON nested deeper than 254 levels (as deep as
+    orjson writes) and bodies that are not the JSON they claim to be.
+
+The rule: two bodies that Python's ``json`` reads as different values (``1`` and ``1.0``,
+``2**64`` and ``2**64 + 1``, ``NaN`` and ``null``) never share a fingerprint. Two it reads as
+equal share one when both take the same path; one value sent once as ``json`` and once as
+``json-exact`` (with and without a byte order mark, say) is two requests: a 422, never a
+wrong replay.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from collections.abc import Iterable
+from functools import lru_cache
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 import orjson
 
 FINGERPRINT_PREFIX = "sha256:"
-FINGERPRINT_SCHEME = "1"
+FINGERPRINT_SCHEME = "2"
+MAX_JSON_DEPTH = 254  # orjson.dumps' limit, applied to the standard library's path as well
 _SORT_KEYS = orjson.OPT_SORT_KEYS
+_FORM_MEDIA_TYPE = "application/x-www-form-urlencoded"
+
+
+def _media_type(content_type: str) -> str:
+    return content_type.partition(";")[0].strip().lower()
 
 
 def is_json_content_type(content_type: str) -> bool:
-    """True for ``application/json`` and any ``*+json`` media type (parameters ignored)."""
-    media_type = content_type.partition(";")[0].strip().lower()
-    return media_type == "application/json" or media_type.endswith("+json")
+    """True for ``application/json`` and ``application/*+json`` (parameters ignored): the
+    media types FastAPI reads as JSON, by the same rule."""
+    media_type = _media_type(content_type)
+    if media_type.count("/") != 1:
+        return False
+    main, _, sub = media_type.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
 
 
-def _without_fields(value: Any, excluded: frozenset[str]) -> Any:
-    if isinstance(value, dict):
-        return {
-            name: _without_fields(item, excluded)
-            for name, item in value.items()
-            if name.lower() not in excluded
-        }
-    if isinstance(value, list):
-        return [_without_fields(item, excluded) for item in value]
+def drop_fields(value: Any, excluded: frozenset[str]) -> bool:
+    """Delete the members whose lower-cased names are in ``excluded`` from a freshly parsed
+    JSON ``value``, in place and at every depth; ``False`` when ``value`` is nested deeper
+    than :data:`MAX_JSON_DEPTH` (then it may be left half done).
+
+    The walk is iterative, one level at a time, so no depth reaches the recursion limit.
+    """
+    level: list[Any] = [value] if type(value) is dict or type(value) is list else []
+    known: set[str] = set()
+    matching: set[str] = set()
+    depth = 0
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            return False
+        below: list[Any] = []
+        push = below.append
+        for node in level:
+            if type(node) is dict:
+                if excluded:
+                    if not known.issuperset(node):
+                        for name in node.keys() - known:
+                            known.add(name)
+                            if name.lower() in excluded:
+                                matching.add(name)
+                    for name in matching:
+                        node.pop(name, None)
+                node = node.values()
+            for item in node:
+                kind = type(item)
+                if kind is dict or kind is list:
+                    push(item)
+        level = below
+    return True
+
+
+def json_depth_within_limit(value: Any) -> bool:
+    """Whether a parsed JSON value is nested no deeper than :data:`MAX_JSON_DEPTH`."""
+    return drop_fields(value, frozenset())
+
+
+# Values in orjson's compact output, where a value is followed by a comma or a bracket only,
+# so no quantifier here ever needs to give anything back.
+_STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+_SCALAR = rb"(?>" + _STRING + rb"|-?[0-9][0-9.eE+-]*+|true|false|null)"
+
+
+def _value_pattern(depth: int) -> bytes:
+    """A value nested at most ``depth`` deep. Brackets go unpaired and commas optional, so
+    the pattern grows linearly with ``depth``; on valid JSON it still matches exactly one
+    value, as nothing but a comma or the closing bracket can follow a member."""
+    value = _SCALAR
+    for _ in range(depth):
+        members = rb"(?:,?(?:" + _STRING + rb":)?" + value + rb")*+"
+        value = rb"(?>" + _SCALAR + rb"|[\[{]" + members + rb"[\]}])"
     return value
 
 
-def canonical_json(body: bytes, excluded: frozenset[str] = frozenset()) -> bytes | None:
-    """The canonical encoding of a JSON body, or ``None`` when it is not valid JSON.
+_VALUE = _value_pattern(8)
+_KELVIN_SIGN = "\u212a".encode()
+
+
+@lru_cache(maxsize=64)
+def _member_patterns(spelling: bytes) -> tuple[re.Pattern[bytes], re.Pattern[bytes]]:
+    """A member after another one (``,"name":1``) and the first of its object (``{"name":1,``)."""
+    name = re.escape(spelling)
+    return (
+        re.compile(rb',"' + name + rb'":' + _VALUE + rb"(?=[,}])"),
+        re.compile(rb'\{"' + name + rb'":' + _VALUE + rb"(?:,|(?=\}))"),
+    )
+
+
+def _cut_members(canonical: bytes, excluded: frozenset[str]) -> bytes | None:
+    """``canonical`` (orjson's sorted, compact output) without the excluded members, or
+    ``None`` unless every one of them can be cut out of the bytes exactly.
+
+    Walking a parsed megabyte costs as much as parsing it; cutting members out of the output
+    costs a few C-speed passes. It is exact because of the shape of that output: a quote in a
+    string is always escaped, so ``,"`` and ``{"`` only begin members; ASCII letters in keys
+    are written as themselves; and ``bytes.lower()`` lowers every key that ``str.lower()``
+    maps onto an ASCII name, the Kelvin sign alone aside. Every case-insensitive occurrence
+    of ``"name":`` is counted first; unless each one is cut (a value nested deeper than the
+    pattern reaches, several spellings of the name, a key ending in an escaped quote and the
+    name), the caller walks the parsed value instead.
+    """
+    lowered = canonical.lower()
+    cuts: list[tuple[bytes, int, int]] = []
+    for name in excluded:
+        if not (name.isascii() and name.isprintable()) or '"' in name or "\\" in name:
+            return None  # orjson escapes these, or bytes.lower() would not lower them
+        if "k" in name and _KELVIN_SIGN in canonical:
+            return None
+        needle = b'"' + name.encode() + b'":'
+        total = lowered.count(needle)
+        if total:
+            at = lowered.find(needle)
+            leading = lowered.count(b"{" + needle)
+            cuts.append((canonical[at + 1 : at + len(needle) - 2], total, leading))
+    for spelling, total, leading in cuts:
+        following, first = _member_patterns(spelling)
+        cut = 0
+        if total > leading:
+            canonical, cut = following.subn(b"", canonical)
+        if leading:
+            canonical, cut_first = first.subn(b"{", canonical)
+            cut += cut_first
+        if cut != total:
+            return None
+    return canonical
+
+
+def _exact_json(body: bytes, excluded: frozenset[str]) -> tuple[str, bytes] | None:
+    """The standard library's canonical form, exact for every value it parses."""
+    try:
+        value = json.loads(body)
+        if not drop_fields(value, excluded):
+            return None
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    except (ValueError, RecursionError):
+        return None
+    return "json-exact", text.encode("ascii")
+
+
+def canonical_json(body: bytes, excluded: frozenset[str] = frozenset()) -> tuple[str, bytes] | None:
+    """The canonical form of a JSON body as ``(kind, bytes)``, or ``None`` when it is not
+    JSON or cannot be written exactly (nested too deep).
 
     ``excluded`` holds lower-cased field names to drop at every depth.
     """
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError:
+        return _exact_json(body, excluded)
+    try:
+        canonical = orjson.dumps(value, option=_SORT_KEYS)
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes
         return None
     if excluded:
-        value = _without_fields(value, excluded)
-    return orjson.dumps(value, option=_SORT_KEYS)
+        dropped = _cut_members(canonical, excluded)
+        if dropped is None:
+            drop_fields(value, excluded)
+            dropped = orjson.dumps(value, option=_SORT_KEYS)
+        canonical = dropped
+    # orjson reads an integer outside 64 bits as a float, and writes any float that large
+    # with an exponent: "+" is rare in JSON, so the first test is one memchr.
+    if b"+" in canonical and b"e+" in canonical:
+        return _exact_json(body, excluded)
+    return "json", canonical
 
 
-def raw_body_form(body: bytes, *, json_body: bool, excluded: frozenset[str]) -> tuple[str, bytes]:
-    """The body as the ``raw`` fingerprint sees it: ``("json", canonical JSON)`` when it is JSON
-    that parses, else ``("bytes", body)``."""
-    if json_body:
+def _normal_escapes() -> dict[bytes, bytes]:
+    """What the two hex digits after a ``%`` become: the ASCII byte they stand for, except
+    for the bytes that mean something to a form parser; anything else stays escaped."""
+    escapes = {}
+    digits = "0123456789abcdefABCDEF"
+    for high in digits:
+        for low in digits:
+            byte = int(high + low, 16)
+            kept = byte >= 0x80 or byte in b"&+;=%"
+            escapes[f"{high}{low}".encode()] = f"%{byte:02X}".encode() if kept else bytes((byte,))
+    return escapes
+
+
+_NORMAL_ESCAPES = _normal_escapes()
+_KEPT_ASCII_ESCAPES = [(b"%%%02X" % byte, bytes((byte,))) for byte in b"&+;=%"]
+_NON_ASCII_RUN = re.compile(rb"(?:[\x80-\xff]|%[89A-F][0-9A-F])+")
+
+
+def _normalised(body: bytes) -> bytes:
+    """``+`` as a space, escapes as ``_normal_escapes`` says, a ``%`` that escapes nothing
+    escaped itself; every other byte as it came."""
+    first, *rest = body.replace(b"+", b" ").split(b"%")
+    parts = [first]
+    for part in rest:
+        escape = _NORMAL_ESCAPES.get(part[:2])
+        parts.append(b"%25" + part if escape is None else escape + part[2:])
+    return b"".join(parts)
+
+
+def _field_name(field: bytes) -> bytes:
+    return field.partition(b"=")[0]
+
+
+def _field_order(field: bytes) -> bytes:
+    """The sort key of a normalised field: its name with every escape decoded and each run
+    of non-ASCII bytes, raw or escaped, as one ``0x80``. Decoders differ only in what they
+    make of such runs, so two names any of them reads alike have one key, and fields of
+    names the app may confuse never change order."""
+    name = _field_name(field)
+    if name.isascii() and b"%" not in name:
+        return name
+    name = _NON_ASCII_RUN.sub(b"\x80", name)
+    # The escapes left are those _normal_escapes keeps; "%25" goes last, or "%2526" would
+    # be decoded twice.
+    for escape, byte in _KEPT_ASCII_ESCAPES:
+        name = name.replace(escape, byte)
+    return name
+
+
+def canonical_form(body: bytes, excluded: frozenset[str] = frozenset()) -> bytes:
+    """The canonical form of an ``application/x-www-form-urlencoded`` body.
+
+    Each field is kept whole, its escapes normalised (see the module docstring), and the
+    fields are stably sorted by name (see ``_field_order``). ``excluded`` holds lower-cased
+    field names to drop, matched against the name as Starlette decodes it.
+    """
+    fields = [field for field in _normalised(body).split(b"&") if field]
+    if excluded:
+        # Normalised names hold no "+", so unquote() decodes them as Starlette's
+        # unquote_plus() decodes the original.
+        fields = [
+            field
+            for field in fields
+            if unquote(_field_name(field).decode("latin-1")).lower() not in excluded
+        ]
+    fields.sort(key=_field_order)
+    return b"&".join(fields)
+
+
+def raw_body_form(body: bytes, *, content_type: str, excluded: frozenset[str]) -> tuple[str, bytes]:
+    """The body as the ``raw`` fingerprint sees it, as ``(kind, canonical bytes)``: JSON and
+    urlencoded forms canonicalised, anything else as its bytes (see the module docstring)."""
+    if is_json_content_type(content_type):
         canonical = canonical_json(body, excluded)
         if canonical is not None:
-            return "json", canonical
+            return canonical
+    elif _media_type(content_type) == _FORM_MEDIA_TYPE:
+        return "form", canonical_form(body, excluded)
     return "bytes", body
 
 
@@ -74,7 +307,8 @@ def request_fingerprint(
     """``sha256:<hex>`` of the canonical request.
 
     ``headers`` are the (lower-cased name, value) pairs chosen to take part; ``body`` is already
-    in canonical form, and ``body_kind`` names that form ("json", "bytes" or "command").
+    in canonical form, and ``body_kind`` names that form ("json", "json-exact", "form",
+    "bytes" or "command").
     """
     query = (
         sorted(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))

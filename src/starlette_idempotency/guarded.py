@@ -22,7 +22,6 @@ from starlette_idempotency._types import Message, Receive, Scope, Send
 from starlette_idempotency.context import CONTEXT_SCOPE_KEY, IdempotencyContext
 from starlette_idempotency.errors import ConfigurationError, LockLostError, StoreError
 from starlette_idempotency.fingerprint import (
-    is_json_content_type,
     raw_body_form,
     request_fingerprint,
     storage_key,
@@ -157,8 +156,11 @@ class GuardedRequest:
             if name == mw._header_bytes:
                 raw_keys.append(value)
             elif name == b"content-length":
-                self.content_length = int(value) if value.isdigit() else None
-            elif name == b"content-type":
+                length = int(value) if value.isdigit() else _INVALID_LENGTH
+                if self.content_length not in (None, length):
+                    length = _INVALID_LENGTH  # two Content-Length headers that disagree
+                self.content_length = length
+            elif name == b"content-type" and not self.content_type:
                 self.content_type = value.decode("latin-1")
             if name in wanted:
                 self.chosen_headers.append((name.decode("latin-1"), value.decode("latin-1")))
@@ -223,15 +225,13 @@ class GuardedRequest:
         command = self.route.command
         if command is None:
             kind, canonical = raw_body_form(
-                body,
-                json_body=is_json_content_type(self.content_type),
-                excluded=self.policy.excluded_field_names,
+                body, content_type=self.content_type, excluded=self.policy.excluded_field_names
             )
         else:
-            kind, validated = "command", command.canonical(body)
-            if validated is None:
+            form = command.canonical(body, self.content_type)
+            if form is None:
                 return None
-            canonical = validated
+            kind, canonical = form
         return request_fingerprint(
             method=scope["method"],
             path=scope["path"],

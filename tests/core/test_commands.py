@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import Counter
 from decimal import Decimal
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, params
+from hypothesis import example, given
+from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from starlette_idempotency import (
@@ -18,7 +22,10 @@ from starlette_idempotency import (
     MemoryStore,
     idempotent,
 )
+from starlette_idempotency.commands import CommandFingerprinter, fingerprinter_for_route
+from starlette_idempotency.fingerprint import FINGERPRINT_SCHEME, MAX_JSON_DEPTH
 from tests.core.conftest import make_client
+from tests.core.test_fingerprint_json import json_values, same
 
 
 class Line(BaseModel):
@@ -131,7 +138,8 @@ async def test_records_carry_the_fingerprint_version() -> None:
     app, _, store = build(fingerprint_version="7")
     await make_client(app).post("/orders/1", json={"amount": 1}, headers={"Idempotency-Key": "k"})
     (record,) = [record for record, _ in store._entries.values()]
-    assert record.fingerprint_version == "1.validated.7"
+    assert record.fingerprint_version == f"{FINGERPRINT_SCHEME}.validated.7"
+    assert FINGERPRINT_SCHEME == "2"
 
 
 async def test_what_the_app_parses_is_parsed_alike() -> None:
@@ -168,3 +176,106 @@ async def test_endpoint_never_runs_unprotected() -> None:
     finally:
         current_marks.reset(token)
     assert calls == []
+
+
+JSON = "application/json"
+
+
+def command(
+    body: bytes,
+    content_type: str = JSON,
+    body_type: Any = Any,
+    excluded: frozenset[str] = frozenset({"nonce"}),
+) -> tuple[str, bytes] | None:
+    return CommandFingerprinter(body_type, excluded).canonical(body, content_type)
+
+
+@given(json_values, json_values)
+@example(2**64, 2**64 + 1)
+@example(float("nan"), float("inf"))
+@example(float("inf"), -float("inf"))
+@example(float("nan"), None)
+@example("\ud800", "\ud801")
+def test_commands_are_exact(value: Any, other: Any) -> None:
+    """Integers past 64 bits, NaN and the infinities, lone surrogates: each its own command."""
+    first = command(json.dumps(value).encode(), excluded=frozenset())
+    assert first is not None
+    assert first[0] == "command"
+    assert same(json.loads(first[1]), json.loads(json.dumps(value)))
+    if not same(value, other):
+        assert command(json.dumps(other).encode(), excluded=frozenset()) != first
+
+
+class Amount(BaseModel):
+    amount: int
+    nonce: int = 0
+
+
+def test_big_integers_in_a_model_are_exact() -> None:
+    first = command(b'{"amount": 1180591620717411303424, "nonce": 1}', body_type=Amount)
+    assert first == ("command", b'{"amount":1180591620717411303424}')
+    assert command(b'{"amount": 1180591620717411304424}', body_type=Amount) != first
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def test_bodies_fastapi_does_not_read_as_json_take_the_raw_form() -> None:
+    assert command(b'{"a": 1}', "text/plain") == ("bytes", b'{"a": 1}')
+    assert command(b"nonce=1&b=2&a=1", "application/x-www-form-urlencoded") == ("form", b"a=1&b=2")
+    multipart = "multipart/form-data; boundary=x"
+    assert command(b"--x--", multipart) == ("bytes", b"--x--")
+    assert command(b'{"b": 1, "a": 2}', "application/vnd.api+json") == ("command", b'{"a":2,"b":1}')
+
+
+def test_a_body_without_a_content_type_is_json_only_where_the_route_says_so() -> None:
+    lenient = CommandFingerprinter(Any, frozenset(), json_without_content_type=True)
+    strict = CommandFingerprinter(Any, frozenset(), json_without_content_type=False)
+    assert lenient.canonical(b'{"a": 1}', "") == ("command", b'{"a":1}')
+    assert strict.canonical(b'{"a": 1}', "") == ("bytes", b'{"a": 1}')
+    assert strict.canonical(b"", "") == ("command", b"null")  # FastAPI reads no body at all
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 300, 900, 2000, 100_000])
+def test_deep_nesting_takes_the_raw_form(depth: int) -> None:
+    assert command(nested(depth)) == ("bytes", nested(depth))
+    assert command(nested(MAX_JSON_DEPTH)) == ("command", nested(MAX_JSON_DEPTH))
+
+
+def test_what_json_or_the_model_rejects_is_no_command() -> None:
+    assert command(b"{nope") is None
+    assert command(b"1" * 5000) is None  # past int's 4300 digits: json.loads refuses it too
+    assert command(b'{"amount": "lots"}', body_type=Amount) is None
+
+
+@given(
+    st.binary(max_size=40) | st.sampled_from([b"NaN", b'"\\ud800"', nested(300), b"1e400"]),
+    st.sampled_from([JSON, "", "text/plain", "application/x-www-form-urlencoded"]),
+    st.sampled_from([Any, Amount, str, list[int]]),
+)
+def test_any_body_gives_a_form_or_none(body: bytes, content_type: str, body_type: Any) -> None:
+    result = command(body, content_type, body_type)
+    assert result is None or isinstance(result[1], bytes)
+
+
+def test_form_routes_take_the_raw_fingerprint() -> None:
+    form_route = SimpleNamespace(body_field=SimpleNamespace(field_info=params.Form()))
+    file_route = SimpleNamespace(body_field=SimpleNamespace(field_info=params.File()))
+    assert fingerprinter_for_route(form_route, frozenset()) is None
+    assert fingerprinter_for_route(file_route, frozenset()) is None
+
+
+def test_the_routes_content_type_strictness_is_read() -> None:
+    for strict in (True, False):
+        app = FastAPI(strict_content_type=strict)
+
+        @app.post("/m")
+        async def m(body: Amount) -> None: ...
+
+        (route,) = [r for r in app.routes if getattr(r, "path", "") == "/m"]
+        fingerprinter = fingerprinter_for_route(route, frozenset())
+        assert fingerprinter is not None
+        kind = fingerprinter.canonical(b'{"amount": 1}', "")
+        assert kind is not None
+        assert kind[0] == ("bytes" if strict else "command")

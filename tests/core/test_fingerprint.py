@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import email.message
+
 import orjson
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,14 +18,14 @@ from starlette_idempotency.fingerprint import (
 def fingerprint(
     body: bytes,
     *,
-    json_body: bool = True,
+    content_type: str = "application/json",
     path: str = "/payments",
     query: bytes = b"",
     headers: tuple[tuple[str, str], ...] = (),
     excluded: frozenset[str] = frozenset(),
     method: str = "POST",
 ) -> str:
-    kind, canonical = raw_body_form(body, json_body=json_body, excluded=excluded)
+    kind, canonical = raw_body_form(body, content_type=content_type, excluded=excluded)
     return request_fingerprint(
         method=method,
         path=path,
@@ -64,14 +66,21 @@ def test_method_path_query_and_headers_take_part() -> None:
 
 def test_invalid_json_is_hashed_as_bytes() -> None:
     assert canonical_json(b"{not json") is None
-    assert fingerprint(b"{not json") == fingerprint(b"{not json", json_body=False)
+    assert fingerprint(b"{not json") == fingerprint(b"{not json", content_type="text/plain")
     assert fingerprint(b"{not json") != fingerprint(b"{not  json")
 
 
-def test_non_json_bodies_are_hashed_as_bytes() -> None:
-    assert fingerprint(b"a=1&b=2", json_body=False) != fingerprint(b"b=2&a=1", json_body=False)
+def test_other_bodies_are_hashed_as_bytes() -> None:
+    text = "text/plain"
+    assert fingerprint(b"a=1&b=2", content_type=text) != fingerprint(b"b=2&a=1", content_type=text)
     # the same bytes as JSON and as raw bytes are different requests
-    assert fingerprint(b"1", json_body=False) != fingerprint(b"1")
+    assert fingerprint(b"1", content_type=text) != fingerprint(b"1")
+    multipart = "multipart/form-data; boundary=x"
+    part = b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\n1\r\n--x--\r\n'
+    assert raw_body_form(part, content_type=multipart, excluded=frozenset({"a"})) == (
+        "bytes",
+        part,
+    )
 
 
 def test_json_content_types() -> None:
@@ -80,6 +89,30 @@ def test_json_content_types() -> None:
     assert is_json_content_type("application/merge-patch+json")
     assert not is_json_content_type("application/x-www-form-urlencoded")
     assert not is_json_content_type("")
+    # as FastAPI reads them: only application/*, and a media type with one slash
+    assert not is_json_content_type("text/x+json")
+    assert not is_json_content_type("application/a/b+json")
+
+
+def fastapi_reads_json(content_type: str) -> bool:
+    """FastAPI's own test (fastapi/routing.py, get_request_handler)."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    if message.get_content_maintype() != "application":
+        return False
+    subtype = message.get_content_subtype()
+    return subtype == "json" or subtype.endswith("+json")
+
+
+content_type_parts = st.sampled_from(
+    ["application", "APPLICATION", "text", "json", "+json", "/", ";", " ", "\t", "a", "\xa0"]
+)
+
+
+@given(st.lists(content_type_parts, max_size=8).map("".join) | st.text(max_size=30))
+def test_json_content_types_are_fastapis(content_type: str) -> None:
+    content_type = content_type.replace("\r", "").replace("\n", "")
+    assert is_json_content_type(content_type) == fastapi_reads_json(content_type)
 
 
 def test_storage_key_is_injective() -> None:
