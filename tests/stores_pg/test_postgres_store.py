@@ -19,62 +19,13 @@ from starlette_idempotency.record import (
     StoredResponse,
     record_to_dict,
 )
-from starlette_idempotency.stores.base import AcquireResult, IdempotencyStore
+from starlette_idempotency.stores.base import AcquireResult, FencedWrite, IdempotencyStore
 from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.testing._process import free_port
 from starlette_idempotency.testing.postgres_server import PostgresServer
+from tests.stores_pg.support import LOCK_TTL, TTL, completed, deadline_in, expire, pending
 
 pytestmark = pytest.mark.postgres
-
-LOCK_TTL = 30.0
-TTL = 3600.0
-
-
-def pending(
-    owner: str, key: str = "client-key", fingerprint: str = "sha256:aa"
-) -> IdempotencyRecord:
-    return IdempotencyRecord(
-        key=key,
-        status=RecordStatus.IN_PROGRESS,
-        request_fingerprint=fingerprint,
-        owner_token=owner,
-        created_at=time.time(),
-        expires_at=time.time() + LOCK_TTL,
-    )
-
-
-def completed(record: IdempotencyRecord, body: bytes = b'{"ok":true}') -> IdempotencyRecord:
-    response = StoredResponse(
-        201, (("content-type", "application/json"),), body, "application/json"
-    )
-    return record.finished(RecordStatus.COMPLETED, response, record.expires_at)
-
-
-@pytest.fixture
-async def sql(postgres_dsn: str) -> AsyncIterator[Any]:
-    """A plain asyncpg connection for arranging and inspecting rows."""
-    connection = await asyncpg.connect(postgres_dsn)
-    yield connection
-    await connection.close()
-
-
-async def expire(sql: Any, table: str, key: str) -> None:
-    """Move a row's expiry into the past on the database clock (no sleeping)."""
-    status = await sql.execute(
-        f"UPDATE {table} SET expires_at = now() - interval '1 second' WHERE key = $1",
-        f"idempotency:{key}",
-    )
-    assert status == "UPDATE 1"
-
-
-async def deadline_in(sql: Any, table: str, key: str) -> float:
-    """Seconds until the row's expiry (the database's deadline, not the record's field)."""
-    seconds = await sql.fetchval(
-        f"SELECT extract(epoch FROM expires_at - now())::float8 FROM {table} WHERE key = $1",
-        f"idempotency:{key}",
-    )
-    assert seconds is not None
-    return float(seconds)
 
 
 class StatementLog:
@@ -138,8 +89,8 @@ async def test_acquire_is_insert_first_and_writes_are_single_statements(
 
     assert await store.renew("k", "owner-1", LOCK_TTL)
     assert first_words(await log.take()) == ["UPDATE"]
-    assert await store.complete("k", completed(first), TTL)
-    assert first_words(await log.take()) == ["INSERT"]  # upsert fenced by owner token
+    assert await store.complete("k", completed(first), TTL) is FencedWrite.WRITTEN
+    assert first_words(await log.take()) == ["WITH"]  # lock the row, upsert fenced by owner
     assert await store.get("k") is not None
     assert first_words(await log.take()) == ["SELECT"]
     assert await store.release("k", "owner-1")
@@ -182,8 +133,8 @@ async def test_expired_row_is_taken_over_and_old_owner_is_fenced(
     assert record_to_dict(taken.record) == record_to_dict(old)  # the expired record it replaced
 
     # The old owner's late writes neither overwrite nor delete its successor's lock.
-    assert not await postgres_store.complete("k", completed(old), TTL)
-    assert not await postgres_store.fail("k", completed(old), TTL)
+    assert await postgres_store.complete("k", completed(old), TTL) is FencedWrite.LOST
+    assert await postgres_store.fail("k", completed(old), TTL) is FencedWrite.LOST
     assert not await postgres_store.renew("k", "owner-old", LOCK_TTL)
     assert not await postgres_store.release("k", "owner-old")
     current = await postgres_store.get("k")
@@ -236,7 +187,7 @@ async def test_complete_stores_record_when_row_is_absent_or_expired(
 ) -> None:
     # Absent: the lock lapsed and was purged, nobody took it over.
     record = pending("owner-1")
-    assert await postgres_store.complete("k", completed(record), TTL)
+    assert await postgres_store.complete("k", completed(record), TTL) is FencedWrite.RECLAIMED
     stored = await postgres_store.get("k")
     assert stored is not None
     assert stored.status is RecordStatus.COMPLETED
@@ -245,7 +196,7 @@ async def test_complete_stores_record_when_row_is_absent_or_expired(
     other = pending("owner-2", key="k2")
     await postgres_store.try_acquire("k2", other, LOCK_TTL)
     await expire(sql, postgres_table, "k2")
-    assert await postgres_store.fail("k2", completed(other), TTL)
+    assert await postgres_store.fail("k2", completed(other), TTL) is FencedWrite.RECLAIMED
     failed = await postgres_store.get("k2")
     assert failed is not None
     assert failed.status is RecordStatus.COMPLETED  # as passed in: the store keeps what it is given
@@ -507,7 +458,8 @@ async def test_purge_expired_deletes_exactly_the_expired_rows_in_batches(
             record = pending(f"racer-{n}", key=f"new{n}")
             outcomes.append((await store.try_acquire(f"new{n}", record, LOCK_TTL)).acquired)
             outcomes.append(not (await store.try_acquire(f"live{n + 1}", record, 5)).acquired)
-            outcomes.append(await store.complete(f"new{n}", completed(record), TTL))
+            written = await store.complete(f"new{n}", completed(record), TTL)
+            outcomes.append(written is FencedWrite.WRITTEN)
         return outcomes
 
     deleted, outcomes = await asyncio.gather(

@@ -8,9 +8,10 @@ record.
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from starlette_idempotency.record import IdempotencyRecord, RecordStatus, StoredResponse
 
@@ -29,6 +30,46 @@ class AcquireResult:
 
     acquired: bool
     record: IdempotencyRecord | None = None
+
+
+class FencedWrite(enum.IntEnum):
+    """What a write fenced by the owner token did; falsy only when nothing was written.
+
+    ``RECLAIMED`` is the owner taking back a key that had vanished while it held it (evicted
+    under ``maxmemory``, deleted by an operator, its lock expired while the process was
+    frozen): the write went through, but for a while nobody held the key, so a retry could
+    have run the handler again. The middleware reports it as ``LOCK_LOST``.
+    """
+
+    LOST = 0
+    """Another owner holds the key: nothing was written."""
+    WRITTEN = 1
+    """The owner still held the key."""
+    RECLAIMED = 2
+    """The key was gone; the owner wrote it back."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreFinding:
+    """One thing :meth:`CheckableStore.check` found: an ``error`` makes the store unusable,
+    a ``warning`` weakens the guarantees (records that can be evicted or lost)."""
+
+    level: Literal["error", "warning"]
+    message: str
+
+
+@runtime_checkable
+class CheckableStore(Protocol):
+    """A store that can check itself at startup (and for ``starlette-idempotency doctor``)."""
+
+    def describe(self) -> str:
+        """Where the store is, for messages: ``redis at 127.0.0.1:6379/0`` (no password)."""
+        ...
+
+    async def check(self) -> list[StoreFinding]:
+        """Reach the store and report what weakens it; unreachable is one ``error`` finding
+        (never an exception)."""
+        ...
 
 
 @runtime_checkable
@@ -60,15 +101,16 @@ class IdempotencyStore(Protocol):
         """
         ...
 
-    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         """Store the ``Completed`` ``record`` for ``ttl`` seconds if its owner still holds the key.
 
-        Also stores it when the key is absent (the lock lapsed and nobody took it over).
-        Returns false, writing nothing, when another owner holds the key.
+        Returns ``WRITTEN`` then. When the key is absent (evicted, deleted, or the lock lapsed
+        and nobody took it over) it is stored too and the answer is ``RECLAIMED``. Returns
+        ``LOST``, writing nothing, when another owner holds the key.
         """
         ...
 
-    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         """Like :meth:`complete`, for a ``Failed`` record (a replayable business failure)."""
         ...
 

@@ -8,8 +8,16 @@ Statements per operation (each one statement, so its own short transaction):
 * ``try_acquire``: 1 on a free key (``INSERT ... ON CONFLICT DO NOTHING``); 2 when a row is
   there (then one statement takes an expired row over, returning its old values, or reads the
   live holder). It starts again, a few times at most, only when the row changes in between.
-* ``complete`` / ``fail`` / ``release`` / ``renew`` / ``get``: 1 each, no read first.
+* ``complete`` / ``fail``: 1, which locks the row, then writes it fenced by the owner token
+  and says how (a :class:`~starlette_idempotency.stores.base.FencedWrite`).
+* ``save_progress`` / ``release`` / ``renew`` / ``get``: 1 each, no read first.
 * ``purge_expired``: 1 per batch.
+
+An operation (``create_schema`` excepted) is sent once more, on a new connection, when its
+first try certainly had no effect: the server had ended the connection and said so before
+answering (``pg_terminate_backend``, a clean restart or switchover, ``idle_session_timeout``;
+see :func:`_never_ran`). The pool is then told to replace its other connections too, which
+usually ended the same way. A connection lost with no such word is an error, never retried.
 
 Expiry is decided by the database clock (``now()`` plus the TTL argument), so pods with skewed
 clocks agree. The record's own ``created_at`` and ``expires_at`` are stored and returned as the
@@ -24,15 +32,18 @@ server connection); nothing else in the store depends on session state.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import getpass
 import hashlib
+import logging
+import os
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from functools import cache
 from importlib import resources
 from types import TracebackType
-from typing import Any, NoReturn, Protocol
+from typing import Any, Literal, NoReturn, Protocol, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import orjson
 
@@ -48,8 +59,14 @@ from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_RESOLVED_TTL,
     AcquireResult,
+    FencedWrite,
+    StoreFinding,
     resolve_record,
 )
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 DEFAULT_TABLE = "idempotency_keys"
 DEFAULT_OPERATION_TIMEOUT = 10.0
@@ -61,6 +78,34 @@ _ACQUIRE_ATTEMPTS = 5
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_$]{0,62}"
 _TABLE_NAME = re.compile(rf"(?:({_IDENTIFIER})\.)?({_IDENTIFIER})")
 _QUERY_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+_HOST_PORT = re.compile(r"(.+):(\d+)")
+
+# The columns of schema.sql, all used by the queries (check() reports the missing ones).
+_COLUMNS = (
+    "key",
+    "idempotency_key",
+    "status",
+    "request_fingerprint",
+    "fingerprint_version",
+    "owner_token",
+    "response_status_code",
+    "response_headers",
+    "response_body",
+    "response_content_type",
+    "created_at",
+    "record_expires_at",
+    "locked_until",
+    "checkpoints",
+    "expires_at",
+)
+_MIGRATE_HINT = "run `starlette-idempotency migrate` or `await store.create_schema()`"
+
+# FATAL errors that a backend raises only from an interrupt check: pg_terminate_backend and a
+# smart or fast shutdown (57P01 admin_shutdown), idle_session_timeout (57P05). See _never_ran
+# for why they prove that a statement had no effect.
+_TERMINATED_SQLSTATES = frozenset({"57P01", "57P05"})
+# asyncpg refusing to send on a connection it already knows to be closed.
+_CLOSED_MESSAGES = ("connection is closed", "connection has been released back to the pool")
 
 
 class PoolLike(Protocol):
@@ -71,6 +116,8 @@ class PoolLike(Protocol):
     async def fetchval(self, query: str, *args: Any) -> Any: ...
 
     def acquire(self) -> Any: ...
+
+    async def expire_connections(self) -> None: ...
 
 
 def _asyncpg() -> Any:
@@ -135,6 +182,69 @@ def _raise_store_error(exc: Exception, operation: str) -> NoReturn:
     raise exc
 
 
+def _never_ran(exc: BaseException) -> bool:
+    """Whether ``exc`` proves that a single-statement operation had no effect, so that sending
+    it again cannot run it twice.
+
+    Certain: asyncpg refused to send on a connection it knew was closed (``InterfaceError``);
+    or the server's termination notice, a FATAL ErrorResponse with a SQLSTATE of
+    ``_TERMINATED_SQLSTATES``, came back before the statement's ReadyForQuery (asyncpg then
+    raises ``ConnectionDoesNotExistError`` caused by it). A backend raises those only at an
+    interrupt check, and there is none between the commit of our implicit transaction (at
+    Sync, with interrupts held) and the flush of ReadyForQuery, so the statement either never
+    started (the backend was idle when told to exit) or was rolled back with the backend.
+
+    Unknown, never retried: a connection that died with no such notice after the statement
+    was sent (a reset or EOF: a crashed or killed backend, a network failure, ``pg_ctl stop
+    -m immediate``, whose 57P01 is only a WARNING). The commit may have happened and only its
+    reply have been lost.
+    """
+    asyncpg = _asyncpg()
+    if isinstance(exc, asyncpg.InterfaceError):
+        return str(exc).endswith(_CLOSED_MESSAGES)
+    notice = exc.__cause__ if isinstance(exc, asyncpg.ConnectionDoesNotExistError) else exc
+    return (
+        isinstance(notice, asyncpg.PostgresError)
+        and getattr(notice, "sqlstate", None) in _TERMINATED_SQLSTATES
+    )
+
+
+def _location(dsn: str | None, options: Mapping[str, Any]) -> str:
+    """``host:port/database`` for messages, as the connect options, then the ``dsn`` URL,
+    then the libpq environment give them; never the user or password."""
+    fields: dict[str, str] = {}
+    if dsn:
+        parts = urlsplit(dsn)
+        fields.update(parse_qsl(parts.query))
+        if hosts := unquote(parts.netloc.rpartition("@")[2]):
+            fields["host"] = hosts
+        if parts.path.strip("/"):
+            fields["dbname"] = unquote(parts.path.strip("/"))
+        if parts.username:
+            fields["user"] = unquote(parts.username)
+
+    def pick(option: str, keyword: str, variable: str, default: str) -> str:
+        value = options.get(option) or fields.get(keyword) or os.environ.get(variable)
+        return str(value or default)
+
+    host = pick("host", "host", "PGHOST", "localhost")
+    port = pick("port", "port", "PGPORT", "5432")
+    user = pick("user", "user", "PGUSER", getpass.getuser())
+    database = pick("database", "dbname", "PGDATABASE", user)
+    if "," not in host and _HOST_PORT.fullmatch(host) is None:
+        host = f"{host}:{port}"
+    return f"{host}/{database}"
+
+
+def _pool_location(pool: object) -> str:
+    """Where an asyncpg pool connects (asyncpg keeps its arguments, privately)."""
+    args, options = getattr(pool, "_connect_args", None), getattr(pool, "_connect_kwargs", None)
+    if not isinstance(args, tuple | list) or not isinstance(options, Mapping):
+        return "an unknown address (a pool passed in)"
+    dsn = args[0] if args and isinstance(args[0], str) else None
+    return _location(dsn, options)
+
+
 async def _keep_session(connection: Any) -> None:
     """A pool ``reset`` that sends nothing (see :meth:`PostgresStore.connect`)."""
 
@@ -177,8 +287,8 @@ class PostgresStore:
     Pass your own asyncpg pool (it stays open on :meth:`aclose`) or let :meth:`connect` open
     one. Call :meth:`create_schema` once (or run ``starlette-idempotency migrate``) before use.
     ``operation_timeout`` (seconds) bounds each operation, the wait for a pooled connection
-    included; past it the operation raises :class:`~starlette_idempotency.errors.StoreTimeoutError`.
-    ``None`` waits forever.
+    and its one retry included; past it the operation raises
+    :class:`~starlette_idempotency.errors.StoreTimeoutError`. ``None`` waits forever.
     """
 
     name = "postgres"
@@ -194,7 +304,9 @@ class PostgresStore:
     ) -> None:
         self._pool = pool
         self._owned_pool: Any = None
+        self._table_name = table
         self._table, index = _quote_table(table)
+        self._location = _pool_location(pool)
         self._prefix = f"{key_prefix}:"
         self._timeout = operation_timeout
         self._sql = {
@@ -233,15 +345,45 @@ class PostgresStore:
             _raise_store_error(exc, "connect")
         store = cls(pool, table=table, key_prefix=key_prefix, operation_timeout=operation_timeout)
         store._owned_pool = pool
+        store._location = _location(dsn, pool_options)
         return store
 
-    @contextlib.asynccontextmanager
-    async def _call(self, operation: str) -> AsyncIterator[None]:
+    async def _run(
+        self, operation: str, attempt: Callable[[], Awaitable[_T]], *, retry: bool = True
+    ) -> _T:
+        """Run ``attempt`` within the operation timeout, driver errors mapped; once more, on a
+        new connection, when the first try certainly had no effect (see :func:`_never_ran`).
+
+        Each statement of ``attempt`` must be its own implicit transaction, and ``attempt``
+        safe to start again after its earlier statements ran (they only read or fail to write).
+        """
         try:
             async with asyncio.timeout(self._timeout):
-                yield
+                try:
+                    return await attempt()
+                except Exception as exc:
+                    if not (retry and _never_ran(exc)):
+                        raise
+                    logger.warning(
+                        "PostgreSQL %s: the server had closed the connection (%s); "
+                        "running it again on a new connection",
+                        operation,
+                        exc,
+                    )
+                    # A restart, failover or timeout that ended this connection ended the
+                    # pool's others too: have them all replaced rather than tried one by one.
+                    await self._pool.expire_connections()
+                    return await attempt()
         except Exception as exc:
             _raise_store_error(exc, operation)
+
+    def _fetchval(self, operation: str, query: str, *args: Any) -> Awaitable[Any]:
+        """The first value of the named ``query``, run as ``operation`` (see :meth:`_run`)."""
+        return self._run(operation, lambda: self._pool.fetchval(self._sql[query], *args))
+
+    def _fetchrow(self, operation: str, query: str, *args: Any) -> Awaitable[Any]:
+        """The first row of the named ``query``, run as ``operation`` (see :meth:`_run`)."""
+        return self._run(operation, lambda: self._pool.fetchrow(self._sql[query], *args))
 
     @staticmethod
     def _row_params(storage_key: str, record: IdempotencyRecord, ttl: float) -> tuple[Any, ...]:
@@ -266,45 +408,54 @@ class PostgresStore:
 
     async def create_schema(self) -> bool:
         """Create the table and its expiry index if missing; true when the table was created."""
-        async with (
-            self._call("create_schema"),
-            self._pool.acquire() as connection,
-            connection.transaction(),
-        ):
-            await connection.execute(self._sql["schema_lock"])
-            existed = await connection.fetchval(self._sql["table_exists"], self._table)
-            await connection.execute(self._schema)
-        return not existed
+
+        async def create() -> bool:
+            async with self._pool.acquire() as connection, connection.transaction():
+                await connection.execute(self._sql["schema_lock"])
+                existed = await connection.fetchval(self._sql["table_exists"], self._table)
+                await connection.execute(self._schema)
+            return not existed
+
+        # Several statements and an explicit COMMIT: _never_ran's reasoning covers single
+        # statements only, so this is not retried (it is run once, at deploy time).
+        return await self._run("create_schema", create, retry=False)
 
     async def try_acquire(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> AcquireResult:
+        """Write ``pending`` if the key is free (see the protocol); a live row that already
+        holds ``pending``'s owner token counts as acquired (the engine taking its key back),
+        with ``record`` that row only when it carries checkpoints."""
         params = self._row_params(self._prefix + key, pending, lock_ttl)
-        async with self._call("try_acquire"):
+
+        async def acquire() -> AcquireResult | None:
             for _ in range(_ACQUIRE_ATTEMPTS):
                 if await self._pool.fetchval(self._sql["acquire_insert"], *params):
                     return AcquireResult(acquired=True)
                 row = await self._pool.fetchrow(self._sql["acquire_takeover"], *params, recover)
-                if row is None:
-                    continue  # released in between: insert again
-                if row["taken_over"]:
-                    return AcquireResult(acquired=True, record=_record_from_row(row))
-                if row["live"]:
-                    return AcquireResult(acquired=False, record=_record_from_row(row))
-        raise StoreError(f"PostgreSQL try_acquire gave up on key {key!r}: it kept changing")
+                if row is None or not (row["taken_over"] or row["live"]):
+                    continue  # released or changed in between: insert again
+                found = _record_from_row(row)
+                if found.owner_token == pending.owner_token:
+                    return AcquireResult(acquired=True, record=found if found.checkpoints else None)
+                return AcquireResult(acquired=row["taken_over"], record=found)
+            return None
+
+        result = await self._run("try_acquire", acquire)
+        if result is None:
+            raise StoreError(f"PostgreSQL try_acquire gave up on key {key!r}: it kept changing")
+        return result
 
     async def _finish(
         self, operation: str, key: str, record: IdempotencyRecord, ttl: float
-    ) -> bool:
+    ) -> FencedWrite:
         params = self._row_params(self._prefix + key, record, ttl)
-        async with self._call(operation):
-            written = await self._pool.fetchval(self._sql["finish"], *params)
-        return written is not None
+        return FencedWrite(await self._fetchval(operation, "finish", *params))
 
-    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         return await self._finish("complete", key, record, ttl)
 
-    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         return await self._finish("fail", key, record, ttl)
 
     async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
@@ -313,16 +464,16 @@ class PostgresStore:
             if record.locked_until is None
             else datetime.fromtimestamp(record.locked_until, UTC)
         )
-        async with self._call("save_progress"):
-            saved = await self._pool.fetchval(
-                self._sql["save_progress"],
-                self._prefix + key,
-                record.owner_token,
-                _checkpoints_json(record),
-                lease,
-                datetime.fromtimestamp(record.expires_at, UTC),
-                float(ttl),
-            )
+        saved = await self._fetchval(
+            "save_progress",
+            "save_progress",
+            self._prefix + key,
+            record.owner_token,
+            _checkpoints_json(record),
+            lease,
+            datetime.fromtimestamp(record.expires_at, UTC),
+            float(ttl),
+        )
         return saved is not None
 
     async def resolve(
@@ -332,22 +483,17 @@ class PostgresStore:
         return await resolve_record(self, key, response, ttl)
 
     async def release(self, key: str, owner_token: str) -> bool:
-        async with self._call("release"):
-            released = await self._pool.fetchval(
-                self._sql["release"], self._prefix + key, owner_token
-            )
+        released = await self._fetchval("release", "release", self._prefix + key, owner_token)
         return bool(released)
 
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
-        async with self._call("renew"):
-            renewed = await self._pool.fetchval(
-                self._sql["renew"], self._prefix + key, owner_token, float(lock_ttl)
-            )
+        renewed = await self._fetchval(
+            "renew", "renew", self._prefix + key, owner_token, float(lock_ttl)
+        )
         return renewed is not None
 
     async def get(self, key: str) -> IdempotencyRecord | None:
-        async with self._call("get"):
-            row = await self._pool.fetchrow(self._sql["get"], self._prefix + key)
+        row = await self._fetchrow("get", "get", self._prefix + key)
         return None if row is None else _record_from_row(row)
 
     async def purge_expired(self, batch_size: int = 1000) -> int:
@@ -358,11 +504,57 @@ class PostgresStore:
             raise ConfigurationError(f"batch_size must be at least 1, not {batch_size}")
         total = 0
         while True:
-            async with self._call("purge_expired"):
-                deleted: int = await self._pool.fetchval(self._sql["purge_batch"], batch_size)
+            deleted: int = await self._fetchval("purge_expired", "purge_batch", batch_size)
             total += deleted
             if deleted < batch_size:
                 return total
+
+    def describe(self) -> str:
+        """Where the store is, for messages: ``postgres at host:port/db table name``."""
+        return f"postgres at {self._location} table {self._table_name}"
+
+    async def check(self) -> list[StoreFinding]:
+        """Reach the database and report what would break or weaken the store: an ``error``
+        when it is unreachable, read-only, or the table is missing or incomplete; a
+        ``warning`` when a crash can lose acknowledged records. Never raises a store error."""
+        try:
+            row = await self._fetchrow("check", "check", self._table, _COLUMNS)
+        except (StoreError, ConfigurationError) as exc:
+            return [StoreFinding("error", f"{self.describe()} is unreachable: {exc}")]
+        table = f"table {self._table_name} in {self._location}"
+        missing = ", ".join(row["missing_columns"] or ())
+        why = "a standby" if row["standby"] else "transaction_read_only is on"
+        candidates: list[tuple[bool, Literal["error", "warning"], str]] = [
+            (not row["table_exists"], "error", f"{table} does not exist: {_MIGRATE_HINT}"),
+            (
+                row["table_exists"] and bool(missing),
+                "error",
+                f"{table} lacks column(s) {missing}: {_MIGRATE_HINT}",
+            ),
+            (
+                row["read_only"],
+                "error",
+                f"{self._location} is read-only ({why}): no key can be acquired",
+            ),
+            (
+                bool(row["unlogged"]),
+                "warning",
+                f"{table} is UNLOGGED: a crash empties it and standbys never see it, "
+                "so retries after a crash or failover run their requests again",
+            ),
+            (
+                row["synchronous_commit"] == "off",
+                "warning",
+                "synchronous_commit is off: a server crash can lose acquires that were "
+                "already answered, and the retries of those requests then run again",
+            ),
+            (
+                row["fsync_off"],
+                "warning",
+                "fsync is off: a crash of the database machine can lose or corrupt records",
+            ),
+        ]
+        return [StoreFinding(level, message) for found, level, message in candidates if found]
 
     async def aclose(self) -> None:
         """Close the pool :meth:`connect` opened; a pool passed in stays open."""

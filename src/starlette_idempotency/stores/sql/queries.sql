@@ -93,27 +93,47 @@ WHERE cur.key = $1 AND NOT EXISTS (SELECT 1 FROM prev);
 -- name: finish
 -- complete() and fail(): store the final record for $13 seconds if the owner still holds the
 -- key, or if nobody does (row absent or expired: the lock lapsed and nobody took it over).
--- One row (true) when written; no row when another owner holds the key.
-INSERT INTO {table} AS t (
-    key, idempotency_key, status, request_fingerprint, fingerprint_version, owner_token,
-    response_status_code, response_headers, response_body, response_content_type,
-    created_at, record_expires_at, locked_until, expires_at, checkpoints
+-- Returns one value, a FencedWrite: 1 (WRITTEN) when the owner's live row was overwritten;
+-- 2 (RECLAIMED) when the row was absent or expired, and the record was written anyway;
+-- 0 (LOST) when another owner holds the key: nothing was written.
+-- prev locks the row before anything is written (FOR UPDATE waits for a concurrent writer,
+-- then reads its committed version), so the row cannot change between prev's reading and the
+-- upsert: prev.held says whether the write replaced the owner's live lock. The upsert selects
+-- from prev so that prev runs first. When prev finds no row, a row inserted since the
+-- statement's snapshot meets ON CONFLICT, whose WHERE judges its newest version; if written
+-- over, the key was free for a while (RECLAIMED), as for an insert.
+WITH prev AS MATERIALIZED (
+    SELECT owner_token = $6 AND expires_at > now() AS held
+    FROM {table}
+    WHERE key = $1
+    FOR UPDATE
+), written AS (
+    INSERT INTO {table} AS t (
+        key, idempotency_key, status, request_fingerprint, fingerprint_version, owner_token,
+        response_status_code, response_headers, response_body, response_content_type,
+        created_at, record_expires_at, locked_until, expires_at, checkpoints
+    )
+    SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::text, $7::integer,
+           $8::text::jsonb, $9::bytea, $10::text, $11::timestamptz, $12::timestamptz,
+           NULL::timestamptz, now() + make_interval(secs => $13), $14::text::jsonb
+    FROM (SELECT count(*) FROM prev) AS prev_first
+    ON CONFLICT (key) DO UPDATE
+    SET idempotency_key = EXCLUDED.idempotency_key, status = EXCLUDED.status,
+        request_fingerprint = EXCLUDED.request_fingerprint,
+        fingerprint_version = EXCLUDED.fingerprint_version, owner_token = EXCLUDED.owner_token,
+        response_status_code = EXCLUDED.response_status_code,
+        response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body,
+        response_content_type = EXCLUDED.response_content_type, created_at = EXCLUDED.created_at,
+        record_expires_at = EXCLUDED.record_expires_at, locked_until = EXCLUDED.locked_until,
+        expires_at = EXCLUDED.expires_at, checkpoints = EXCLUDED.checkpoints
+    WHERE t.owner_token = EXCLUDED.owner_token OR t.expires_at <= now()
+    RETURNING 1
 )
-VALUES (
-    $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9, $10, $11, $12,
-    NULL, now() + make_interval(secs => $13), $14::text::jsonb
-)
-ON CONFLICT (key) DO UPDATE
-SET idempotency_key = EXCLUDED.idempotency_key, status = EXCLUDED.status,
-    request_fingerprint = EXCLUDED.request_fingerprint,
-    fingerprint_version = EXCLUDED.fingerprint_version, owner_token = EXCLUDED.owner_token,
-    response_status_code = EXCLUDED.response_status_code,
-    response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body,
-    response_content_type = EXCLUDED.response_content_type, created_at = EXCLUDED.created_at,
-    record_expires_at = EXCLUDED.record_expires_at, locked_until = EXCLUDED.locked_until,
-    expires_at = EXCLUDED.expires_at, checkpoints = EXCLUDED.checkpoints
-WHERE t.owner_token = EXCLUDED.owner_token OR t.expires_at <= now()
-RETURNING true;
+SELECT CASE
+    WHEN NOT EXISTS (SELECT FROM written) THEN 0
+    WHEN coalesce((SELECT held FROM prev), false) THEN 1
+    ELSE 2
+END;
 
 -- name: save_progress
 -- The owner's InProgress record gets new checkpoints ($3) and a lease ($4) inside it, and is
@@ -180,3 +200,21 @@ SELECT pg_advisory_xact_lock(hashtext('starlette_idempotency.create_schema'));
 -- name: table_exists
 -- $1 the quoted table name, resolved like the queries resolve it (search_path).
 SELECT to_regclass($1) IS NOT NULL;
+
+-- name: check
+-- What PostgresStore.check() reports, in one round trip. $1 the quoted table name (resolved
+-- as the queries resolve it), $2 the columns the queries use, of which missing_columns lists
+-- those the table lacks (all of them when it does not exist). unlogged is NULL then.
+SELECT to_regclass($1) IS NOT NULL AS table_exists,
+       (SELECT array_agg(wanted.name ORDER BY wanted.n)
+        FROM unnest($2::text[]) WITH ORDINALITY AS wanted (name, n)
+        WHERE NOT EXISTS (
+            SELECT 1 FROM pg_attribute
+            WHERE attrelid = to_regclass($1) AND attname = wanted.name
+              AND attnum > 0 AND NOT attisdropped
+        )) AS missing_columns,
+       (SELECT relpersistence = 'u' FROM pg_class WHERE oid = to_regclass($1)) AS unlogged,
+       current_setting('transaction_read_only') = 'on' AS read_only,
+       pg_is_in_recovery() AS standby,
+       current_setting('synchronous_commit') AS synchronous_commit,
+       current_setting('fsync') = 'off' AS fsync_off;

@@ -1,0 +1,189 @@
+"""PostgresStore.describe() and check() against real servers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+
+from starlette_idempotency.stores.base import CheckableStore, StoreFinding
+from starlette_idempotency.stores.postgres import _COLUMNS, PostgresStore, _location
+from starlette_idempotency.testing.postgres_server import PostgresServer
+
+pytestmark = pytest.mark.postgres
+
+DURABLE = {"synchronous_commit": "on"}
+
+
+def levels(findings: list[StoreFinding]) -> list[str]:
+    return [finding.level for finding in findings]
+
+
+@pytest.fixture
+async def fsync_off(sql: Any) -> bool:
+    """Whether the test server runs with fsync off (the throwaway ones do)."""
+    return bool(await sql.fetchval("SHOW fsync") == "off")
+
+
+async def open_store(dsn: str, table: str, **settings: str) -> PostgresStore:
+    return await PostgresStore.connect(dsn, table=table, server_settings=settings, max_size=1)
+
+
+@pytest.fixture
+async def durable_store(postgres_dsn: str, postgres_table: str) -> AsyncIterator[PostgresStore]:
+    store = await open_store(postgres_dsn, postgres_table, **DURABLE)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+def test_location_of_a_dsn_never_shows_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in ("PGHOST", "PGPORT", "PGDATABASE", "PGUSER"):
+        monkeypatch.delenv(variable, raising=False)
+    assert _location("postgresql://app:s3cret@db.internal:6543/payments", {}) == (
+        "db.internal:6543/payments"
+    )
+    assert _location("postgresql://app:s3cret@db.internal/payments?sslmode=require", {}) == (
+        "db.internal:5432/payments"
+    )
+    assert _location("postgresql://app@h1:5432,h2:5433/payments", {}) == "h1:5432,h2:5433/payments"
+    assert _location("postgresql:///payments?host=/run/postgresql", {}) == (
+        "/run/postgresql:5432/payments"
+    )
+    assert _location("postgresql://app@db", {"port": 7000}) == "db:7000/app"  # db = user
+    assert _location("postgresql://db/payments", {"database": "other"}) == "db:5432/other"
+    monkeypatch.setenv("PGHOST", "from-env")
+    monkeypatch.setenv("PGDATABASE", "envdb")
+    assert _location("postgresql://", {}) == "from-env:5432/envdb"
+
+
+async def test_describe_names_server_database_and_table_without_password(
+    postgres_dsn: str, postgres_table: str
+) -> None:
+    parts = urlsplit(postgres_dsn)
+    if "://" not in postgres_dsn or parts.hostname is None:
+        pytest.skip("needs a postgresql:// DSN")
+    host, port = parts.hostname, parts.port or 5432
+    user = parts.username or "postgres"
+    with_password = urlunsplit(parts._replace(netloc=f"{user}:s3cret@{host}:{port}"))
+    expected = f"postgres at {host}:{port}{parts.path} table {postgres_table}"
+
+    store = await PostgresStore.connect(with_password, table=postgres_table, max_size=1)
+    try:
+        assert isinstance(store, CheckableStore)
+        assert store.describe() == expected
+        assert "s3cret" not in store.describe()
+    finally:
+        await store.aclose()
+
+    pool = await asyncpg.create_pool(with_password, min_size=0, max_size=1)
+    try:
+        assert PostgresStore(pool, table=postgres_table).describe() == expected
+    finally:
+        await pool.close()
+    unknown = PostgresStore(object(), table="t")  # type: ignore[arg-type]
+    assert unknown.describe() == "postgres at an unknown address (a pool passed in) table t"
+
+
+async def test_check_knows_every_column_of_the_schema(
+    durable_store: PostgresStore, postgres_table: str, sql: Any
+) -> None:
+    await durable_store.create_schema()
+    columns = await sql.fetchval(
+        "SELECT array_agg(column_name::text) FROM information_schema.columns WHERE table_name = $1",
+        postgres_table,
+    )
+    assert sorted(columns) == sorted(_COLUMNS)
+
+
+async def test_a_ready_store_has_no_error(durable_store: PostgresStore, fsync_off: bool) -> None:
+    await durable_store.create_schema()
+    findings = await durable_store.check()
+    assert levels(findings) == (["warning"] if fsync_off else [])
+    if fsync_off:
+        assert "fsync is off" in findings[0].message
+
+
+async def test_missing_table_is_an_error_that_says_how_to_create_it(
+    durable_store: PostgresStore, postgres_table: str
+) -> None:
+    [error] = [finding for finding in await durable_store.check() if finding.level == "error"]
+    assert f"table {postgres_table} in " in error.message
+    assert "does not exist" in error.message
+    assert "starlette-idempotency migrate" in error.message
+    assert "create_schema()" in error.message
+
+    await durable_store.create_schema()
+    assert "error" not in levels(await durable_store.check())
+
+
+async def test_a_table_from_an_older_version_is_an_error_until_migrated(
+    durable_store: PostgresStore, postgres_table: str, sql: Any
+) -> None:
+    await durable_store.create_schema()
+    await sql.execute(f"ALTER TABLE {postgres_table} DROP COLUMN checkpoints")
+    [error] = [finding for finding in await durable_store.check() if finding.level == "error"]
+    assert "lacks column(s) checkpoints" in error.message
+    assert "starlette-idempotency migrate" in error.message
+
+    await durable_store.create_schema()  # what migrate runs
+    assert "error" not in levels(await durable_store.check())
+
+
+async def test_an_unlogged_table_is_a_warning(
+    durable_store: PostgresStore, postgres_table: str, sql: Any
+) -> None:
+    await durable_store.create_schema()
+    await sql.execute(f"ALTER TABLE {postgres_table} SET UNLOGGED")
+    [unlogged] = [f for f in await durable_store.check() if "UNLOGGED" in f.message]
+    assert unlogged.level == "warning"
+
+
+async def test_synchronous_commit_off_is_a_warning(
+    postgres_dsn: str, postgres_table: str, fsync_off: bool
+) -> None:
+    store = await open_store(postgres_dsn, postgres_table, synchronous_commit="off")
+    try:
+        await store.create_schema()
+        findings = await store.check()
+    finally:
+        await store.aclose()
+    assert levels(findings) == ["warning"] * (2 if fsync_off else 1)
+    assert "synchronous_commit is off" in findings[0].message
+
+
+async def test_a_read_only_server_is_an_error(postgres_dsn: str, postgres_table: str) -> None:
+    writable = await open_store(postgres_dsn, postgres_table)
+    try:
+        await writable.create_schema()
+    finally:
+        await writable.aclose()
+    store = await open_store(postgres_dsn, postgres_table, default_transaction_read_only="on")
+    try:
+        [error] = [finding for finding in await store.check() if finding.level == "error"]
+    finally:
+        await store.aclose()
+    assert "read-only (transaction_read_only is on)" in error.message
+
+
+async def test_unreachable_server_is_one_error_never_an_exception(
+    private_postgres: PostgresServer,
+) -> None:
+    store = await PostgresStore.connect(private_postgres.dsn, operation_timeout=5, max_size=1)
+    try:
+        await store.create_schema()
+        findings = await store.check()  # a throwaway server: nothing is durable
+        assert levels(findings) == ["warning", "warning"]
+        assert "synchronous_commit is off" in findings[0].message
+        assert "fsync is off" in findings[1].message
+
+        private_postgres.stop()
+        [finding] = await store.check()
+        assert finding.level == "error"
+        assert finding.message.startswith(f"{store.describe()} is unreachable: ")
+    finally:
+        await store.aclose()
