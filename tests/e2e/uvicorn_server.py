@@ -6,11 +6,13 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Literal, Self
 
 from starlette_idempotency.testing._process import Managed, free_port, stop_process, wait_until
 
 HttpImplementation = Literal["h11", "httptools"]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _accepts(port: int) -> bool:
@@ -22,14 +24,21 @@ def _accepts(port: int) -> bool:
 
 
 class UvicornServer(Managed):
-    """``python -m uvicorn APP`` in a child process; ``app`` is a ``module:attribute`` path."""
+    """``python -m uvicorn APP`` in a child process, run from the repository's root; ``app`` is
+    a ``module:attribute`` path (an app factory with ``factory=True``)."""
 
     def __init__(
-        self, app: str, *, http: HttpImplementation = "h11", env: dict[str, str] | None = None
+        self,
+        app: str,
+        *,
+        http: HttpImplementation = "h11",
+        env: dict[str, str] | None = None,
+        factory: bool = False,
     ) -> None:
         self.app = app
         self.http = http
         self.env = env or {}
+        self.factory = factory
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -41,7 +50,8 @@ class UvicornServer(Managed):
         self.port = free_port()
         command = [sys.executable, "-m", "uvicorn", self.app, "--port", str(self.port)]
         command += ["--http", self.http, "--log-level", "warning", "--lifespan", "on"]
-        self._proc = subprocess.Popen(command, env={**os.environ, **self.env})
+        command += ["--factory"] if self.factory else []
+        self._proc = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **self.env})
         proc = self._proc
         wait_until(
             lambda: proc.poll() is not None or _accepts(self.port),
