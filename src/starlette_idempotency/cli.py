@@ -1,12 +1,18 @@
-"""``starlette-idempotency``: the PostgreSQL chores that run outside the app.
+"""``starlette-idempotency``: the store chores that run outside the app.
 
-``migrate`` creates the table and its index (at deploy time; safe to repeat) and ``purge``
-deletes expired rows (from cron; expired rows are already ignored, this only frees space)::
+``migrate`` creates the PostgreSQL table and its index (at deploy time; safe to repeat),
+``purge`` deletes expired rows (from cron; expired rows are already ignored, this only frees
+space) and ``doctor`` runs the store check the middleware runs at startup, from a shell::
 
     starlette-idempotency migrate --dsn postgresql://app@db/app
     DATABASE_URL=postgresql://app@db/app starlette-idempotency purge --batch-size 5000
+    starlette-idempotency doctor --redis redis://cache:6379/0
+    starlette-idempotency doctor --dsn postgresql://app@db/app --strict
 
-Exit status: 0 on success, 1 when the database fails or cannot be reached, 2 on bad usage.
+``doctor`` prints one line per finding (``error:`` or ``warning:``, with what to change) and a
+summary line. Exit status: 0 on success (for ``doctor``: no errors; warnings too fail with
+``--strict``), 1 when the store fails, cannot be reached or has errors, or a needed extra is
+not installed, 2 on bad usage. Messages name hosts and databases, never passwords.
 """
 
 from __future__ import annotations
@@ -16,16 +22,34 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from starlette_idempotency import __version__
 from starlette_idempotency.errors import ConfigurationError, StoreError
+from starlette_idempotency.store_check import check_store
+from starlette_idempotency.stores.base import DEFAULT_KEY_PREFIX, CheckableStore, StoreFinding
 from starlette_idempotency.stores.postgres import (
     DEFAULT_OPERATION_TIMEOUT,
     DEFAULT_TABLE,
     PostgresStore,
 )
 
+if TYPE_CHECKING:
+    from starlette_idempotency.stores.redis import RedisStore
+
 PROG = "starlette-idempotency"
-_DESCRIPTION = "Create the PostgreSQL idempotency table, or purge its expired rows."
+_DESCRIPTION = (
+    "Create the PostgreSQL idempotency table, purge its expired rows, or check a Redis or "
+    "PostgreSQL store as the middleware does at startup."
+)
+# SQLSTATE undefined_table: purge (or anything else) before migrate.
+_UNDEFINED_TABLE = "42P01"
+# The extra that installs each driver, for an ImportError that does not name it.
+_DRIVER_EXTRAS = {"asyncpg": "postgres", "redis": "redis", "glide": "glide"}
+
+
+class _Failed(Exception):
+    """A command failed in a way worth one line on stderr (exit status 1)."""
 
 
 def _positive_int(text: str) -> int:
@@ -35,18 +59,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--dsn",
-        default=os.environ.get("DATABASE_URL"),
-        help="PostgreSQL connection URL (default: $DATABASE_URL)",
-    )
-    common.add_argument(
+    database = argparse.ArgumentParser(add_help=False)
+    database.add_argument("--dsn", help="PostgreSQL connection URL (default: $DATABASE_URL)")
+    database.add_argument(
         "--table", default=DEFAULT_TABLE, help=f"table name, may be schema.table ({DEFAULT_TABLE})"
     )
+    common = argparse.ArgumentParser(add_help=False, parents=[database])
     common.add_argument(
         "--timeout",
         type=float,
@@ -63,10 +89,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="rows deleted per statement (1000)",
     )
+    doctor = commands.add_parser(
+        "doctor",
+        parents=[database],
+        help="check a Redis or PostgreSQL store as the middleware does at startup",
+        description="Reach the store and report what would break it (errors) or weaken its "
+        "guarantees (warnings), with what to change. Exit status 0 without errors, 1 with "
+        "errors (or warnings, with --strict), 2 on bad usage.",
+    )
+    doctor.add_argument(
+        "--redis", metavar="URL", help="Redis URL (redis://, rediss:// or unix://) to check"
+    )
+    doctor.add_argument(
+        "--driver",
+        choices=("redis-py", "glide"),
+        default="redis-py",
+        help="the Redis client library the app uses (redis-py)",
+    )
+    doctor.add_argument(
+        "--key-prefix",
+        default=DEFAULT_KEY_PREFIX,
+        help=f"the store's key prefix ({DEFAULT_KEY_PREFIX})",
+    )
+    doctor.add_argument("--strict", action="store_true", help="exit with status 1 on warnings too")
     return parser
 
 
-async def _run(args: argparse.Namespace) -> str:
+async def _chore(args: argparse.Namespace) -> str:
+    """``migrate`` or ``purge``: the line to print on success."""
     store = await PostgresStore.connect(
         args.dsn, table=args.table, operation_timeout=args.timeout, min_size=1, max_size=1
     )
@@ -75,24 +125,110 @@ async def _run(args: argparse.Namespace) -> str:
             if await store.create_schema():
                 return f"migrate: created table {args.table} and its expires_at index"
             return f"migrate: table {args.table} already exists; its index is in place"
-        deleted = await store.purge_expired(batch_size=args.batch_size)
+        try:
+            deleted = await store.purge_expired(batch_size=args.batch_size)
+        except StoreError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) != _UNDEFINED_TABLE:
+                raise
+            raise _Failed(f"{store.describe()} does not exist: {_migrate_hint(args)}") from exc
         return f"purge: deleted {deleted} expired row(s) from {args.table}"
+
+
+def _migrate_hint(args: argparse.Namespace) -> str:
+    """What to run first, without the DSN (it may hold a password): where it came from."""
+    table = "" if args.table == DEFAULT_TABLE else f" --table {args.table}"
+    source = "--dsn" if args.dsn_given else "DATABASE_URL"
+    return f"run `{PROG} migrate{table}` with the same {source} first"
+
+
+async def _doctor(args: argparse.Namespace) -> list[StoreFinding]:
+    """The store check the middleware runs at startup, on the store ``args`` describe."""
+    store: RedisStore | PostgresStore
+    if args.redis:
+        from starlette_idempotency.stores.redis import RedisStore
+
+        try:
+            store = RedisStore.from_url(args.redis, key_prefix=args.key_prefix, driver=args.driver)
+        except ValueError as exc:  # redis-py refusing the URL (no password in its message)
+            raise ConfigurationError(f"--redis: {exc}") from exc
+    else:
+        # min_size=0: the first connection is the check's, so an unreachable database is
+        # reported by the check, in the words the middleware logs, rather than raised here.
+        store = await PostgresStore.connect(
+            args.dsn, table=args.table, key_prefix=args.key_prefix, min_size=0, max_size=1
+        )
+    try:
+        if not isinstance(store, CheckableStore):
+            raise _Failed(f"{type(store).__name__} cannot check itself in this version")
+        print(f"doctor: checking {store.describe()}", flush=True)
+        return await check_store(store)
+    finally:
+        await store.aclose()
+
+
+def _summary(findings: list[StoreFinding], strict: bool) -> tuple[str, int]:
+    errors = sum(finding.level == "error" for finding in findings)
+    warnings = len(findings) - errors
+    counts = f"{errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}"
+    if errors:
+        return f"doctor: {counts}: fix the errors before the app uses this store", 1
+    if warnings and strict:
+        return f"doctor: {counts}: failing on warnings (--strict)", 1
+    if warnings:
+        return f"doctor: {counts}: the store works, with the weaker guarantees above", 0
+    return f"doctor: {counts}: ok", 0
+
+
+def _missing_extra(exc: ImportError) -> str | None:
+    """One line for an optional dependency that is not installed, naming the extra; ``None``
+    when ``exc`` is something else (a broken install is worth its traceback)."""
+    message = _one_line(exc)
+    if "starlette-idempotency[" in message:  # the package's own import guards name it
+        return message
+    extra = _DRIVER_EXTRAS.get((exc.name or "").partition(".")[0])
+    if extra is None:
+        return None
+    return f"{message}: pip install 'starlette-idempotency[{extra}]'"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.dsn:
-        parser.error("no database given: pass --dsn or set DATABASE_URL")
+    args.dsn_given = bool(args.dsn)
+    doctor_redis = args.command == "doctor" and bool(args.redis)
+    if doctor_redis and args.dsn:
+        parser.error("pass --redis or --dsn, not both")
+    if doctor_redis and args.table != DEFAULT_TABLE:
+        parser.error("--table is for a PostgreSQL store (--dsn)")
+    if not doctor_redis:
+        args.dsn = args.dsn or os.environ.get("DATABASE_URL")
+        if not args.dsn:
+            what = "--redis URL or --dsn" if args.command == "doctor" else "--dsn"
+            parser.error(f"no store given: pass {what} or set DATABASE_URL")
     try:
-        message = asyncio.run(_run(args))
+        if args.command != "doctor":
+            print(asyncio.run(_chore(args)))
+            return 0
+        findings = asyncio.run(_doctor(args))
     except ConfigurationError as exc:
-        parser.error(" ".join(str(exc).split()))
-    except StoreError as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 1
-    print(message)
-    return 0
+        parser.error(_one_line(exc))
+    except ImportError as exc:
+        message = _missing_extra(exc)
+        if message is None:
+            raise
+        return _fail(message)
+    except (StoreError, _Failed) as exc:
+        return _fail(_one_line(exc))
+    for finding in findings:
+        print(f"{finding.level}: {_one_line(finding.message)}")
+    summary, status = _summary(findings, args.strict)
+    print(summary)
+    return status
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
