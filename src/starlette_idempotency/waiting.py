@@ -64,26 +64,31 @@ class KeyWatch:
         await asyncio.sleep(delay)
 
     async def _run(self) -> None:
+        # The first look is at once: the first request may have finished between the
+        # duplicate's acquire and this watch, and no notice would come for that.
         delay = _FIRST_POLL_SECONDS
         while True:
-            await self._next_tick(delay)
-            delay = min(delay * 2, _MAX_POLL_SECONDS)
             try:
                 record = await self._call_store(self._store.get, self._key)
             except StoreError as exc:
                 logger.debug("watching %r: %s", self._key, exc)
-                continue
-            if self._holder is None and record is not None:
-                self._holder = record.owner_token  # first look: the request being waited for
-            if (
-                record is None
-                or record.status is not RecordStatus.IN_PROGRESS
-                or record.owner_token != self._holder
-            ):
-                self._holder = record.owner_token if record else None
-                self._latest = record
-                self._changed.set()
-                self._changed = asyncio.Event()
+            else:
+                self._look(record)
+            await self._next_tick(delay)
+            delay = min(delay * 2, _MAX_POLL_SECONDS)
+
+    def _look(self, record: IdempotencyRecord | None) -> None:
+        if self._holder is None and record is not None:
+            self._holder = record.owner_token  # first look: the request being waited for
+        if (
+            record is None
+            or record.status is not RecordStatus.IN_PROGRESS
+            or record.owner_token != self._holder
+        ):
+            self._holder = record.owner_token if record else None
+            self._latest = record
+            self._changed.set()
+            self._changed = asyncio.Event()
 
     def close(self) -> None:
         self._task.cancel()

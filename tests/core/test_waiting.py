@@ -146,3 +146,32 @@ async def test_a_thousand_waiters_cost_a_few_reads() -> None:
     assert app.runs == 1
     assert reads_while_waiting <= 6, reads_while_waiting
     assert store.calls["try_acquire"] == 1001  # waiters replay from the watcher's read
+
+
+async def test_a_first_request_that_ends_before_the_watch_starts_is_seen_at_once() -> None:
+    """The watch looks at the key before waiting for a notice: a completion that came before
+    it subscribed sends no notice, and would otherwise be seen only at the 1 s poll."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+    from tests.core.conftest import make_client
+
+    @idempotent(on_in_progress="wait")
+    async def quick(request: Request) -> Response:
+        await asyncio.sleep(0)  # one turn of the loop: the duplicate meets it in progress
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/quick", quick, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: ""))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    first, second = await asyncio.gather(
+        *(client.post("/quick", headers={"Idempotency-Key": "k"}) for _ in range(2))
+    )
+    took = loop.time() - started
+    assert {first.status_code, second.status_code} == {200}
+    assert ["x-idempotent-replay" in r.headers for r in (first, second)].count(True) == 1
+    assert took < 0.5, f"the waiting duplicate took {took:.2f}s: it missed the completion"
