@@ -19,10 +19,11 @@ query parameters, the chosen headers and the body, whose form is named by its ki
     non-ASCII bytes and escaped ones stay apart, as Starlette decodes them apart, and so do
     ``%FF`` and ``%FE``, which it decodes alike. Names that some decoder may read alike
     (``%FF`` and ``%FE`` again) keep their relative order too.
-``bytes``
-    Everything else, byte for byte: multipart bodies too, so a client retrying one must resend
-    the same bytes, boundary included. Also JSON nested deeper than 254 levels (as deep as
-    orjson writes) and bodies that are not the JSON they claim to be.
+``bytes;<media type>``
+    Everything else, byte for byte, with its media type (parameters dropped): multipart
+    bodies too, so a client retrying one must resend the same bytes, boundary included.
+    Also JSON nested deeper than 254 levels (as deep as orjson writes) and bodies that are
+    not the JSON they claim to be.
 
 The rule: two bodies that Python's ``json`` reads as different values (``1`` and ``1.0``,
 ``2**64`` and ``2**64 + 1``, ``NaN`` and ``null``) never share a fingerprint. Two it reads as
@@ -292,7 +293,9 @@ def raw_body_form(body: bytes, *, content_type: str, excluded: frozenset[str]) -
             return canonical
     elif _media_type(content_type) == _FORM_MEDIA_TYPE:
         return "form", canonical_form(body, excluded)
-    return "bytes", body
+    # The media type goes with the bytes: one body under two content types may be two requests
+    # to the app (JSON for one, a form or plain text for the other).
+    return f"bytes;{_media_type(content_type)}", body
 
 
 def request_fingerprint(
@@ -308,7 +311,7 @@ def request_fingerprint(
 
     ``headers`` are the (lower-cased name, value) pairs chosen to take part; ``body`` is already
     in canonical form, and ``body_kind`` names that form ("json", "json-exact", "form",
-    "bytes" or "command").
+    "bytes;<media type>" or "command").
     """
     query = (
         sorted(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))

@@ -66,7 +66,8 @@ def test_method_path_query_and_headers_take_part() -> None:
 
 def test_invalid_json_is_hashed_as_bytes() -> None:
     assert canonical_json(b"{not json") is None
-    assert fingerprint(b"{not json") == fingerprint(b"{not json", content_type="text/plain")
+    # one body under two media types may be two requests to the app
+    assert fingerprint(b"{not json") != fingerprint(b"{not json", content_type="text/plain")
     assert fingerprint(b"{not json") != fingerprint(b"{not  json")
 
 
@@ -78,7 +79,7 @@ def test_other_bodies_are_hashed_as_bytes() -> None:
     multipart = "multipart/form-data; boundary=x"
     part = b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\n1\r\n--x--\r\n'
     assert raw_body_form(part, content_type=multipart, excluded=frozenset({"a"})) == (
-        "bytes",
+        "bytes;multipart/form-data",
         part,
     )
 
