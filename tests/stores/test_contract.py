@@ -17,7 +17,12 @@ from starlette_idempotency.record import (
     RecordStatus,
     record_to_dict,
 )
-from starlette_idempotency.stores.base import AcquireResult, IdempotencyStore
+from starlette_idempotency.stores.base import (
+    AcquireResult,
+    CheckableStore,
+    FencedWrite,
+    IdempotencyStore,
+)
 from tests.stores.conftest import Harness, finished
 
 #: A lock or retention TTL short enough to wait out on a real server.
@@ -38,6 +43,13 @@ async def test_store_implements_the_protocol(store: IdempotencyStore) -> None:
     assert isinstance(store, IdempotencyStore)
     assert isinstance(store.name, str)
     assert store.name
+
+
+async def test_a_reachable_store_checks_itself_without_errors(store: IdempotencyStore) -> None:
+    assert isinstance(store, CheckableStore)
+    assert store.describe()
+    findings = await store.check()
+    assert all(finding.level == "warning" for finding in findings), findings
 
 
 async def test_get_absent_key(store: IdempotencyStore) -> None:
@@ -160,13 +172,14 @@ async def test_old_owner_is_fenced_off_after_a_takeover(
     successor = make_record("k1", "owner-b")
     assert (await store.try_acquire("k1", successor, LOCK_TTL)).acquired
 
-    assert not await store.complete("k1", finished(old), RETENTION_TTL)
-    assert not await store.fail("k1", finished(old, status=RecordStatus.FAILED), RETENTION_TTL)
+    assert await store.complete("k1", finished(old), RETENTION_TTL) is FencedWrite.LOST
+    failed = finished(old, status=RecordStatus.FAILED)
+    assert await store.fail("k1", failed, RETENTION_TTL) is FencedWrite.LOST
     assert not await store.release("k1", "owner-a")
     assert not await store.renew("k1", "owner-a", LOCK_TTL)
 
     assert_same(await store.get("k1"), successor)
-    assert await store.complete("k1", finished(successor), RETENTION_TTL)
+    assert await store.complete("k1", finished(successor), RETENTION_TTL) is FencedWrite.WRITTEN
 
 
 async def test_complete_after_the_lock_lapsed_with_nobody_else(
@@ -177,9 +190,88 @@ async def test_complete_after_the_lock_lapsed_with_nobody_else(
     await harness.expire("k1", SHORT_TTL)
     done = finished(pending)
 
-    assert await store.complete("k1", done, RETENTION_TTL)
+    assert await store.complete("k1", done, RETENTION_TTL) is FencedWrite.RECLAIMED
 
     assert_same(await store.get("k1"), done)
+
+
+@pytest.mark.parametrize("status", [RecordStatus.COMPLETED, RecordStatus.FAILED])
+async def test_a_final_write_by_the_owner_is_written(
+    store: IdempotencyStore, make_record: MakeRecord, status: RecordStatus
+) -> None:
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+    final = finished(pending, status=status)
+    write = store.complete if status is RecordStatus.COMPLETED else store.fail
+
+    assert await write("k1", final, RETENTION_TTL) is FencedWrite.WRITTEN
+
+    assert_same(await store.get("k1"), final)
+
+
+@pytest.mark.parametrize("status", [RecordStatus.COMPLETED, RecordStatus.FAILED])
+async def test_a_final_write_over_a_vanished_key_is_reclaimed(
+    store: IdempotencyStore, make_record: MakeRecord, status: RecordStatus
+) -> None:
+    """The key is gone while its owner still runs (evicted, deleted by an operator; here it was
+    released, as the store cannot tell those apart): the owner writes it back, and says so."""
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+    assert await store.release("k1", "owner-a")
+    final = finished(pending, status=status)
+    write = store.complete if status is RecordStatus.COMPLETED else store.fail
+
+    assert await write("k1", final, RETENTION_TTL) is FencedWrite.RECLAIMED
+
+    assert_same(await store.get("k1"), final)
+    assert not (await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)).acquired
+
+
+async def test_the_holder_acquiring_again_keeps_the_key(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """The owner taking back a key it still holds (after a renewal went wrong, or a resent
+    acquire) has acquired it; the record stays as it was."""
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+
+    again = await store.try_acquire("k1", make_record("k1", "owner-a"), LOCK_TTL, recover=False)
+
+    assert again.acquired
+    assert again.record is None
+    assert_same(await store.get("k1"), pending)
+    assert not (await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)).acquired
+    assert await store.complete("k1", finished(pending), RETENTION_TTL) is FencedWrite.WRITTEN
+
+
+async def test_the_owner_acquiring_a_vanished_key_takes_it_back(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+    assert await store.release("k1", "owner-a")  # as if evicted
+
+    back = await store.try_acquire("k1", pending, LOCK_TTL, recover=False)
+
+    assert back.acquired
+    assert await store.renew("k1", "owner-a", LOCK_TTL)
+    assert await store.complete("k1", finished(pending), RETENTION_TTL) is FencedWrite.WRITTEN
+
+
+async def test_a_finished_record_is_not_held_by_its_owner(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """Only an ``InProgress`` record is held: the owner acquiring again after it finished gets
+    the conflict (and its own response), not a lock."""
+    pending = make_record("k1", "owner-a")
+    await store.try_acquire("k1", pending, LOCK_TTL)
+    done = finished(pending)
+    await store.complete("k1", done, RETENTION_TTL)
+
+    again = await store.try_acquire("k1", make_record("k1", "owner-a"), LOCK_TTL, recover=False)
+
+    assert not again.acquired
+    assert_same(again.record, done)
 
 
 async def test_renewed_lock_outlives_its_first_ttl(
@@ -343,6 +435,10 @@ async def test_a_dead_handlers_checkpoints_are_taken_over(
     assert stored.locked_until > harness.now()
     # Apart from the owner and the lease, the record is the one taken over (checkpoints too).
     assert_same(replace(stored, owner_token="owner-a", locked_until=now - 1), saved)
+    # The successor acquiring again (taking its key back) keeps the checkpoints it inherited.
+    again = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL, recover=False)
+    assert again.acquired
+    assert_same(again.record, stored)
     # The dead handler is fenced off; its successor finishes.
     assert not await store.complete("k1", finished(saved), RETENTION_TTL)
     assert not await store.save_progress("k1", saved, RETENTION_TTL)

@@ -16,6 +16,8 @@ from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_RESOLVED_TTL,
     AcquireResult,
+    FencedWrite,
+    StoreFinding,
     resolve_record,
 )
 
@@ -77,6 +79,12 @@ class MemoryStore:
             return AcquireResult(acquired=True, record=entry[0] if entry else None)
         current, deadline = entry
         if (
+            current.owner_token == pending.owner_token
+            and current.status is RecordStatus.IN_PROGRESS
+        ):
+            # Still held by this owner: acquired, as on Redis (where a resent acquire finds it).
+            return AcquireResult(acquired=True, record=current if current.checkpoints else None)
+        if (
             recover
             and current.lease_expired(now)
             and current.request_fingerprint == pending.request_fingerprint
@@ -90,25 +98,34 @@ class MemoryStore:
 
     def _write_if_owner(
         self, key: str, record: IdempotencyRecord, ttl: float, *, absent_ok: bool
-    ) -> bool:
+    ) -> FencedWrite:
         key = self._prefix + key
         now = self._clock()
         current = self._live(key, now)
-        if current is None and not absent_ok:
-            return False
-        if current is not None and current.owner_token != record.owner_token:
-            return False
+        if current is None:
+            if not absent_ok:
+                return FencedWrite.LOST
+            written = FencedWrite.RECLAIMED
+        elif current.owner_token != record.owner_token:
+            return FencedWrite.LOST
+        else:
+            written = FencedWrite.WRITTEN
         self._entries[key] = (record, now + ttl)
-        return True
+        return written
 
-    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        return self._notify(key, self._write_if_owner(key, record, ttl, absent_ok=True))
+    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        return self._finish(key, record, ttl)
 
-    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        return self._notify(key, self._write_if_owner(key, record, ttl, absent_ok=True))
+    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        return self._finish(key, record, ttl)
+
+    def _finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        written = self._write_if_owner(key, record, ttl, absent_ok=True)
+        self._notify(key, bool(written))
+        return written
 
     async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        return self._write_if_owner(key, record, ttl, absent_ok=False)
+        return bool(self._write_if_owner(key, record, ttl, absent_ok=False))
 
     async def resolve(
         self, key: str, response: StoredResponse, ttl: float = DEFAULT_RESOLVED_TTL
@@ -153,6 +170,14 @@ class MemoryStore:
             if event is not None:
                 event.set()
         return changed
+
+    def describe(self) -> str:
+        """Where the records are: in this process, shared with no other."""
+        return "memory (this process only)"
+
+    async def check(self) -> list[StoreFinding]:
+        """Nothing to check: the store is always reachable."""
+        return []
 
     async def aclose(self) -> None:
         self._entries.clear()

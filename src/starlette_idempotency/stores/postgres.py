@@ -423,9 +423,9 @@ class PostgresStore:
     async def try_acquire(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> AcquireResult:
-        """Write ``pending`` if the key is free (see the protocol); a live row that already
-        holds ``pending``'s owner token counts as acquired (the engine taking its key back),
-        with ``record`` that row only when it carries checkpoints."""
+        """Write ``pending`` if the key is free (see the protocol); a live ``InProgress`` row
+        that already holds ``pending``'s owner token counts as acquired (the engine taking its
+        key back), with ``record`` that row only when it carries checkpoints."""
         params = self._row_params(self._prefix + key, pending, lock_ttl)
 
         async def acquire() -> AcquireResult | None:
@@ -436,7 +436,10 @@ class PostgresStore:
                 if row is None or not (row["taken_over"] or row["live"]):
                     continue  # released or changed in between: insert again
                 found = _record_from_row(row)
-                if found.owner_token == pending.owner_token:
+                if (
+                    found.owner_token == pending.owner_token
+                    and found.status is RecordStatus.IN_PROGRESS
+                ):  # a finished record is an answer, not a lock its owner still holds
                     return AcquireResult(acquired=True, record=found if found.checkpoints else None)
                 return AcquireResult(acquired=row["taken_over"], record=found)
             return None

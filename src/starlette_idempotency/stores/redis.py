@@ -26,6 +26,7 @@ from typing import Any, Literal
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.record import (
     IdempotencyRecord,
+    RecordStatus,
     StoredResponse,
     dump_record,
     load_record,
@@ -34,6 +35,8 @@ from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_RESOLVED_TTL,
     AcquireResult,
+    FencedWrite,
+    StoreFinding,
     resolve_record,
 )
 from starlette_idempotency.stores.redis_changes import RedisChangeListener
@@ -44,6 +47,15 @@ logger = logging.getLogger(__name__)
 AcquireStrategy = Literal["setnx", "lua"]
 DriverName = Literal["redis-py", "glide"]
 DEFAULT_WAIT_TIMEOUT_MS = 100
+_UNDO_RETRY_SECONDS = 0.1
+#: How long :meth:`RedisStore.check` waits for PING, then for the settings: both together
+#: within the 5 s the middleware gives the whole check.
+CHECK_TIMEOUT_SECONDS = 2.0
+_CHECKED_SETTINGS = ("maxmemory", "maxmemory-policy", "appendonly", "save")
+_APPENDONLY_ADVICE = (
+    "set appendonly yes (with appendfsync everysec, a crash of the host loses about the last "
+    "second of writes)"
+)
 
 
 class _DriverErrors:
@@ -104,6 +116,50 @@ def _recoverable(current: IdempotencyRecord, pending: IdempotencyRecord, now: fl
         and current.request_fingerprint == pending.request_fingerprint
         and current.fingerprint_version == pending.fingerprint_version
     )
+
+
+def _settings_findings(where: str, settings: dict[str, dict[str, str]]) -> list[StoreFinding]:
+    """What weakens the store in ``settings`` (setting -> node -> value), one finding per kind,
+    naming the nodes of a cluster that have it."""
+    nodes = sorted(settings["maxmemory"])
+    evicting: dict[str, list[str]] = {}
+    persisting: dict[str, list[str]] = {}
+    for node in nodes:
+        value = {name: settings[name].get(node, "") for name in _CHECKED_SETTINGS}
+        policy = value["maxmemory-policy"]
+        if value["maxmemory"] not in ("", "0") and policy != "noeviction":
+            setting = f"maxmemory {value['maxmemory']} bytes with maxmemory-policy {policy}"
+            evicting.setdefault(setting, []).append(node)
+        if value["appendonly"] != "yes":
+            persisting.setdefault(value["save"], []).append(node)
+
+    def on(found: list[str]) -> str:
+        return f" (on {', '.join(found)})" if len(nodes) > 1 else ""
+
+    findings = [
+        StoreFinding(
+            "warning",
+            f"{where} can evict idempotency records{on(found)}: {setting}. Every record has "
+            "a TTL, so volatile-* policies evict them too, and a retry of an evicted key runs "
+            "its handler again. Set maxmemory-policy noeviction (a full Redis then refuses "
+            "writes, which the middleware handles as a store error); if this Redis is a cache "
+            "that must evict, give idempotency an instance of its own with noeviction.",
+        )
+        for setting, found in evicting.items()
+    ]
+    for save, found in persisting.items():
+        if save.strip():
+            lost = f"the records written since the last RDB snapshot (save {save!r})"
+        else:
+            lost = "every record (appendonly no, save '')"
+        findings.append(
+            StoreFinding(
+                "warning",
+                f"{where} runs without an append-only file{on(found)}: a restart loses {lost}, "
+                f"and retries of requests already answered then run again; {_APPENDONLY_ADVICE}.",
+            )
+        )
+    return findings
 
 
 class RedisStore:
@@ -188,9 +244,10 @@ class RedisStore:
         self._nx_get = True  # cleared for good once the server rejects SET NX GET
         self._changes = RedisChangeListener(driver.subscription)
         self._undoing: set[asyncio.Task[None]] = set()
-        # What abandons an acquire the driver may still send (nothing on redis-py).
-        self._lost_acquire_errors: tuple[type[BaseException], ...] = (
-            (asyncio.CancelledError, *driver.timeouts) if driver.late_command_window else ()
+        # What abandons a write that Redis may still run (see _undo_abandoned).
+        self._abandoning_errors: tuple[type[BaseException], ...] = (
+            asyncio.CancelledError,
+            *driver.timeouts,
         )
 
     @classmethod
@@ -239,6 +296,43 @@ class RedisStore:
         )
         return store
 
+    def describe(self) -> str:
+        """Where the store is, for messages: ``redis at 127.0.0.1:6379/0`` (no password)."""
+        return self._driver.describe()
+
+    async def check(self) -> list[StoreFinding]:
+        """Reach Redis and report what weakens idempotency; never raises.
+
+        An ``error`` when Redis does not answer ``PING``. Warnings, read with ``CONFIG GET``
+        from the server or every primary of a cluster: a ``maxmemory`` with a policy that
+        evicts (records vanish, and retries run again), and no append-only file (a restart
+        loses records). When ``CONFIG`` is refused (renamed or not allowed, as on many
+        managed services), one warning says what to check by hand.
+        """
+        where = self.describe()
+        try:
+            async with asyncio.timeout(CHECK_TIMEOUT_SECONDS):
+                await self._driver.ping()
+        except TimeoutError:
+            why = f"no answer to PING within {CHECK_TIMEOUT_SECONDS:g} s"
+            return [StoreFinding("error", f"{where} is unreachable: {why}")]
+        except Exception as exc:  # a check reports what went wrong, whatever it is
+            return [StoreFinding("error", f"{where} is unreachable: {str(exc).strip()}")]
+        try:
+            async with asyncio.timeout(CHECK_TIMEOUT_SECONDS):
+                settings = {name: await self._driver.config_get(name) for name in _CHECKED_SETTINGS}
+        except Exception as exc:  # renamed, refused by an ACL, or gone since the PING
+            return [
+                StoreFinding(
+                    "warning",
+                    f"could not read the configuration of {where} "
+                    f"({str(exc).strip() or 'no answer'}), so "
+                    "eviction and persistence are unchecked. Check by hand that maxmemory-policy "
+                    "is noeviction (or maxmemory 0), and that appendonly is yes.",
+                )
+            ]
+        return _settings_findings(where, settings)
+
     def storage_key(self, key: str) -> str:
         """The Redis key that holds ``key``'s record."""
         return self._prefix + key
@@ -259,7 +353,12 @@ class RedisStore:
         acquired. With ``recover``, an ``InProgress`` record whose lease has passed and whose
         fingerprint and version equal ``pending``'s is taken over (see the module docs): it
         keeps its checkpoints and TTL, gets ``pending``'s owner token and a lease of
-        ``lock_ttl``, and comes back as ``record``.
+        ``lock_ttl``, and comes back as ``record``. An ``InProgress`` record that already has
+        ``pending``'s owner token counts as acquired (``record`` is it if it has checkpoints).
+
+        A call cancelled or timed out after sending is undone in the background (see
+        :meth:`_undo_abandoned`): the caller will not run the handler, so the lock must not
+        outlive it.
         """
         skey, value, px = self.storage_key(key), dump_record(pending), _ms(lock_ttl)
         with _DriverErrors(self._driver, "try_acquire", key):
@@ -271,57 +370,85 @@ class RedisStore:
                         if not self._fall_back_from_nx_get(exc):
                             raise
                         existing = await self._acquire_set_then_get(skey, value, px)
-                except self._lost_acquire_errors:
-                    self._undo_late_acquire(key, pending.owner_token)
+                except self._abandoning_errors:
+                    self._undo_abandoned(key, "release", [pending.owner_token, skey], lock_ttl)
                     raise
                 if existing is None:
                     return AcquireResult(acquired=True)
                 current = self._load(key, existing)
-                if current.owner_token == pending.owner_token:
+                if (
+                    current.owner_token == pending.owner_token
+                    and current.status is RecordStatus.IN_PROGRESS
+                ):
                     # Our own write (an acquire, or a takeover keeping its checkpoints),
                     # answered as a conflict: the client resent a command whose reply was
-                    # lost (redis-py's retry, glide after a reconnect).
+                    # lost (redis-py's retry, glide after a reconnect); or the owner taking
+                    # back a key it still holds.
                     taken_over = current if current.checkpoints else None
                     return AcquireResult(acquired=True, record=taken_over)
                 now = time.time()
                 if not (recover and _recoverable(current, pending, now)):
                     break
-                taken = replace(
-                    current, owner_token=pending.owner_token, locked_until=now + lock_ttl
+                taken = dump_record(
+                    replace(current, owner_token=pending.owner_token, locked_until=now + lock_ttl)
                 )
-                if await self._take_over(skey, existing, dump_record(taken)):
+                try:
+                    took_over = await self._take_over(skey, existing, taken)
+                except self._abandoning_errors:
+                    # Swapped back rather than released: deleting would lose the checkpoints.
+                    self._undo_abandoned(key, "takeover", [taken, existing], lock_ttl)
+                    raise
+                if took_over:
                     return AcquireResult(acquired=True, record=current)
         return AcquireResult(acquired=False, record=current)
 
-    def _undo_late_acquire(self, key: str, owner_token: str) -> None:
-        """After an acquire that was cancelled or timed out on a driver that may still send it.
+    def _undo_abandoned(self, key: str, script: str, args: list[Arg], lock_ttl: float) -> None:
+        """Undo an acquire (or takeover) whose caller gave up: cancelled by a deadline or a
+        client gone, or timed out; the caller will not run the handler.
 
-        The caller gave up (a deadline, a client gone) and will not run the handler, but the
-        acquire may still land and hold the key for ``lock_ttl``, answering retries 409. A
-        release fenced by the caller's owner token undoes it, and writes nothing when the
-        acquire did not write: sent at once, it is queued behind the acquire on the same
-        connection; sent again when the driver's window for late commands has passed, it
-        also undoes an acquire the driver resent out of order (after a reconnect).
+        Redis may still run the write and hold the key for ``lock_ttl``, answering retries
+        409: on a stall (a slow command, a fork, a frozen host) the command waits in Redis's
+        socket buffer, and Redis runs it when it wakes even though redis-py closed the
+        connection; glide keeps its connection and may even resend the command after a
+        reconnect. ``script`` undoes it, fenced by the abandoned write's own value or owner
+        token, and writes nothing when the write did not land; see :meth:`_undo_twice`.
         """
-        task = asyncio.get_running_loop().create_task(self._release_twice(key, owner_token))
+        task = asyncio.get_running_loop().create_task(self._undo_twice(key, script, args, lock_ttl))
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
 
-    async def _release_twice(self, key: str, owner_token: str) -> None:
-        # Sent whole (EVAL): a NOSCRIPT answer would have the client resend it behind later
-        # commands, the next acquire of the key among them.
+    async def _undo_twice(self, key: str, script: str, args: list[Arg], lock_ttl: float) -> None:
+        # The first undo may run before the abandoned write: Redis serves the connections
+        # that became readable during a stall in one event-loop iteration, in no set order
+        # (glide queues it behind the write on their shared connection instead). Its reply
+        # comes back only after that iteration, so a second undo sent then runs after any
+        # write Redis had received; glide may resend a write after a reconnect up to its
+        # late_command_window later still. Sent whole (EVAL): a NOSCRIPT answer would have
+        # the client resend it behind later commands.
         skey = self.storage_key(key)
+        failure: StoreError | None = None
+
+        async def undo() -> None:
+            nonlocal failure
+            while True:
+                try:
+                    with _DriverErrors(self._driver, f"undo ({script})", key):
+                        await self._driver.eval_script(script, skey, args)
+                    return
+                except StoreError as exc:  # a stall longer than the client's own timeout
+                    failure = exc
+                    await asyncio.sleep(_UNDO_RETRY_SECONDS)
+
         try:
-            with _DriverErrors(self._driver, "release", key):
-                await self._driver.eval_script("release", skey, [owner_token, skey])
+            async with asyncio.timeout(lock_ttl):  # by then the abandoned lock has lapsed
+                await undo()
                 await asyncio.sleep(self._driver.late_command_window)
-                await self._driver.eval_script("release", skey, [owner_token, skey])
-        except StoreError as exc:
+                await undo()
+        except TimeoutError:
             logger.warning(
-                "could not undo the abandoned acquire of %r; it may hold the key until its "
-                "lock expires: %s",
+                "could not undo the abandoned acquire of %r before its lock lapsed: %s",
                 key,
-                exc,
+                failure,
             )
 
     def _acquire(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
@@ -418,7 +545,7 @@ class RedisStore:
 
     async def _write_if_owner(
         self, operation: str, key: str, record: IdempotencyRecord, ttl: float, *, absent_ok: bool
-    ) -> bool:
+    ) -> FencedWrite:
         # A final record wakes waiting duplicates; new recovery points or a lease do not.
         skey = self.storage_key(key)
         channel = skey if absent_ok else ""
@@ -426,14 +553,15 @@ class RedisStore:
         args += [str(int(absent_ok)), channel]
         with _DriverErrors(self._driver, operation, key):
             written = await self._driver.run_script("finish", skey, args)
-        return bool(written)
+        return FencedWrite(int(written))
 
-    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        """Store the ``Completed`` record for ``ttl`` seconds unless another owner holds the key."""
+    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        """Store the ``Completed`` record for ``ttl`` seconds unless another owner holds the key
+        (``LOST``); ``RECLAIMED`` when the key had vanished (evicted, deleted, lock expired)."""
         return await self._write_if_owner("complete", key, record, ttl, absent_ok=True)
 
-    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        """Store the ``Failed`` record for ``ttl`` seconds unless another owner holds the key."""
+    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        """Store the ``Failed`` record for ``ttl`` seconds, like :meth:`complete`."""
         return await self._write_if_owner("fail", key, record, ttl, absent_ok=True)
 
     async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
@@ -441,7 +569,8 @@ class RedisStore:
 
         False, writing nothing, unless ``record.owner_token`` holds the key.
         """
-        return await self._write_if_owner("save_progress", key, record, ttl, absent_ok=False)
+        saved = await self._write_if_owner("save_progress", key, record, ttl, absent_ok=False)
+        return bool(saved)
 
     async def resolve(
         self, key: str, response: StoredResponse, ttl: float = DEFAULT_RESOLVED_TTL

@@ -50,10 +50,11 @@ class RedisDriver(Protocol):
     #: ``StoreTimeoutError``.
     errors: tuple[type[BaseException], ...]
     timeouts: tuple[type[BaseException], ...]
-    #: How long (seconds) a command whose caller was cancelled or timed out may still be sent
-    #: or resent by the client: glide's request timeout, as its connection outlives the call
-    #: and it retries after a reconnect or a script reload; 0 where giving up closes the
-    #: connection and Redis drops what it held (redis-py).
+    #: How long (seconds) after Redis answered a later command on another connection the
+    #: client may still send or resend a command whose caller was cancelled or timed out:
+    #: glide's request timeout, as its connection outlives the call and it retries after a
+    #: reconnect or a script reload; 0 on redis-py, which closes the connection (a command
+    #: Redis already received still runs, but no later than such an answer).
     late_command_window: float
 
     def set_nx_get(self, key: str, value: bytes, px: int) -> Awaitable[bytes | str | None]:
@@ -82,6 +83,20 @@ class RedisDriver(Protocol):
 
     def subscription(self) -> Subscription:
         """A new, unconnected pub/sub connection (it connects on its first subscribe)."""
+        ...
+
+    def describe(self) -> str:
+        """Where the client points, without credentials: ``redis at 127.0.0.1:6379/0``, or
+        ``redis cluster at`` a startup node."""
+        ...
+
+    async def ping(self) -> None:
+        """``PING`` the server (every primary of a cluster)."""
+        ...
+
+    async def config_get(self, parameter: str) -> dict[str, str]:
+        """``CONFIG GET parameter`` on the server (every primary of a cluster): node address
+        -> value, ``""`` for a parameter the server does not know."""
         ...
 
     async def aclose(self) -> None:

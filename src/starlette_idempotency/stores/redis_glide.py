@@ -27,6 +27,7 @@ from starlette_idempotency.stores.redis_driver import Arg, lua_source
 
 try:
     from glide import (
+        AllPrimaries,
         ConditionalChange,
         ExpirySet,
         ExpiryType,
@@ -96,6 +97,10 @@ def config_from_url(url: str, **client_options: Any) -> GlideClientConfiguration
         database_id=int(db) if db else None,
         **client_options,
     )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _retrieve_exception(task: asyncio.Task[TGlideClient]) -> None:
@@ -234,6 +239,36 @@ class GlideDriver:
 
     def subscription(self) -> GlideSubscription:
         return GlideSubscription(self)
+
+    def _configuration(self) -> ClientConfiguration:
+        if self._config is not None:
+            return self._config
+        return cast(TGlideClient, self._client).config
+
+    def _first_node(self) -> str:
+        first = self._configuration().addresses[0]
+        return f"{first.host}:{first.port}"
+
+    def describe(self) -> str:
+        config = self._configuration()
+        if isinstance(config, GlideClusterClientConfiguration):
+            return f"redis cluster at {self._first_node()}"
+        return f"redis at {self._first_node()}/{config.database_id or 0}"
+
+    async def ping(self) -> None:
+        await (await self.connected()).ping()  # a cluster client pings every primary
+
+    async def config_get(self, parameter: str) -> dict[str, str]:
+        client = await self.connected()
+        replies: dict[Any, Any]
+        if isinstance(client, GlideClusterClient):
+            replies = cast(dict[Any, Any], await client.config_get([parameter], AllPrimaries()))
+        else:
+            replies = {self._first_node(): await client.config_get([parameter])}
+        return {
+            _text(node): _text(values.get(parameter.encode(), b""))
+            for node, values in replies.items()
+        }
 
     async def aclose(self) -> None:
         if self._connecting is not None and not self._connecting.done():

@@ -3,7 +3,9 @@
 Cancellation: redis-py 8 closes a connection when a command on it is cancelled between send and
 reply (``Connection.send_packed_command`` / ``read_response`` catch ``BaseException`` and
 disconnect), so a call cut short by the middleware's deadline returns no half-read connection
-to the pool. Nothing here shields a call; ``CancelledError`` goes through.
+to the pool. Nothing here shields a call; ``CancelledError`` goes through. Closing does not
+take back a command Redis has received: one waiting in its socket buffer while Redis stalls
+still runs when it wakes (the store undoes an abandoned acquire).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class RedisClient(Protocol):
     def register_script(self, script: Any) -> Any: ...
     def eval(self, script: Any, numkeys: int, *keys_and_args: Any) -> Any: ...
     def script_load(self, script: Any) -> Any: ...
+    def ping(self, **kwargs: Any) -> Any: ...
+    def config_get(self, pattern: str = "*", **kwargs: Any) -> Any: ...
     async def aclose(self) -> None: ...
 
 
@@ -172,6 +176,37 @@ class RedisPyDriver:
 
     def subscription(self) -> RedisPySubscription:
         return RedisPySubscription(self._client)
+
+    def _standalone_address(self) -> tuple[str, int]:
+        """The server a standalone client connects to, and its database number."""
+        options: dict[str, Any] = self._client.connection_pool.connection_kwargs  # type: ignore[attr-defined]
+        if "path" in options:
+            return f"unix:{options['path']}", options.get("db", 0)
+        return f"{options.get('host', 'localhost')}:{options.get('port', 6379)}", options.get(
+            "db", 0
+        )
+
+    def describe(self) -> str:
+        client = self._client
+        if isinstance(client, aioredis.RedisCluster):
+            startup = next(iter(client.nodes_manager.startup_nodes.values()))
+            return f"redis cluster at {startup.name}"
+        address, db = self._standalone_address()
+        return f"redis at {address}/{db}"
+
+    async def ping(self) -> None:
+        await self._client.ping()
+
+    async def config_get(self, parameter: str) -> dict[str, str]:
+        client = self._client
+        replies: dict[str, Any] = {}
+        if isinstance(client, aioredis.RedisCluster):
+            await client.initialize()
+            for primary in client.get_primaries():
+                replies[primary.name] = await client.config_get(parameter, target_nodes=primary)
+        else:
+            replies[self._standalone_address()[0]] = await client.config_get(parameter)
+        return {node: str(reply.get(parameter, "")) for node, reply in replies.items()}
 
     async def aclose(self) -> None:
         await self._client.aclose()

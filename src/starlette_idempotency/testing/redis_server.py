@@ -95,6 +95,11 @@ class RedisServer(Managed):
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The process id while the server runs (for ``/proc`` inspection in tests)."""
+        return self._proc.pid if self.running and self._proc is not None else None
+
     def start(self) -> RedisServer:
         """Start the server (again) and wait until it answers ``PING``."""
         if self.running:
