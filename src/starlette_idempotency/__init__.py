@@ -32,6 +32,7 @@ from starlette_idempotency.record import (
     RecordStatus,
     StoredResponse,
 )
+from starlette_idempotency.responses import IdempotencyProblem
 from starlette_idempotency.stores.base import AcquireResult, IdempotencyStore
 from starlette_idempotency.stores.memory import MemoryStore
 
@@ -74,6 +75,7 @@ __all__ = [
     "IdempotencyEvent",
     "IdempotencyMiddleware",
     "IdempotencyPolicy",
+    "IdempotencyProblem",
     "IdempotencyRecord",
     "IdempotencyStore",
     "IdempotentTransport",

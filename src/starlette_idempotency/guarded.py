@@ -26,7 +26,7 @@ from starlette_idempotency.fingerprint import (
     request_fingerprint,
     storage_key,
 )
-from starlette_idempotency.keys import InvalidKey, parse_key
+from starlette_idempotency.keys import InvalidKey, parse_key, sent_once_message
 from starlette_idempotency.observability import CheckResult, OutcomeResult
 from starlette_idempotency.policy import MARKS_SCOPE_KEY, RequestMarks, current_marks
 from starlette_idempotency.record import Checkpoint, IdempotencyRecord, RecordStatus
@@ -37,13 +37,14 @@ from starlette_idempotency.responses import (
     MISMATCH_MESSAGE,
     STORE_UNAVAILABLE_MESSAGE,
     Problem,
+    replay_for,
     retry_after_seconds,
     send_replay,
     send_requires_recovery,
     stored_response,
 )
 from starlette_idempotency.routing import GuardedRoute
-from starlette_idempotency.stores.base import AcquireResult
+from starlette_idempotency.stores.base import AcquireResult, FencedWrite
 
 if TYPE_CHECKING:
     from starlette_idempotency.middleware import IdempotencyMiddleware
@@ -55,6 +56,8 @@ _TRANSIENT_STATUSES = frozenset({408, 429})
 # Without the decorator's start mark, these are what a step before the endpoint produces
 # (request validation, authentication), so they release the key instead of being stored.
 _PRE_ENDPOINT_STATUSES = frozenset({401, 403, 422})
+# A Content-Length that is not one decimal number (RFC 9110 calls the request malformed).
+_INVALID_LENGTH = -1
 # Response extensions whose body bypasses http.response.body and so could not be stored.
 _UNCAPTURABLE_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
 
@@ -71,6 +74,7 @@ class GuardedRequest:
         "policy",
         "receive",
         "record",
+        "renewal",
         "route",
         "scope",
         "send",
@@ -99,6 +103,7 @@ class GuardedRequest:
         self.chosen_headers: list[tuple[str, str]] = []
         self.store_key = ""
         self.record: IdempotencyRecord  # set once the key is owned
+        self.renewal: LockRenewal | None = None
 
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000
@@ -115,9 +120,9 @@ class GuardedRequest:
             note=note,
         )
 
-    async def _ended(self, result: OutcomeResult, status_code: int | None) -> None:
-        if result is OutcomeResult.LOCK_LOST:
-            self.mw.observer.processing_timeout(self._endpoint(), "lock_lost")
+    async def _ended(
+        self, result: OutcomeResult, status_code: int | None, note: str | None = None
+    ) -> None:
         if not self.mw.observer.wants_events:
             return
         await self.mw.observer.emit(
@@ -127,7 +132,14 @@ class GuardedRequest:
             result=result,
             duration_ms=self._elapsed_ms(),
             status_code=status_code,
+            note=note,
         )
+
+    async def _lock_lost(self, reason: str, note: str, status_code: int | None = None) -> None:
+        """Report a lock that vanished or was taken over: a ``LOCK_LOST`` outcome event with
+        ``note`` ("reclaimed" or "taken_over") and a processing timeout counted as ``reason``."""
+        self.mw.observer.processing_timeout(self._endpoint(), reason)
+        await self._ended(OutcomeResult.LOCK_LOST, status_code, note)
 
     def _endpoint(self) -> str:
         return f"{self.scope['method']} {self.route.template}"
@@ -178,7 +190,7 @@ class GuardedRequest:
         key = (
             parse_key(raw_keys[0], header_name=mw.header_name, max_length=mw._max_key_length)
             if len(raw_keys) == 1
-            else InvalidKey(f"{mw.header_name} must be sent only once")
+            else InvalidKey(sent_once_message(mw.header_name))
         )
         if isinstance(key, InvalidKey):
             await self._reject(Problem.INVALID_KEY, key.message, CheckResult.INVALID_KEY)
@@ -192,6 +204,13 @@ class GuardedRequest:
     async def _read_body(self) -> bytes | None:
         """The whole request body, or ``None`` once an answer was sent (413) or the client left."""
         limit = self.mw._max_body_bytes
+        if self.content_length == _INVALID_LENGTH:
+            await self._reject(
+                Problem.INVALID_REQUEST,
+                "Content-Length must be one decimal number",
+                CheckResult.INVALID_REQUEST,
+            )
+            return None
         if self.content_length is not None and self.content_length > limit:
             await self._body_too_large()
             return None
@@ -371,12 +390,11 @@ class GuardedRequest:
     async def _reject_in_progress(
         self, record: IdempotencyRecord | None, note: str | None = None
     ) -> None:
-        remaining = record.expires_at - self.mw._clock() if record else 1.0
         await self._reject(
             Problem.IN_PROGRESS,
             IN_PROGRESS_MESSAGE,
             CheckResult.CONFLICT,
-            retry_after=retry_after_seconds(remaining),
+            retry_after=retry_after_seconds(record, self.mw._clock()),
             note=note,
         )
 
@@ -401,7 +419,7 @@ class GuardedRequest:
             )
         else:
             await self._decided(CheckResult.REPLAYED, note=note)
-            await send_replay(self.send, record.response)
+            await send_replay(self.send, replay_for(record.response, self.scope["headers"]))
 
     async def _run_owned(
         self, pending: IdempotencyRecord, taken_over: IdempotencyRecord | None, body: bytes
@@ -429,7 +447,7 @@ class GuardedRequest:
             self.record.key, self.record.checkpoints, self._checkpoint
         )
         capture = _ResponseCapture(self, marks)
-        renewal = LockRenewal(self, mw.renewal_timers) if policy.renew_lock else None
+        renewal = self.renewal = LockRenewal(self, mw.renewal_timers) if policy.renew_lock else None
         token = current_marks.set(marks)
         try:
             await mw.app(scope, _ReplayingReceive(body, self.receive), capture)
@@ -471,20 +489,58 @@ class GuardedRequest:
         self.record = record
 
     async def renew_lock(self) -> bool:
-        """Extend this request's lock; false when it is gone or held by someone else."""
+        """Extend this request's lock, taking the key back if it vanished; false once another
+        request holds it (then there is nothing left to renew)."""
         if not self.record.checkpoints:
-            return await self.mw.call_store(
+            renewed = await self.mw.call_store(
                 self.mw.store.renew,
                 self.store_key,
                 self.record.owner_token,
                 self.policy.lock_ttl_seconds,
             )
-        # A checkpointed record keeps its lease inside its value.
-        lease = self.mw._clock() + self.policy.lock_ttl_seconds
-        try:
-            await self._save_progress(replace(self.record, locked_until=lease))
-        except LockLostError:
+        else:
+            # A checkpointed record keeps its lease inside its value.
+            lease = self.mw._clock() + self.policy.lock_ttl_seconds
+            try:
+                await self._save_progress(replace(self.record, locked_until=lease))
+                renewed = True
+            except LockLostError:
+                renewed = False
+        return renewed or await self._reclaim()
+
+    async def _reclaim(self) -> bool:
+        """Take back the key with this request's own owner token if nobody holds it.
+
+        The lock can vanish while its handler runs: evicted under ``maxmemory``, deleted by an
+        operator, expired while the process was frozen. Until it is back, a retry could run
+        the handler a second time, so it is taken back at once and reported as ``LOCK_LOST``.
+        """
+        mw, lock_ttl = self.mw, self.policy.lock_ttl_seconds
+        now = mw._clock()
+        if self.record.checkpoints:
+            record = replace(self.record, locked_until=now + lock_ttl)
+        else:
+            record = replace(self.record, expires_at=now + lock_ttl)
+        acquire = functools.partial(mw.store.try_acquire, recover=False)
+        result = await mw.call_store(acquire, self.store_key, record, lock_ttl)
+        if not result.acquired:
+            logger.warning(
+                "the lock for idempotency key %r was taken over by another request while its "
+                "handler ran; its response will not be stored",
+                self.key,
+            )
+            await self._lock_lost("lock_lost", "taken_over")
             return False
+        self.record = record
+        if record.checkpoints:  # back to the retention time that keeps recovery points
+            await self._save_progress(replace(record, expires_at=now + self.policy.ttl_seconds))
+        logger.warning(
+            "the lock for idempotency key %r vanished while its handler ran (evicted, deleted, "
+            "or expired while the process stalled) and was taken back; a retry in between may "
+            "have run the handler again. Run Redis with maxmemory-policy noeviction",
+            self.key,
+        )
+        await self._lock_lost("renewal_found_gone", "reclaimed")
         return True
 
     def _scope_for_app(self) -> Scope:
@@ -501,6 +557,8 @@ class GuardedRequest:
         raw_headers: list[tuple[bytes, bytes]],
         chunks: list[bytes] | None,
     ) -> None:
+        if self.renewal is not None:
+            self.renewal.stop()  # a renewal now would find the record final, not the lock gone
         if not self._should_store(marks, status):
             await self._release(status)
             return
@@ -525,15 +583,23 @@ class GuardedRequest:
                 self.key,
                 exc,
             )
-            stored = True  # not lost to another owner: the outcome is still this request's
+            stored = FencedWrite.WRITTEN  # not lost to another owner: still this request's
         if not stored:
             logger.warning(
                 "lock for idempotency key %r was lost to another request; its response was "
                 "sent to this client but not stored",
                 self.key,
             )
-            await self._ended(OutcomeResult.LOCK_LOST, status)
+            await self._lock_lost("lock_lost", "taken_over", status)
             return
+        if stored == FencedWrite.RECLAIMED:
+            logger.warning(
+                "the lock for idempotency key %r had vanished before its response was stored "
+                "(evicted, deleted, or expired while the process stalled); stored anyway, but a "
+                "retry in between may have run the handler again",
+                self.key,
+            )
+            await self._lock_lost("complete_found_gone", "reclaimed", status)
         await self._ended(OutcomeResult.COMPLETED if completed else OutcomeResult.FAILED, status)
 
     def _should_store(self, marks: RequestMarks, status: int) -> bool:
@@ -559,14 +625,14 @@ class GuardedRequest:
             await self._ended(OutcomeResult.RELEASED, status)
         else:
             logger.warning("lock for %r was taken over before it could be released", self.key)
-            await self._ended(OutcomeResult.LOCK_LOST, status)
+            await self._lock_lost("lock_lost", "taken_over", status)
 
     async def _keep_for_recovery(self, status: int | None) -> None:
         """End the lease now, keeping the checkpoints, so a retry recovers at once."""
         try:
             await self._save_progress(replace(self.record, locked_until=self.mw._clock()))
         except LockLostError:
-            await self._ended(OutcomeResult.LOCK_LOST, status)
+            await self._lock_lost("lock_lost", "taken_over", status)
             return
         except StoreError as exc:
             logger.error("could not end the lease of idempotency key %r: %s", self.key, exc)
@@ -601,9 +667,9 @@ class _ResponseCapture:
         self._marks = marks
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
-        self.ended = False  # the app sent its last body chunk
         self.chunks: list[bytes] | None = []  # None once the body outgrew max_response_bytes
         self.size = 0
+        self.ended = False  # the app sent its last body chunk
         self.settled = False
 
     async def __call__(self, message: Message) -> None:
@@ -620,9 +686,11 @@ class _ResponseCapture:
             elif self.chunks is not None:
                 self.chunks.append(chunk)
             if not message.get("more_body", False):
-                self.settled = True
                 self.ended = True
                 await request._settle(self._marks, self.status, self.raw_headers, self.chunks)
+                self.settled = True
+        await request.send(message)
+
     async def settle_unfinished(self) -> None:
         """Settle a request whose response did not run to its end (see the class docs)."""
         if not self.status:
@@ -632,8 +700,6 @@ class _ResponseCapture:
             return
         body = self.chunks if self.ended else None
         await self._request._settle(self._marks, self.status, self.raw_headers, body)
-
-        await request.send(message)
 
 
 class _ReplayingReceive:

@@ -1,8 +1,10 @@
 """Parsing the ``Idempotency-Key`` header value.
 
-A key is either a token of visible ASCII (0x21-0x7E) or an RFC 8941 Structured-Field string in
-double quotes (``"abc"`` means ``abc``; ``\\"`` and ``\\\\`` are its only escapes), as the IETF
-draft writes it. The length limit applies to the key after unquoting.
+A key is either a token of visible ASCII (0x21-0x7E) but the comma, or an RFC 8941
+Structured-Field string in double quotes (``"abc"`` means ``abc``; ``\\"`` and ``\\\\`` are its
+only escapes), as the IETF draft writes it. A comma outside quotes is what a proxy makes of two
+headers (``a,b``), so it is refused like two headers are. The length limit applies to the key
+after unquoting.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def _unquote_sf_string(raw: str) -> str | None:
     return "".join(out)
 
 
+def sent_once_message(header_name: str) -> str:
+    return f"{header_name} must be sent only once (an unquoted key cannot contain a comma)"
+
+
 def parse_key(raw: bytes, *, header_name: str, max_length: int) -> str | InvalidKey:
     """The key a header value carries, or the reason it is invalid."""
     try:
@@ -55,6 +61,9 @@ def parse_key(raw: bytes, *, header_name: str, max_length: int) -> str | Invalid
             f"{header_name} must contain only visible ASCII characters "
             "(no spaces or control characters), or be a quoted string"
         )
+    elif "," in text:
+        # What a proxy makes of two headers: "a,b". A comma is only allowed quoted.
+        return InvalidKey(sent_once_message(header_name))
     else:
         key = text
     if not key:

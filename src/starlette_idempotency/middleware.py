@@ -7,6 +7,7 @@ state machine through :meth:`IdempotencyMiddleware.call_store`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -39,6 +40,7 @@ from starlette_idempotency.observability import (
     Observer,
     StoreCallTracer,
 )
+from starlette_idempotency.openapi import OpenAPIDocumenter
 from starlette_idempotency.policy import (
     FingerprintChangePolicy,
     FingerprintMode,
@@ -47,13 +49,15 @@ from starlette_idempotency.policy import (
     RecoveryPolicy,
     ReplayPolicy,
     StoreErrorPolicy,
+    unknown_option_error,
 )
 from starlette_idempotency.renewal import RENEWAL_RESOLUTION
 from starlette_idempotency.responses import (
     ErrorFormat,
     ErrorResponder,
 )
-from starlette_idempotency.routing import RouteResolver
+from starlette_idempotency.routing import RouteResolver, routes_for
+from starlette_idempotency.store_check import StartupCheck, StoreCheckPolicy
 from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.waiting import Waiters
 
@@ -64,7 +68,65 @@ KeyScope = Callable[[HTTPConnection], "str | Awaitable[str | None] | None"]
 
 
 _T = TypeVar("_T")
-_warned_anonymous = False
+
+_UNSCOPED_WARNING = (
+    "Idempotency keys are not scoped to a user: no key_scope was given and no "
+    "authentication middleware set scope['user'], so two clients sending the same key "
+    "share one stored response. Pass key_scope= or add the authentication middleware "
+    "outside IdempotencyMiddleware."
+)
+_ANONYMOUS_WARNING = (
+    "Idempotency keys of unauthenticated requests are not scoped to anyone: scope['user'] is "
+    "not authenticated, so two anonymous clients sending the same key share one stored "
+    "response. Require authentication on guarded routes, or pass key_scope= to scope their "
+    "keys (by API key, session or client id)."
+)
+
+
+@functools.cache
+def _option_names() -> frozenset[str]:
+    parameters = inspect.signature(IdempotencyMiddleware.__init__).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is p.KEYWORD_ONLY)
+
+
+def _check_store_object(store: object) -> None:
+    """Refuse, when the middleware is built, what is not a store instance."""
+    if isinstance(store, type):
+        raise ConfigurationError(
+            f"store must be a store instance, not the class {store.__name__}: "
+            f"pass {store.__name__}(...) (for example store=MemoryStore() or "
+            "store=RedisStore.from_url('redis://localhost:6379/0'))"
+        )
+    if isinstance(store, str):
+        raise ConfigurationError(
+            f"store must be a store instance, not the string {store!r}: "
+            f"pass store=RedisStore.from_url({store!r}) for Redis, or a PostgresStore "
+            "connected in your lifespan (await PostgresStore.connect(dsn))"
+        )
+    if not isinstance(store, IdempotencyStore):
+        missing = [
+            name
+            for name in ("try_acquire", "complete", "fail", "release", "renew", "get")
+            if not callable(getattr(store, name, None))
+        ]
+        raise ConfigurationError(
+            f"store must implement the IdempotencyStore protocol (MemoryStore, RedisStore, "
+            f"PostgresStore or your own); {type(store).__name__} lacks "
+            f"{', '.join(missing) or 'the name and supports_recovery attributes'}"
+        )
+
+
+def _compressing_layer_inside(app: ASGIApp) -> str | None:
+    """The class name of a compressing middleware among the layers ``app`` wraps, if any."""
+    layer: object = app
+    for _ in range(64):  # a middleware stack, not a cycle
+        name = type(layer).__name__
+        if any(word in name.lower() for word in ("gzip", "brotli", "compress", "zstd")):
+            return name
+        layer = getattr(layer, "app", None)
+        if layer is None:
+            break
+    return None
 
 
 class IdempotencyMiddleware:
@@ -73,6 +135,15 @@ class IdempotencyMiddleware:
     Every ``@idempotent`` option can be given here as the default for all routes; see the
     README for the meaning of each.
     """
+
+    def __new__(cls, *args: Any, **options: Any) -> IdempotencyMiddleware:
+        # Unknown options are refused here, before __init__, with a "did you mean": type
+        # checkers still read __init__'s signature (and Starlette's add_middleware with it).
+        known = _option_names()
+        unknown = options.keys() - known
+        if unknown:
+            raise unknown_option_error(unknown, known, "IdempotencyMiddleware")
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -109,8 +180,10 @@ class IdempotencyMiddleware:
         on_event: EventHook | None = None,
         metrics: MetricsSink | None = None,
         tracing: bool = False,
+        check_store: StoreCheckPolicy = "warn",
         clock: Clock = system_clock,
     ) -> None:
+        _check_store_object(store)
         if min(max_key_length, max_waiters) < 1 or max_body_bytes < 0 or store_timeout_seconds <= 0:
             raise ConfigurationError(
                 "max_key_length, max_waiters, max_body_bytes and store_timeout_seconds "
@@ -149,6 +222,17 @@ class IdempotencyMiddleware:
         self._errors = ErrorResponder(
             header_name=header_name, error_format=error_format, problem_type=problem_type
         )
+        # Installed by the first scope, which names the app (there is none before: see openapi.py)
+        self._openapi: OpenAPIDocumenter | None = OpenAPIDocumenter(
+            app,
+            self._resolver,
+            header_name=header_name,
+            methods=self._methods,
+            max_key_length=max_key_length,
+            max_body_bytes=max_body_bytes,
+            error_format=error_format,
+            problem_type=problem_type,
+        )
         self.observer = Observer(
             pod_id=pod_id, log_keys=log_keys, on_event=on_event, metrics=metrics
         )
@@ -156,9 +240,28 @@ class IdempotencyMiddleware:
         self.waiters = Waiters(store, self.call_store, max_waiters)
         self._store_name = str(getattr(store, "name", type(store).__name__))
         self._store_never_blocks = bool(getattr(store, "never_blocks", False))
+        self._startup_check = StartupCheck(store, check_store, self._check_routes)
+        self._warned: set[str] = set()  # one-time warnings already logged
+        compressing = _compressing_layer_inside(app)
+        if compressing is not None:
+            logger.warning(
+                "%s runs inside IdempotencyMiddleware, so responses are stored compressed for "
+                "whatever encoding the first client accepted (a replay is decoded again for a "
+                "client that does not accept it). Add IdempotencyMiddleware before %s "
+                "(app.add_middleware(IdempotencyMiddleware, ...) first), so that it runs inside "
+                "the compression and stores plain responses.",
+                compressing,
+                compressing,
+            )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._openapi is not None:  # the first scope: document its app, once
+            openapi, self._openapi = self._openapi, None
+            openapi.install(scope)
         if scope["type"] != "http" or scope["method"] not in self._methods:
+            if scope["type"] == "lifespan":
+                await self._startup_check.run(self.app, scope, receive, send)
+                return
             await self.app(scope, receive, send)
             return
         route = self._resolver.resolve(scope, self.app)
@@ -166,6 +269,11 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         await GuardedRequest(self, route, scope, receive, send).run()
+
+    def _check_routes(self, scope: Scope) -> None:
+        routes = routes_for(scope, self.app)
+        if routes is not None:
+            self._resolver.check(routes, self._methods)
 
     def call_store(self, operation: Callable[..., Awaitable[_T]], *args: Any) -> Awaitable[_T]:
         """Run one store call within ``store_timeout_seconds``; any failure is a StoreError.
@@ -221,9 +329,10 @@ class IdempotencyMiddleware:
             return "" if value is None else str(value)
         user = scope.get("user")
         if user is None:
-            _warn_anonymous_once()
+            self._warn_once(_UNSCOPED_WARNING)
             return ""
         if not getattr(user, "is_authenticated", False):
+            self._warn_once(_ANONYMOUS_WARNING)
             return ""
         try:
             identity = user.identity
@@ -231,14 +340,7 @@ class IdempotencyMiddleware:
             identity = None
         return str(identity or getattr(user, "display_name", "") or "")
 
-
-def _warn_anonymous_once() -> None:
-    global _warned_anonymous
-    if not _warned_anonymous:
-        _warned_anonymous = True
-        logger.warning(
-            "Idempotency keys are not scoped to a user: no key_scope was given and no "
-            "authentication middleware set scope['user'], so two clients sending the same key "
-            "share one stored response. Pass key_scope= or add the authentication middleware "
-            "outside IdempotencyMiddleware."
-        )
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning(message)

@@ -11,11 +11,13 @@ introspection and OpenAPI see the original function.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import functools
 import inspect
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeVar, cast
+import numbers
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, cast, overload
 
 from starlette.requests import HTTPConnection
 
@@ -35,6 +37,38 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 POLICY_ATTRIBUTE = "__idempotency_overrides__"
 MARKS_START_ATTRIBUTE = "__idempotency_marks_start__"
+
+
+def unknown_option_error(unknown: Iterable[str], known: Iterable[str], where: str) -> Exception:
+    """A :class:`ConfigurationError` naming each unknown option, with the closest known name."""
+    known = sorted(known)
+    parts = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ConfigurationError(
+        f"unknown option{'s' if len(parts) > 1 else ''} for {where}: {', '.join(parts)}; "
+        f"the options are {', '.join(known)}"
+    )
+
+
+_NUMBER_OPTIONS = {
+    "ttl_hours": "a positive number of hours",
+    "lock_ttl_seconds": "a positive number of seconds",
+    "wait_timeout_seconds": "a positive number of seconds",
+}
+_CHOICES = {
+    "on_store_error": ("fail_closed", "fail_open"),
+    "fingerprint": ("raw", "validated"),
+    "on_fingerprint_change": ("replay", "reject"),
+    "on_in_progress": ("conflict", "wait"),
+    "replay": ("response", "reject"),
+    "on_recovery": ("handler", "hold"),
+}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,24 +95,35 @@ class IdempotencyPolicy:
     fingerprint_header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.ttl_hours <= 0:
-            raise ConfigurationError("ttl_hours must be positive")
-        if self.lock_ttl_seconds <= 0:
-            raise ConfigurationError("lock_ttl_seconds must be positive")
-        if self.wait_timeout_seconds <= 0:
-            raise ConfigurationError("wait_timeout_seconds must be positive")
+        for name, accepted in _NUMBER_OPTIONS.items():
+            value = getattr(self, name)
+            if not _is_number(value) or not value > 0:
+                raise ConfigurationError(f"{name} must be {accepted}, not {value!r}")
+        if self.lock_ttl_seconds > self.ttl_seconds:
+            raise ConfigurationError(
+                f"lock_ttl_seconds ({self.lock_ttl_seconds:g} s) must not exceed ttl_hours "
+                f"({self.ttl_hours:g} h = {self.ttl_seconds:g} s): a record must outlive its lock"
+            )
+        if not isinstance(self.max_response_bytes, int) or isinstance(
+            self.max_response_bytes, bool
+        ):
+            raise ConfigurationError(
+                f"max_response_bytes must be a whole number of bytes, not "
+                f"{self.max_response_bytes!r}"
+            )
         if self.max_response_bytes < 0:
             raise ConfigurationError("max_response_bytes must not be negative")
-        for name, allowed in (
-            ("on_store_error", ("fail_closed", "fail_open")),
-            ("fingerprint", ("raw", "validated")),
-            ("on_fingerprint_change", ("replay", "reject")),
-            ("on_in_progress", ("conflict", "wait")),
-            ("replay", ("response", "reject")),
-            ("on_recovery", ("handler", "hold")),
-        ):
+        for name in ("required", "renew_lock"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(
+                    f"{name} must be True or False, not {getattr(self, name)!r}"
+                )
+        for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
-                raise ConfigurationError(f"{name} must be one of {', '.join(map(repr, allowed))}")
+                raise ConfigurationError(
+                    f"{name} must be one of {', '.join(map(repr, allowed))}, "
+                    f"not {getattr(self, name)!r}"
+                )
         object.__setattr__(self, "fingerprint_version", str(self.fingerprint_version))
         for name in ("exclude_fields", "fingerprint_headers"):
             value = getattr(self, name)
@@ -106,6 +151,30 @@ class IdempotencyPolicy:
     def merged(self, overrides: dict[str, Any]) -> IdempotencyPolicy:
         """This policy with a route's overrides applied."""
         return replace(self, **overrides) if overrides else self
+
+
+#: The names of the route options (the fields of :class:`IdempotencyPolicy` one can set).
+ROUTE_OPTIONS = frozenset(f.name for f in fields(IdempotencyPolicy) if f.init)
+
+
+class RouteOptions(TypedDict, total=False):
+    """The options ``@idempotent`` takes; each left out takes the middleware's value."""
+
+    ttl_hours: float
+    lock_ttl_seconds: float
+    required: bool
+    exclude_fields: Sequence[str]
+    fingerprint_headers: Sequence[str]
+    on_store_error: StoreErrorPolicy
+    renew_lock: bool
+    fingerprint: FingerprintMode
+    fingerprint_version: str
+    on_fingerprint_change: FingerprintChangePolicy
+    on_in_progress: InProgressPolicy
+    wait_timeout_seconds: float
+    replay: ReplayPolicy
+    max_response_bytes: int
+    on_recovery: RecoveryPolicy
 
 
 MARKS_SCOPE_KEY = "starlette_idempotency.marks"
@@ -166,36 +235,35 @@ def _wrap_marking_start(func: _F) -> _F:
     return cast(_F, wrapper)
 
 
-def idempotent(
-    *,
-    ttl_hours: float | None = None,
-    lock_ttl_seconds: float | None = None,
-    required: bool | None = None,
-    exclude_fields: Sequence[str] | None = None,
-    fingerprint_headers: Sequence[str] | None = None,
-    on_store_error: StoreErrorPolicy | None = None,
-    renew_lock: bool | None = None,
-    fingerprint: FingerprintMode | None = None,
-    fingerprint_version: str | None = None,
-    on_fingerprint_change: FingerprintChangePolicy | None = None,
-    on_in_progress: InProgressPolicy | None = None,
-    wait_timeout_seconds: float | None = None,
-    replay: ReplayPolicy | None = None,
-    max_response_bytes: int | None = None,
-    on_recovery: RecoveryPolicy | None = None,
-) -> Callable[[_F], _F]:
+@overload
+def idempotent(func: _F, /) -> _F: ...
+
+
+@overload
+def idempotent(func: None = None, /, **options: Unpack[RouteOptions]) -> Callable[[_F], _F]: ...
+
+
+def idempotent(func: Any = None, /, **options: Any) -> Any:
     """Make a POST/PATCH endpoint idempotent under :class:`IdempotencyMiddleware`.
 
-    Every option left out (``None``) takes the middleware's value; the README describes each.
-    Put it below ``@app.post(...)``::
+    Every option left out takes the middleware's value; the README describes each. Put it
+    below ``@app.post(...)``; bare ``@idempotent`` takes every option from the middleware::
 
         @app.post("/payments")
         @idempotent(ttl_hours=48, lock_ttl_seconds=60)
         async def pay(body: Payment) -> Receipt: ...
     """
-    given = {name: value for name, value in locals().items() if value is not None}
-    # Validate now, at import time, and keep the normalised values.
-    validated = IdempotencyPolicy().merged(given)
+    if func is not None and not callable(func):
+        raise ConfigurationError(
+            f"@idempotent takes its options by name, e.g. @idempotent(ttl_hours=48), not {func!r}"
+        )
+    unknown = options.keys() - ROUTE_OPTIONS
+    if unknown:
+        raise unknown_option_error(unknown, ROUTE_OPTIONS, "@idempotent")
+    given = {name: value for name, value in options.items() if value is not None}
+    # Validate now, at import time, and keep the normalised values. The lock may outlive the
+    # default retention here: the middleware's ttl_hours is what it will be merged with.
+    validated = IdempotencyPolicy(ttl_hours=float("inf")).merged(given)
     overrides = {name: getattr(validated, name) for name in given}
 
     def decorate(func: _F) -> _F:
@@ -205,7 +273,17 @@ def idempotent(
         setattr(wrapper, POLICY_ATTRIBUTE, overrides)
         return wrapper
 
-    return decorate
+    return decorate if func is None else decorate(func)
+
+
+def misplaced_decorator_error(template: str) -> ConfigurationError:
+    """``@idempotent`` above the route decorator: the router holds the undecorated endpoint,
+    so the middleware could not tell a validation 422 from the handler's own."""
+    return ConfigurationError(
+        f"@idempotent is above the route decorator on {template}; put it below, so that it "
+        f"wraps the endpoint the router calls:\n\n"
+        f'    @app.post("{template}")\n    @idempotent(...)\n    async def endpoint(...): ...'
+    )
 
 
 def mark_retryable(request: HTTPConnection) -> None:

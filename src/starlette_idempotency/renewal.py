@@ -53,15 +53,11 @@ class LockRenewal:
         while True:
             started = time.monotonic()
             try:
-                renewed = await request.renew_lock()
+                held = await request.renew_lock()
             except StoreError as exc:
                 logger.warning("could not renew the lock for %r: %s", request.key, exc)
             else:
-                if not renewed:
-                    logger.warning("lock for %r is gone; renewal stopped", request.key)
-                    request.mw.observer.processing_timeout(
-                        request._endpoint(), "renewal_found_gone"
-                    )
+                if not held:  # another request holds the key; renew_lock reported it
                     return
             await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
 

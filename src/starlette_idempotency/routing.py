@@ -28,8 +28,14 @@ from typing import TYPE_CHECKING, Any
 from starlette.routing import BaseRoute, Host, Match, Mount
 
 from starlette_idempotency._types import ASGIApp, Scope
+from starlette_idempotency.errors import ConfigurationError
 from starlette_idempotency.fingerprint import fingerprint_version
-from starlette_idempotency.policy import MARKS_START_ATTRIBUTE, POLICY_ATTRIBUTE, IdempotencyPolicy
+from starlette_idempotency.policy import (
+    MARKS_START_ATTRIBUTE,
+    POLICY_ATTRIBUTE,
+    IdempotencyPolicy,
+    misplaced_decorator_error,
+)
 
 if TYPE_CHECKING:
     from starlette_idempotency.commands import CommandFingerprinter
@@ -116,11 +122,56 @@ def find_leaf(routes: Iterable[BaseRoute], scope: Scope, prefix: str = "") -> _L
 
 
 def _enter(route: Mount | Host, scope: Scope, child_scope: Scope, prefix: str) -> _Leaf | None:
+    below, inner_prefix = _inside(route, prefix)
+    return find_leaf(below.routes, below.scope_for({**scope, **child_scope}), inner_prefix)
+
+
+def _inside(route: Mount | Host, prefix: str) -> tuple[_Routes, str]:
+    """The routes a ``Mount`` or ``Host`` dispatches to, and the template prefix below it."""
     # ``Mount.routes`` is empty when the mounted app is wrapped (in IdempotencyMiddleware, say),
     # yet the router still dispatches through the wrapper to the routes below it.
     below = _routes_below(route.app) or _Routes(route.routes)
-    inner_prefix = prefix + route.path if isinstance(route, Mount) else prefix
-    return find_leaf(below.routes, below.scope_for({**scope, **child_scope}), inner_prefix)
+    return below, prefix + route.path if isinstance(route, Mount) else prefix
+
+
+@dataclass(frozen=True, slots=True)
+class RouteEntry:
+    """A route :func:`iter_routes` found: the route, its full template, methods and endpoint."""
+
+    route: BaseRoute
+    template: str
+    methods: frozenset[str]
+    endpoint: Callable[..., Any] | None
+
+
+def iter_routes(routes: Iterable[BaseRoute], prefix: str = "") -> Iterator[RouteEntry]:
+    """Every route below ``routes`` that ends a match, in the order :func:`find_leaf` tries
+    them: ``Mount``, ``Host`` and FastAPI's included routers are entered as it enters them."""
+    for route in routes:
+        if not _is_included_router(route):
+            yield from _entries(route, prefix, "")
+            continue
+        included: Any = route
+        for candidate in included.effective_candidates():
+            if _is_included_router(candidate):
+                yield from iter_routes([candidate], prefix)
+            else:
+                # An included APIRoute keeps its own path; its context holds the prefixed one.
+                target = candidate.starlette_route or candidate.original_route
+                yield from _entries(target, prefix, str(getattr(candidate, "path", "") or ""))
+
+
+def _entries(route: BaseRoute, prefix: str, template: str) -> Iterator[RouteEntry]:
+    if isinstance(route, Mount | Host):
+        below, inner_prefix = _inside(route, prefix)
+        yield from iter_routes(below.routes, inner_prefix)
+        return
+    yield RouteEntry(
+        route,
+        prefix + (template or getattr(route, "path", "")),
+        frozenset(getattr(route, "methods", None) or ()),
+        getattr(route, "endpoint", None),
+    )
 
 
 def _stack(app: object) -> Iterator[object]:
@@ -145,6 +196,27 @@ def _routes_below(app: object) -> _Routes | None:
             root_path = getattr(node, "root_path", "")
             return _Routes(routes, root_path if isinstance(root_path, str) else "")
     return None
+
+
+def _router_for(scope: Scope, app: ASGIApp) -> _Routes | None:
+    """The routes a middleware wrapping ``app`` matches ``scope`` against, if it finds them.
+
+    Where ``.app`` leads to no router (a plain function middleware in between, or the
+    middleware given to one ``Route(middleware=...)``), the app named in the scope is used
+    instead, but only once its own stack is seen to hold ``app``.
+    """
+    below = _routes_below(app)
+    if below is None:
+        owner = scope.get("app")
+        if owner is not None and _wraps(getattr(owner, "middleware_stack", None), app):
+            below = _routes_below(owner)
+    return below
+
+
+def routes_for(scope: Scope, app: ASGIApp) -> Sequence[BaseRoute] | None:
+    """The route list a middleware wrapping ``app`` resolves the requests of ``scope`` in."""
+    below = _router_for(scope, app)
+    return None if below is None else below.routes
 
 
 class RouteResolver:
@@ -172,18 +244,46 @@ class RouteResolver:
         self._cache[cache_key] = (leaf.route, leaf.endpoint, guarded)
         return guarded
 
+    def check(self, routes: Iterable[BaseRoute], methods: frozenset[str]) -> None:
+        """Refuse, at startup, every ``@idempotent`` route that would not work as written: the
+        decorator above the route decorator, a route none of whose methods is guarded, options
+        that do not fit the middleware's (a lock longer than the retention)."""
+        problems: list[str] = []
+        for entry in iter_routes(routes):
+            overrides = getattr(entry.endpoint, POLICY_ATTRIBUTE, None)
+            if overrides is None:
+                continue
+            if not getattr(entry.endpoint, MARKS_START_ATTRIBUTE, False):
+                problems.append(str(misplaced_decorator_error(entry.template)))
+            elif entry.methods and entry.methods.isdisjoint(methods):
+                problems.append(
+                    f"@idempotent on {entry.template} ({', '.join(sorted(entry.methods))}) does "
+                    f"nothing: the middleware guards {', '.join(sorted(methods))} only. Add the "
+                    f"method to IdempotencyMiddleware(methods=...), or remove @idempotent"
+                )
+            else:
+                try:
+                    self._defaults.merged(overrides)
+                except ConfigurationError as exc:
+                    problems.append(f"@idempotent on {entry.template}: {exc}")
+        if problems:
+            raise ConfigurationError("\n".join(problems))
+
+    def policy_for(self, endpoint: object) -> IdempotencyPolicy | None:
+        """The merged policy of a route with this endpoint, or ``None`` when it is not guarded
+        (as :meth:`resolve` decides it, minus the checks that raise on a misplaced decorator)."""
+        overrides = getattr(endpoint, POLICY_ATTRIBUTE, None)
+        if overrides is None and not self._protect_all:
+            return None
+        return self._defaults.merged(overrides or {})
+
     def _locate(self, scope: Scope, app: ASGIApp) -> _Leaf | None:
         """The route ``scope`` reaches in ``app``, the app the middleware wraps.
 
-        Where ``.app`` leads to no router (a plain function middleware in between, or the
-        middleware given to one ``Route(middleware=...)``), the app or route named in the scope
-        is used instead, but only once its own stack is seen to hold ``app``.
+        Where no router is found (:func:`_router_for`), the route named in the scope is used
+        instead, but only once its own stack is seen to hold ``app``.
         """
-        below = _routes_below(app)
-        if below is None:
-            owner = scope.get("app")
-            if owner is not None and _wraps(getattr(owner, "middleware_stack", None), app):
-                below = _routes_below(owner)
+        below = _router_for(scope, app)
         if below is not None:
             return find_leaf(below.routes, below.scope_for(scope))
         route = scope.get("route")
@@ -207,6 +307,9 @@ class RouteResolver:
         overrides = getattr(leaf.endpoint, POLICY_ATTRIBUTE, None)
         if overrides is None and not self._protect_all:
             return None
+        marks_start = bool(getattr(leaf.endpoint, MARKS_START_ATTRIBUTE, False))
+        if overrides is not None and not marks_start:
+            raise misplaced_decorator_error(leaf.template)
         policy = self._defaults.merged(overrides or {})
         command = None
         if policy.fingerprint == "validated":
@@ -222,7 +325,7 @@ class RouteResolver:
         return GuardedRoute(
             template=leaf.template,
             policy=policy,
-            marks_start=bool(getattr(leaf.endpoint, MARKS_START_ATTRIBUTE, False)),
+            marks_start=marks_start,
             fingerprint_version=fingerprint_version(
                 "validated" if command else "raw", policy.fingerprint_version
             ),

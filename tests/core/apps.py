@@ -253,10 +253,4 @@ def build_fastapi_app(ledger: Ledger) -> FastAPI:
         ledger.executions["handler-422"] += 1
         return JSONResponse({"error": "amount too high"}, status_code=422)
 
-    @idempotent()
-    @app.post("/reverse")
-    async def reverse(body: Payment) -> dict[str, int]:
-        ledger.executions["reverse"] += 1
-        return {"n": ledger.executions["reverse"]}
-
     return app

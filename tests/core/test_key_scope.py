@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
+import pytest
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
 from starlette.middleware.authentication import AuthenticationMiddleware
@@ -77,3 +79,21 @@ async def test_scope_and_key_with_colons_never_collide() -> None:
     other = await client.post("/pay", headers={"Idempotency-Key": "c", "x-tenant": "a:b"})
     assert "x-idempotent-replay" not in other.headers
     assert runs["pay"] == 2
+
+
+async def test_anonymous_users_behind_authentication_are_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    runs: Counter[str] = Counter()
+    app = build(runs)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    app.add_middleware(AuthenticationMiddleware, backend=HeaderAuth())
+    client = make_client(app)
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
+        await client.post("/pay", headers={"Idempotency-Key": "k1", "x-user": "alice"})
+        assert not caplog.records  # authenticated: scoped, nothing to say
+        await client.post("/pay", headers={"Idempotency-Key": "k2"})
+        await client.post("/pay", headers={"Idempotency-Key": "k3"})
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert "unauthenticated requests are not scoped" in warnings[0]

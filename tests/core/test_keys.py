@@ -19,6 +19,7 @@ def parse(raw: bytes, max_length: int = 255) -> str | InvalidKey:
         (b'"esc\\"aped\\\\"', 'esc"aped\\'),
         (b'ab"c', 'ab"c'),
         (b"!~", "!~"),
+        (b'"a,b"', "a,b"),
     ],
 )
 def test_valid_keys(raw: bytes, key: str) -> None:
@@ -38,6 +39,9 @@ def test_valid_keys(raw: bytes, key: str) -> None:
         (b'"bad\\escape"', "quoted string"),
         (b'"inner"quote"', "quoted string"),
         (b'"ctl\x01"', "quoted string"),
+        (b"key-a,key-b", "sent only once"),
+        (b"key-a,", "sent only once"),
+        (b'"key-a","key-b"', "quoted string"),
     ],
 )
 def test_invalid_keys(raw: bytes, fragment: str) -> None:

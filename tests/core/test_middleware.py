@@ -7,6 +7,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import httpx
+import orjson
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
@@ -18,6 +19,24 @@ PAYMENT = {"amount": "10.00", "currency": "EUR"}
 
 def key_headers(key: str = "key-1", **extra: str) -> dict[str, str]:
     return {"Idempotency-Key": key, **extra}
+
+
+def payments_scope(*headers: tuple[bytes, bytes]) -> Scope:
+    """A JSON POST to /payments as a server hands it to the app, with ``headers`` added."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/payments",
+        "raw_path": b"/payments",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"t"), (b"content-type", b"application/json"), *headers],
+        "server": ("t", 80),
+        "client": ("c", 1),
+    }
 
 
 async def wait_for(event: asyncio.Event) -> None:
@@ -56,7 +75,10 @@ async def test_missing_key_is_400(harness: Harness) -> None:
     response = await harness.client.post("/payments", json=PAYMENT)
     assert response.status_code == 400
     assert response.headers["content-type"] == "application/json"
-    assert response.json() == {"error": "Idempotency-Key header is required"}
+    assert response.json() == {
+        "error": "Idempotency-Key header is required",
+        "code": "idempotency_key_missing",
+    }
     assert harness.ledger.executions["payments"] == 0
 
 
@@ -92,6 +114,15 @@ async def test_repeated_header_is_400(harness: Harness) -> None:
     assert "only once" in response.json()["error"]
 
 
+async def test_two_keys_joined_by_a_proxy_are_400(harness: Harness) -> None:
+    response = await harness.client.post(
+        "/payments", json=PAYMENT, headers={"Idempotency-Key": "key-a,key-b"}
+    )
+    assert response.status_code == 400
+    assert "only once" in response.json()["error"]
+    assert harness.ledger.executions["payments"] == 0
+
+
 async def test_quoted_key_means_the_unquoted_key(harness: Harness) -> None:
     await harness.client.post("/payments", json=PAYMENT, headers=key_headers("abc"))
     replay = await harness.client.post("/payments", json=PAYMENT, headers=key_headers('"abc"'))
@@ -112,7 +143,8 @@ async def test_mismatch_is_422(harness: Harness) -> None:
     )
     assert other.status_code == 422
     assert other.json() == {
-        "error": "Idempotency key has already been used with a different request payload."
+        "error": "Idempotency key has already been used with a different request payload.",
+        "code": "idempotency_key_reused",
     }
     assert harness.ledger.executions["payments"] == 1
 
@@ -129,8 +161,13 @@ async def test_in_progress_is_409_and_mismatch_wins_over_it(harness: Harness) ->
         "A request with this idempotency key is already being processed. "
         "Retry after the original request completes."
     )
-    assert duplicate.headers["retry-after"] == "30"
-    harness.clock.advance(29.2)
+    # A quarter of the time the first request has run, at least 1 s, at most the lock's rest.
+    assert duplicate.headers["retry-after"] == "1"
+    harness.clock.advance(12)
+    assert (await client.post("/payments", json=PAYMENT, headers=key_headers())).headers[
+        "retry-after"
+    ] == "3"
+    harness.clock.advance(17.2)
     later = await client.post("/payments", json=PAYMENT, headers=key_headers())
     assert later.headers["retry-after"] == "1"
     mismatch = await client.post("/payments", json={"amount": "1.00"}, headers=key_headers())
@@ -289,6 +326,7 @@ async def test_problem_details_format(kind: str) -> None:
         "title": "Idempotency-Key is missing",
         "status": 400,
         "detail": "Idempotency-Key header is required",
+        "code": "idempotency_key_missing",
     }
     await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
     mismatch = await harness.client.post("/payments", json={"amount": "1"}, headers=key_headers())
@@ -311,7 +349,10 @@ async def test_problem_title_for_in_progress(kind: str) -> None:
 async def test_custom_header_name_is_used_everywhere(kind: str) -> None:
     harness = await make_harness(kind, header_name="X-Request-Key")
     missing = await harness.client.post("/payments", json=PAYMENT)
-    assert missing.json() == {"error": "X-Request-Key header is required"}
+    assert missing.json() == {
+        "error": "X-Request-Key header is required",
+        "code": "idempotency_key_missing",
+    }
     await harness.client.post("/payments", json=PAYMENT, headers={"X-Request-Key": "a"})
     replay = await harness.client.post("/payments", json=PAYMENT, headers={"X-Request-Key": "a"})
     assert replay.headers["x-idempotent-replay"] == "true"
@@ -426,24 +467,7 @@ async def test_record_is_stored_before_the_last_chunk_reaches_the_client(kind: s
     inner_send_messages: list[Message] = []
 
     body = b'{"amount": "1.00"}'
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/payments",
-        "raw_path": b"/payments",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"t"),
-            (b"content-type", b"application/json"),
-            (b"idempotency-key", b"order"),
-        ],
-        "server": ("t", 80),
-        "client": ("c", 1),
-    }
+    scope = payments_scope((b"idempotency-key", b"order"))
     chunks = [body[:5], body[5:]]
 
     async def receive() -> Message:
@@ -468,12 +492,32 @@ async def test_record_is_stored_before_the_last_chunk_reaches_the_client(kind: s
 async def test_anonymous_warning_is_logged_once(
     kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import starlette_idempotency.middleware as middleware_module
-
-    middleware_module._warned_anonymous = False
     harness = await make_harness(kind)
     with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
         await harness.client.post("/payments", json=PAYMENT, headers=key_headers("a"))
         await harness.client.post("/payments", json=PAYMENT, headers=key_headers("b"))
     warnings = [r for r in caplog.records if "not scoped to a user" in r.getMessage()]
     assert len(warnings) == 1
+
+
+@pytest.mark.parametrize("lengths", [[b"abc"], [b"-1"], [b"1e3"], [b"13", b"14"]])
+async def test_a_content_length_that_is_not_one_number_is_400(
+    kind: str, lengths: list[bytes]
+) -> None:
+    harness = await make_harness(kind)
+    body = orjson.dumps(PAYMENT)
+    scope = payments_scope(
+        (b"idempotency-key", b"k"), *((b"content-length", length) for length in lengths)
+    )
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await harness.app(scope, receive, send)
+    assert sent[0]["status"] == 400
+    assert b"Content-Length" in sent[1]["body"]
+    assert harness.ledger.executions["payments"] == 0

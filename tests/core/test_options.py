@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import re
+
+import httpx
 import pytest
 from starlette.applications import Starlette
 
@@ -18,7 +21,7 @@ from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, Mem
 )
 def test_invalid_decorator_options_fail_at_import_time(options: dict[str, object]) -> None:
     with pytest.raises(ConfigurationError):
-        idempotent(**options)  # type: ignore[arg-type]
+        idempotent(**options)  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize(
@@ -61,3 +64,81 @@ def test_record_offers_the_designs_flat_response_fields() -> None:
     assert done.response_body == b"{}"
     assert done.response_headers == (("content-type", "application/json"),)
     assert done.response_content_type == "application/json"
+
+
+@pytest.mark.parametrize(
+    ("store", "message"),
+    [
+        (MemoryStore, "not the class MemoryStore: pass MemoryStore(...)"),
+        ("redis://localhost:6379/0", "RedisStore.from_url('redis://localhost:6379/0')"),
+        (object(), "must implement the IdempotencyStore protocol"),
+        ({"a": 1}, "dict lacks try_acquire, complete, fail, release, renew"),
+    ],
+)
+def test_what_is_not_a_store_is_refused_when_the_middleware_is_built(
+    store: object, message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        IdempotencyMiddleware(Starlette(), store=store)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"ttl_hours": "48"}, "ttl_hours must be a positive number of hours, not '48'"),
+        ({"lock_ttl_seconds": True}, "lock_ttl_seconds must be a positive number of seconds"),
+        ({"required": "yes"}, "required must be True or False, not 'yes'"),
+        ({"max_response_bytes": 1.5}, "max_response_bytes must be a whole number of bytes"),
+        ({"replay": "full"}, "replay must be one of 'response', 'reject', not 'full'"),
+        (
+            {"ttl_hours": 0.01, "lock_ttl_seconds": 60},
+            "lock_ttl_seconds (60 s) must not exceed ttl_hours (0.01 h = 36 s)",
+        ),
+    ],
+)
+def test_wrong_option_values_name_the_option_and_what_it_accepts(
+    options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        idempotent(**options)  # type: ignore[call-overload]
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        IdempotencyMiddleware(Starlette(), store=MemoryStore(), **options)  # type: ignore[arg-type]
+
+
+def test_unknown_options_get_a_did_you_mean() -> None:
+    with pytest.raises(ConfigurationError, match=r"'ttl_hour' \(did you mean 'ttl_hours'\?\)"):
+        idempotent(ttl_hour=48)  # type: ignore[call-overload]
+    with pytest.raises(
+        ConfigurationError,
+        match=r"for IdempotencyMiddleware: 'header' \(did you mean 'header_name'\?\)",
+    ):
+        IdempotencyMiddleware(Starlette(), store=MemoryStore(), header="X-Key")  # type: ignore[call-arg]
+
+
+def test_a_positional_option_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="takes its options by name"):
+        idempotent(48)  # type: ignore[call-overload]
+
+
+async def test_bare_decorator_takes_the_middlewares_options() -> None:
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    runs: list[int] = []
+
+    @idempotent
+    async def pay(request: Request) -> Response:
+        runs.append(1)
+        return JSONResponse({"n": len(runs)})
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), ttl_hours=48)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        first = await client.post("/pay", headers={"Idempotency-Key": "k"})
+        replay = await client.post("/pay", headers={"Idempotency-Key": "k"})
+        missing = await client.post("/pay")
+    assert first.json() == replay.json() == {"n": 1}
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert missing.status_code == 400

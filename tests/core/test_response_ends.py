@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 import httpx
@@ -22,7 +22,7 @@ from starlette.routing import Route
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from tests.conditions import eventually
 
-Message = dict[str, Any]
+Message = MutableMapping[str, Any]
 BODY = b'{"amount": 1}'
 
 

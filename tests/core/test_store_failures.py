@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from starlette_idempotency import IdempotencyRecord, MemoryStore
-from starlette_idempotency.stores.base import AcquireResult
+from starlette_idempotency.stores.base import AcquireResult, FencedWrite
 from tests.core.conftest import make_harness
 
 PAYMENT = {"amount": "10.00", "currency": "EUR"}
@@ -41,7 +41,7 @@ class BrokenStore(MemoryStore):
         await self._maybe_fail("try_acquire")
         return await super().try_acquire(key, pending, lock_ttl, recover=recover)
 
-    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         await self._maybe_fail("complete")
         return await super().complete(key, record, ttl)
 

@@ -1,0 +1,99 @@
+"""The store check the middleware runs when the app starts (and ``doctor`` from a shell).
+
+A store that implements :class:`~starlette_idempotency.stores.base.CheckableStore` is reached
+once at startup: unreachable is logged as one error naming the store and its address, and what
+weakens the guarantees (a Redis that may evict or forget records) as warnings. With
+``check_store="fail"`` an error refuses the startup instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+from starlette_idempotency._types import ASGIApp, Message, Receive, Scope, Send
+from starlette_idempotency.errors import ConfigurationError
+from starlette_idempotency.stores.base import CheckableStore, StoreFinding
+
+logger = logging.getLogger(__name__)
+
+StoreCheckPolicy = Literal["warn", "fail", "off"]
+STORE_CHECK_POLICIES: tuple[StoreCheckPolicy, ...] = ("warn", "fail", "off")
+
+#: How long the whole check may take before the store counts as unreachable.
+CHECK_TIMEOUT_SECONDS = 5.0
+
+
+async def check_store(store: object) -> list[StoreFinding]:
+    """What ``store`` reports about itself; ``[]`` for a store that cannot check itself."""
+    if not isinstance(store, CheckableStore):
+        return []
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT_SECONDS):
+            return await store.check()
+    except TimeoutError:
+        message = f"no answer within {CHECK_TIMEOUT_SECONDS:g}s"
+    except Exception as exc:  # a store's check must not stop the app on its own
+        message = f"its check failed: {exc!r}"
+    return [StoreFinding("error", f"{store.describe()} is unreachable: {message}")]
+
+
+def log_findings(findings: list[StoreFinding]) -> None:
+    for finding in findings:
+        if finding.level == "error":
+            logger.error("idempotency store check: %s", finding.message)
+        else:
+            logger.warning("idempotency store check: %s", finding.message)
+
+
+class StartupCheck:
+    """Runs the checks when the app reports ``lifespan.startup.complete``: after the app's own
+    startup, which may be where the store connects, and once its routes are all in place.
+
+    ``check_routes`` raises :class:`ConfigurationError` for routes that would not work as
+    written; that refuses the startup whatever ``policy`` says about the store.
+    """
+
+    def __init__(
+        self,
+        store: object,
+        policy: StoreCheckPolicy,
+        check_routes: Callable[[Scope], None] = lambda scope: None,
+    ) -> None:
+        if policy not in STORE_CHECK_POLICIES:
+            raise ConfigurationError(
+                f"check_store must be one of {', '.join(map(repr, STORE_CHECK_POLICIES))}, "
+                f"not {policy!r}"
+            )
+        self._store = store
+        self.policy = policy
+        self._check_routes = check_routes
+
+    async def run(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_after_check(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                message = await self._checked(scope, message)
+            await send(message)
+
+        await app(scope, receive, send_after_check)
+
+    async def _checked(self, scope: Scope, complete: Message) -> Message:
+        try:
+            self._check_routes(scope)
+        except ConfigurationError as exc:
+            logger.error("idempotency configuration: %s", exc)
+            return {"type": "lifespan.startup.failed", "message": str(exc)}
+        if self.policy == "off":
+            return complete
+        findings = await check_store(self._store)
+        log_findings(findings)
+        errors = [finding.message for finding in findings if finding.level == "error"]
+        if errors and self.policy == "fail":
+            return {
+                "type": "lifespan.startup.failed",
+                "message": "idempotency store check failed (check_store='fail'): "
+                + "; ".join(errors),
+            }
+        return complete

@@ -1,0 +1,123 @@
+"""A lock that vanishes while its handler runs (evicted, deleted, expired while frozen).
+
+The request takes its key back with its own owner token as soon as it notices (at the next
+renewal, or when it stores its response) and reports ``LOCK_LOST`` each time; a key that
+another request holds by then is left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from starlette_idempotency import (
+    IdempotencyEvent,
+    IdempotencyMiddleware,
+    IdempotencyRecord,
+    MemoryStore,
+    RecordStatus,
+    idempotent,
+    storage_key,
+)
+from tests.conditions import eventually, eventually_async
+from tests.core.conftest import make_client
+
+LOCK_TTL = 0.3
+KEY = storage_key("t", "POST", "/slow", "k")
+HEADERS = {"Idempotency-Key": "k"}
+
+
+class App:
+    """A slow guarded handler that waits for ``release``, and the events it caused."""
+
+    def __init__(self, *, renew: bool = True) -> None:
+        self.store = MemoryStore()
+        self.release = asyncio.Event()
+        self.runs = 0
+        self.events: list[IdempotencyEvent] = []
+
+        @idempotent(lock_ttl_seconds=LOCK_TTL, renew_lock=renew)
+        async def slow(request: Request) -> Response:
+            self.runs += 1
+            await self.release.wait()
+            return JSONResponse({"run": self.runs})
+
+        app = Starlette(routes=[Route("/slow", slow, methods=["POST"])])
+        middleware = IdempotencyMiddleware(
+            app, store=self.store, key_scope=lambda r: "t", on_event=self.events.append
+        )
+        self.client = make_client(middleware)
+
+    def lock_lost_notes(self) -> list[str | None]:
+        return [e.note for e in self.events if e.result == "LOCK_LOST"]
+
+    async def delete_the_lock(self) -> IdempotencyRecord:
+        """What an eviction or an operator's DEL does to the held key."""
+        record = await self.store.get(KEY)
+        assert record is not None
+        assert await self.store.release(KEY, record.owner_token)
+        return record
+
+
+async def test_renewal_takes_a_vanished_lock_back_so_a_retry_cannot_run() -> None:
+    app = App()
+    first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
+    await eventually(lambda: app.runs == 1, what="the handler to start")
+    held = await app.delete_the_lock()
+
+    async def back() -> bool:
+        record = await app.store.get(KEY)
+        return record is not None and record.owner_token == held.owner_token
+
+    await eventually_async(back, what="the lock taken back by its owner")
+    retry = await app.client.post("/slow", headers=HEADERS)
+    assert retry.status_code == 409
+    assert app.lock_lost_notes() == ["reclaimed"]
+    app.release.set()
+    assert (await first).status_code == 200
+    replay = await app.client.post("/slow", headers=HEADERS)
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert app.runs == 1
+
+
+async def test_renewal_leaves_a_key_another_request_took() -> None:
+    app = App()
+    first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
+    await eventually(lambda: app.runs == 1, what="the handler to start")
+    held = await app.delete_the_lock()
+    now = time.time()
+    other = IdempotencyRecord(
+        key="k",
+        status=RecordStatus.IN_PROGRESS,
+        request_fingerprint=held.request_fingerprint,
+        owner_token="another-request",
+        created_at=now,
+        expires_at=now + 30,
+    )
+    assert (await app.store.try_acquire(KEY, other, 30)).acquired
+    await eventually(lambda: "taken_over" in app.lock_lost_notes(), what="LOCK_LOST")
+    app.release.set()
+    assert (await first).status_code == 200
+    current = await app.store.get(KEY)
+    assert current is not None
+    assert current.owner_token == "another-request"
+    assert current.status is RecordStatus.IN_PROGRESS
+
+
+async def test_complete_over_a_vanished_lock_stores_and_reports_it() -> None:
+    app = App(renew=False)
+    first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
+    await eventually(lambda: app.runs == 1, what="the handler to start")
+    await app.delete_the_lock()
+    app.release.set()
+    assert (await first).status_code == 200
+    outcomes = [(e.result, e.note) for e in app.events if e.event == "idempotency_outcome"]
+    assert outcomes == [("LOCK_LOST", "reclaimed"), ("COMPLETED", None)]
+    replay = await app.client.post("/slow", headers=HEADERS)
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert app.runs == 1

@@ -1,0 +1,174 @@
+"""The store check at startup: logged, refused with check_store="fail", skipped with "off"."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi import APIRouter, FastAPI
+from starlette.applications import Starlette
+from starlette.types import Message
+
+from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency import store_check as store_check_module
+from starlette_idempotency.stores.base import StoreFinding
+
+
+class SelfCheckingStore(MemoryStore):
+    """A store of the user's own that reports on itself (the CheckableStore protocol)."""
+
+    def __init__(self, findings: list[StoreFinding], *, hang: bool = False) -> None:
+        super().__init__()
+        self.findings = findings
+        self.hang = hang
+        self.checks = 0
+
+    def describe(self) -> str:
+        return "selfcheck at 10.0.0.1:1"
+
+    async def check(self) -> list[StoreFinding]:
+        self.checks += 1
+        if self.hang:
+            await asyncio.Event().wait()
+        return self.findings
+
+
+def app_with(store: MemoryStore, **options: Any) -> Starlette:
+    app = Starlette()
+    app.add_middleware(IdempotencyMiddleware, store=store, **options)
+    return app
+
+
+def run_startup(app: Starlette) -> Message:
+    """Run the app's lifespan startup (and shutdown) as a server would; the startup's answer."""
+    sent: list[Message] = []
+
+    async def main() -> None:
+        messages: Iterator[Message] = iter(
+            [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+        )
+
+        async def receive() -> Message:
+            return next(messages)
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+
+    asyncio.run(main())
+    return sent[0]
+
+
+def start(app: Starlette) -> str:
+    return str(run_startup(app)["type"])
+
+
+UNREACHABLE = StoreFinding("error", "selfcheck at 10.0.0.1:1 is unreachable: refused")
+EVICTING = StoreFinding("warning", "maxmemory-policy allkeys-lru can evict records")
+
+
+def test_findings_are_logged_at_startup(caplog: pytest.LogCaptureFixture) -> None:
+    store = SelfCheckingStore([UNREACHABLE, EVICTING])
+    with caplog.at_level(logging.WARNING):
+        assert start(app_with(store)) == "lifespan.startup.complete"
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("ERROR", f"idempotency store check: {UNREACHABLE.message}") in logged
+    assert ("WARNING", f"idempotency store check: {EVICTING.message}") in logged
+    assert store.checks == 1
+
+
+def test_fail_refuses_to_start_on_an_error() -> None:
+    store = SelfCheckingStore([UNREACHABLE])
+    assert start(app_with(store, check_store="fail")) == "lifespan.startup.failed"
+
+
+def test_fail_starts_with_warnings_only() -> None:
+    store = SelfCheckingStore([EVICTING])
+    assert start(app_with(store, check_store="fail")) == "lifespan.startup.complete"
+
+
+def test_off_skips_the_check() -> None:
+    store = SelfCheckingStore([UNREACHABLE])
+    assert start(app_with(store, check_store="off")) == "lifespan.startup.complete"
+    assert store.checks == 0
+
+
+def test_a_hanging_check_counts_as_unreachable(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(store_check_module, "CHECK_TIMEOUT_SECONDS", 0.05)
+    store = SelfCheckingStore([], hang=True)
+    with caplog.at_level(logging.ERROR):
+        assert start(app_with(store)) == "lifespan.startup.complete"
+    assert any("is unreachable: no answer within 0.05s" in r.getMessage() for r in caplog.records)
+
+
+def test_unknown_policy_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="check_store must be one of 'warn', 'fail'"):
+        IdempotencyMiddleware(Starlette(), store=MemoryStore(), check_store="loud")  # type: ignore[arg-type]
+
+
+def failed_startup(app: Starlette) -> str:
+    """The message of a refused startup."""
+    answer = run_startup(app)
+    assert answer["type"] == "lifespan.startup.failed", answer
+    return str(answer["message"])
+
+
+def fastapi_app(**options: Any) -> FastAPI:
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), check_store="off", **options)
+    return app
+
+
+def test_idempotent_on_a_route_whose_methods_are_not_guarded_refuses_to_start() -> None:
+    app = fastapi_app()
+
+    @app.get("/items")
+    @idempotent()
+    async def items() -> list[int]:
+        return []
+
+    message = failed_startup(app)
+    assert "@idempotent on /items (GET) does nothing" in message
+    assert "IdempotencyMiddleware(methods=...)" in message
+
+
+def test_idempotent_above_the_route_decorator_refuses_to_start() -> None:
+    app = fastapi_app()
+    router = APIRouter(prefix="/v1")
+
+    @idempotent()
+    @router.post("/pay")
+    async def pay() -> dict[str, int]:
+        return {}
+
+    app.include_router(router)
+    message = failed_startup(app)
+    assert "@idempotent is above the route decorator on /v1/pay" in message
+
+
+def test_a_lock_longer_than_the_middlewares_retention_refuses_to_start() -> None:
+    app = fastapi_app(ttl_hours=0.01)
+
+    @app.post("/pay")
+    @idempotent(lock_ttl_seconds=60)
+    async def pay() -> dict[str, int]:
+        return {}
+
+    assert "@idempotent on /pay: lock_ttl_seconds (60 s) must not exceed" in failed_startup(app)
+
+
+def test_well_placed_routes_start() -> None:
+    app = fastapi_app(methods=["POST", "PUT"])
+
+    @app.put("/pay")
+    @idempotent
+    async def pay() -> dict[str, int]:
+        return {}
+
+    assert start(app) == "lifespan.startup.complete"
