@@ -9,29 +9,37 @@ Wrap any transport::
 POST and PATCH requests without a key get a fresh UUID4 key; a key the caller set is kept. Every
 other method is sent once, untouched. For POST and PATCH the transport decides as follows:
 
-==========================================  ==========  ======================================
-What came back                              Retried?    Key
-==========================================  ==========  ======================================
-timeout, connection error, dropped reply    yes         same key (the handler may have run)
-409 with ``Retry-After`` (in progress)      yes         same key, after ``Retry-After``
-429, 500, 502, 503, 504                     yes         same key (``Retry-After`` honoured)
-``X-Idempotent-Replay: true`` (any status)  no          final: the stored answer
-409 without ``Retry-After``                 no          final
-400, 401, 403, 422                          never       fix the request, then use a new key
-any other status                            no          final
-==========================================  ==========  ======================================
+===========================================  ==========  =====================================
+What came back                               Retried?    Key
+===========================================  ==========  =====================================
+timeout, connection error, dropped reply     yes         same key (the handler may have run)
+409 with ``Retry-After`` (in progress)       yes         same key, not before ``Retry-After``
+429, 500, 502, 503, 504                      yes         same key, not before ``Retry-After``
+``Retry-After`` above ``max_retry_after``    no          final: returned at once
+a wait that would end after ``deadline``     no          final: returned (or raised) at once
+``X-Idempotent-Replay: true`` (any status)   no          final: the stored answer
+409 without a readable ``Retry-After``       no          final
+400, 401, 403, 422                           never       fix the request, then use a new key
+any other status                             no          final
+===========================================  ==========  =====================================
 
-The wait before retry ``n`` (``n = 0`` for the first retry) is, unless ``Retry-After`` says
-otherwise::
+The wait before retry ``n`` (``n = 0`` for the first retry) is::
 
-    base  = backoff_base * 2**n
-    delay = min(base + jitter, backoff_cap)      jitter = rng() * base, uniform in [0, base)
+    base    = backoff_base * 2**n
+    backoff = min(base + jitter, backoff_cap)    jitter = rng() * base, uniform in [0, base)
+    wait    = backoff                            without a readable Retry-After
+    wait    = max(retry_after, backoff)          with one
 
-so the first wait lies in ``[backoff_base, 2 * backoff_base)``. A ``Retry-After`` (delta-seconds
-or HTTP-date) on a retried response replaces the backoff and is capped by ``backoff_cap``.
-``max_attempts`` counts every attempt, the first included. ``deadline`` bounds all attempts
-together: a retry whose wait would end after it is not made, and the last response is returned
-(or the last error re-raised). Per-attempt time limits stay with httpx's own ``timeout``.
+so the first wait lies in ``[backoff_base, 2 * backoff_base)``. A ``Retry-After``
+(delta-seconds or HTTP-date) on a retried response is a floor on the wait: the server may slow
+the client down, never speed it up past its own backoff (whose jitter keeps clients that were
+told the same thing from coming back together), and ``backoff_cap`` caps the computed backoff
+only, never ``Retry-After``. A ``Retry-After`` longer than ``max_retry_after`` makes the
+response final: it is returned at once rather than retried before the server said. So is one
+that would cross the deadline. ``max_attempts`` counts every attempt, the first included.
+``deadline`` bounds all attempts together: a retry whose wait would end after it is not made,
+and the last response is returned (or the last error re-raised). Per-attempt time limits stay
+with httpx's own ``timeout``.
 
 A retry must send the same bytes, so the request body is read into memory before the first
 attempt; a streaming body (generator, iterator, file) is refused up front with
@@ -57,10 +65,16 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import anyio
-import httpx
 
 from starlette_idempotency._types import DEFAULT_HEADER_NAME, REPLAY_HEADER, Clock, system_clock
 from starlette_idempotency.errors import ConfigurationError, IdempotencyError
+
+try:
+    import httpx
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "IdempotentTransport needs httpx: pip install 'starlette-idempotency[client]'"
+    ) from exc
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +184,7 @@ class RetryPolicy:
     backoff_cap: float = 30.0
     deadline: float | None = None
     retry_statuses: frozenset[int] = field(default=frozenset(DEFAULT_RETRY_STATUSES))
+    max_retry_after: float = 60.0
 
     def __post_init__(self) -> None:
         attempts = self.max_attempts
@@ -181,6 +196,11 @@ class RetryPolicy:
         )
         setattr_(
             self, "backoff_cap", _check_number("backoff_cap", self.backoff_cap, positive=False)
+        )
+        setattr_(
+            self,
+            "max_retry_after",
+            _check_number("max_retry_after", self.max_retry_after, positive=False),
         )
         if self.deadline is not None:
             setattr_(self, "deadline", _check_number("deadline", self.deadline, positive=True))
@@ -201,8 +221,9 @@ class RetryPolicy:
     ) -> float | None:
         """The wait before retrying after ``response``, or ``None`` when it is final.
 
-        Ignores ``max_attempts`` and ``deadline``; see :meth:`next_delay`. ``now`` is epoch
-        seconds, for a ``Retry-After`` HTTP-date.
+        A ``Retry-After`` is a floor on the backoff, and final when it exceeds
+        ``max_retry_after``. Ignores ``max_attempts`` and ``deadline``; see :meth:`next_delay`.
+        ``now`` is epoch seconds, for a ``Retry-After`` HTTP-date.
         """
         if response.headers.get(REPLAY_HEADER, "").strip().lower() == "true":
             return None  # the stored answer, whatever its status
@@ -210,11 +231,13 @@ class RetryPolicy:
             return None
         header = response.headers.get("retry-after")
         retry_after = None if header is None else parse_retry_after(header, now=now)
-        if retry_after is not None:
-            return min(retry_after, self.backoff_cap)
-        if response.status_code == 409:
-            return None  # a conflict that is not "in progress, come back later"
-        return self.backoff(retry, rng)
+        if retry_after is None:
+            if response.status_code == 409:
+                return None  # a conflict that is not "in progress, come back later"
+            return self.backoff(retry, rng)
+        if retry_after > self.max_retry_after:
+            return None
+        return max(retry_after, self.backoff(retry, rng))
 
     def error_delay(
         self, error: BaseException, retry: int, *, rng: Rng = random.random
@@ -321,6 +344,7 @@ class _IdempotentBase:
         max_attempts: int,
         backoff_base: float,
         backoff_cap: float,
+        max_retry_after: float,
         deadline: float | None,
         retry_statuses: Iterable[int],
         rng: Rng | random.Random,
@@ -335,6 +359,7 @@ class _IdempotentBase:
             max_attempts=max_attempts,
             backoff_base=backoff_base,
             backoff_cap=backoff_cap,
+            max_retry_after=max_retry_after,
             deadline=deadline,
             retry_statuses=_check_statuses(retry_statuses),
         )
@@ -399,7 +424,10 @@ class IdempotentTransport(_IdempotentBase, httpx.BaseTransport):
     :param header_name: the key header; a key the caller set is kept.
     :param max_attempts: attempts in all, the first included.
     :param backoff_base: seconds; the first retry waits between it and twice it.
-    :param backoff_cap: the longest single wait, ``Retry-After`` included.
+    :param backoff_cap: the longest computed backoff; a longer ``Retry-After`` is still
+        waited in full.
+    :param max_retry_after: seconds; a response whose ``Retry-After`` asks for longer is
+        returned at once instead of retried.
     :param deadline: seconds for all attempts together, counted from the start of the first,
         or ``None`` for no limit.
     :param retry_statuses: statuses retried with the same key; 400, 401, 403 and 422 are refused.
@@ -417,6 +445,7 @@ class IdempotentTransport(_IdempotentBase, httpx.BaseTransport):
         max_attempts: int = 5,
         backoff_base: float = 0.5,
         backoff_cap: float = 30.0,
+        max_retry_after: float = 60.0,
         deadline: float | None = None,
         retry_statuses: Iterable[int] = DEFAULT_RETRY_STATUSES,
         sleep: Sleep = time.sleep,
@@ -428,6 +457,7 @@ class IdempotentTransport(_IdempotentBase, httpx.BaseTransport):
             max_attempts=max_attempts,
             backoff_base=backoff_base,
             backoff_cap=backoff_cap,
+            max_retry_after=max_retry_after,
             deadline=deadline,
             retry_statuses=retry_statuses,
             rng=rng,
@@ -478,6 +508,7 @@ class AsyncIdempotentTransport(_IdempotentBase, httpx.AsyncBaseTransport):
         max_attempts: int = 5,
         backoff_base: float = 0.5,
         backoff_cap: float = 30.0,
+        max_retry_after: float = 60.0,
         deadline: float | None = None,
         retry_statuses: Iterable[int] = DEFAULT_RETRY_STATUSES,
         sleep: AsyncSleep = anyio.sleep,
@@ -489,6 +520,7 @@ class AsyncIdempotentTransport(_IdempotentBase, httpx.AsyncBaseTransport):
             max_attempts=max_attempts,
             backoff_base=backoff_base,
             backoff_cap=backoff_cap,
+            max_retry_after=max_retry_after,
             deadline=deadline,
             retry_statuses=retry_statuses,
             rng=rng,

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency.responses import ErrorFormat
 
 KEY_HEADER = "Idempotency-Key"
 #: How long the server-side waits (a held handler, a withheld reply) may last at most.
@@ -94,7 +95,7 @@ class FaultInjector:
                 pass
 
 
-def build_app(ledger: ServerLedger) -> ASGIApp:
+def build_app(ledger: ServerLedger, error_format: ErrorFormat = "json") -> ASGIApp:
     def key_of(request: Request) -> str:
         return request.headers.get(KEY_HEADER, "")
 
@@ -119,7 +120,10 @@ def build_app(ledger: ServerLedger) -> ASGIApp:
 
     async def pay(request: Request) -> Response:
         key = key_of(request)
-        body = await request.json()
+        if request.headers.get("content-type", "").startswith("application/x-www-form"):
+            body = dict(await request.form())  # what stripe-python sends
+        else:
+            body = await request.json()
         execution = ledger.count(ledger.executions, key)
         return JSONResponse(
             {"paymentId": f"p_{key}_{execution}", "amount": body.get("amount")}, status_code=201
@@ -136,7 +140,9 @@ def build_app(ledger: ServerLedger) -> ASGIApp:
             Route("/held", held, methods=["POST"]),
             Route("/payments", payments, methods=["POST", "PATCH"]),
         ],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+        middleware=[
+            Middleware(IdempotencyMiddleware, store=MemoryStore(), error_format=error_format)
+        ],
     )
     return FaultInjector(app, ledger)
 
@@ -163,8 +169,7 @@ def _wait_until_serving(server: uvicorn.Server, thread: threading.Thread, port: 
     raise RuntimeError(f"uvicorn did not answer on port {port} within 10 s")
 
 
-@pytest.fixture(scope="module")
-def live_server() -> Iterator[LiveServer]:
+def serve(error_format: ErrorFormat = "json") -> Iterator[LiveServer]:
     """uvicorn on a free loopback port (the socket is bound here, so no port race)."""
     ledger = ServerLedger()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -172,7 +177,7 @@ def live_server() -> Iterator[LiveServer]:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(
-        build_app(ledger),
+        build_app(ledger, error_format),
         lifespan="off",
         ws="none",
         access_log=False,
@@ -189,3 +194,9 @@ def live_server() -> Iterator[LiveServer]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+@pytest.fixture(scope="module")
+def live_server() -> Iterator[LiveServer]:
+    """The test app behind a real uvicorn, with the default error format."""
+    yield from serve()

@@ -364,7 +364,8 @@ async def test_retry_after_seconds_are_honoured(rig: Rig) -> None:
     script = Script(status(503, **{"Retry-After": "3"}), status(429, **{"Retry-After": "0"}))
     script.steps.append(status(201))
     await rig.send(script, json={})
-    assert rig.sleeps == [3.0, 0.0]
+    # "0" is a floor too: the second retry still waits its own backoff (1 s).
+    assert rig.sleeps == [3.0, 1.0]
 
 
 async def test_retry_after_http_date_is_honoured(rig: Rig) -> None:
@@ -374,11 +375,47 @@ async def test_retry_after_http_date_is_honoured(rig: Rig) -> None:
     assert rig.sleeps == [7.0]
 
 
-async def test_retry_after_is_capped(rig: Rig) -> None:
+async def test_retry_after_is_not_shortened_by_backoff_cap(rig: Rig) -> None:
     rig.configure(backoff_cap=5.0)
-    script = Script(status(429, **{"Retry-After": "3600"}), status(201))
+    script = Script(status(429, **{"Retry-After": "45"}), status(201))
     await rig.send(script, json={})
-    assert rig.sleeps == [5.0]
+    assert rig.sleeps == [45.0]
+
+
+async def test_retry_after_shorter_than_the_backoff_waits_the_backoff(rig: Rig) -> None:
+    draws = iter([0.5, 0.5])
+    rig.configure(backoff_base=2.0, rng=lambda: next(draws))
+    script = Script(status(409, **{"Retry-After": "1"}), status(409, **{"Retry-After": "5"}))
+    script.steps.append(replay(201))
+    await rig.send(script, json={})
+    assert rig.sleeps == [3.0, 6.0]  # backoff 2 + 1 jitter beats 1; 4 + 2 jitter beats 5
+
+
+@pytest.mark.parametrize("code", [409, 429, 503])
+async def test_retry_after_above_max_retry_after_is_returned_at_once(rig: Rig, code: int) -> None:
+    script = Script(status(code, **{"Retry-After": "61"}))
+    response = await rig.send(script, json={})
+    assert response.status_code == code
+    assert response.headers["Retry-After"] == "61"
+    assert script.attempts == 1
+    assert rig.sleeps == []
+
+
+async def test_max_retry_after_is_inclusive_and_configurable(rig: Rig) -> None:
+    rig.configure(max_retry_after=10.0)
+    script = Script(status(503, **{"Retry-After": "10"}), status(503, **{"Retry-After": "11"}))
+    response = await rig.send(script, json={})
+    assert response.headers["Retry-After"] == "11"
+    assert script.attempts == 2
+    assert rig.sleeps == [10.0]
+
+
+async def test_a_far_retry_after_date_is_returned_at_once(rig: Rig) -> None:
+    when = email.utils.formatdate(rig.clock.now + 3600, usegmt=True)
+    script = Script(status(503, **{"Retry-After": when}))
+    await rig.send(script, json={})
+    assert script.attempts == 1
+    assert rig.sleeps == []
 
 
 async def test_unreadable_retry_after_falls_back_to_backoff(rig: Rig) -> None:
@@ -461,12 +498,21 @@ async def test_deadline_counts_the_time_attempts_take(rig: Rig) -> None:
     assert rig.sleeps == [1.0]
 
 
-async def test_deadline_caps_retry_after(rig: Rig) -> None:
-    rig.configure(deadline=10.0, backoff_cap=60.0)
+async def test_a_retry_after_past_the_deadline_is_returned_at_once(rig: Rig) -> None:
+    rig.configure(deadline=10.0)
     script = Script(status(503, **{"Retry-After": "30"}))
     response = await rig.send(script, json={})
     assert response.status_code == 503
+    assert script.attempts == 1
     assert rig.sleeps == []
+
+
+async def test_a_retry_after_is_waited_up_to_the_deadline_exactly(rig: Rig) -> None:
+    rig.configure(deadline=4.0)
+    script = Script(status(409, **{"Retry-After": "4"}), replay(201))
+    response = await rig.send(script, json={})
+    assert response.status_code == 201
+    assert rig.sleeps == [4.0]
 
 
 # --- bodies that cannot be replayed ----------------------------------------------------------
@@ -542,6 +588,9 @@ async def test_the_async_transport_accepts_a_plain_sleep() -> None:
         ("backoff_base", "1"),
         ("backoff_cap", -1),
         ("backoff_cap", float("inf")),
+        ("max_retry_after", -1),
+        ("max_retry_after", float("nan")),
+        ("max_retry_after", "60"),
         ("deadline", 0),
         ("deadline", -5),
         ("retry_statuses", (200, 503)),
@@ -569,6 +618,7 @@ def test_defaults() -> None:
     assert sync.policy.retry_statuses == frozenset(DEFAULT_RETRY_STATUSES)
     assert (sync.policy.max_attempts, sync.policy.backoff_base) == (5, 0.5)
     assert (sync.policy.backoff_cap, sync.policy.deadline) == (30.0, None)
+    assert sync.policy.max_retry_after == 60.0
     sync.close()
     assert isinstance(AsyncIdempotentTransport().transport, httpx.AsyncHTTPTransport)
 
@@ -649,6 +699,9 @@ def test_policy_decisions() -> None:
     assert decide(3, response=status(503)) is None
     assert decide(1, response=replay(503)) is None
     assert decide(1, response=status(409, **{"Retry-After": "4"})) == 4.0
+    assert decide(2, response=status(409, **{"Retry-After": "1"})) == 2.0
+    assert decide(1, response=status(409, **{"Retry-After": "60"})) == 60.0
+    assert decide(1, response=status(409, **{"Retry-After": "60.5"})) is None
     assert decide(1, response=status(409)) is None
     assert decide(1, error=httpx.ReadError("reset")) == 1.0
     assert decide(1, error=ValueError("not a transport error")) is None
