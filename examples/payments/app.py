@@ -10,6 +10,7 @@ code as "pod-a" and "pod-b"::
     PAYMENTS_LOCK_TTL_SECONDS   the in-progress lock of POST /payments (default 60)
     IDEMPOTENCY_KEY_PREFIX      Redis key prefix (default payments-demo)
     IDEMPOTENCY_REDIS_ACQUIRE   setnx (default) or lua
+    DEMO_MAX_DELAY_MS           the longest demo delay a request may ask for (default 60000)
 
 Run it with ``uvicorn --factory examples.payments.app:create_app``. The tables are created at
 startup. A request header ``X-Demo-Delay-Ms`` makes ``POST /payments`` sleep before it writes
@@ -19,6 +20,10 @@ request fingerprint (only headers named in ``fingerprint_headers`` are).
 ``POST /charges`` is the same payment through a (fake) payment provider, with recovery
 points: ``X-Demo-Delay-After-Provider-Ms`` makes it sleep after the provider charged and before
 the ledger row, the window where a crash leaves an unknown outcome.
+
+The API documents every answer it gives (``tests/e2e/test_schemathesis.py`` holds it to that):
+its own errors share one body (:class:`ErrorOut`), and text that PostgreSQL cannot store
+(U+0000) is refused with a 422 before it reaches the database.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 from starlette.datastructures import MutableHeaders
 from starlette.requests import HTTPConnection
@@ -56,7 +61,9 @@ logger = logging.getLogger(__name__)
 
 StoreKind = Literal["redis", "postgres"]
 AcquireStrategy = Literal["setnx", "lua"]
-MAX_DEMO_DELAY_MS = 120_000
+# PostgreSQL's text cannot hold U+0000: such input is a validation error (422), not a 500.
+NO_NUL = r"^[^\x00]*$"
+Text = Annotated[str, StringConstraints(pattern=NO_NUL)]
 
 _STORES: dict[str, StoreKind] = {"redis": "redis", "postgres": "postgres"}
 _ACQUIRE_STRATEGIES: dict[str, AcquireStrategy] = {"setnx": "setnx", "lua": "lua"}
@@ -79,6 +86,8 @@ class Settings:
     payments_lock_ttl_seconds: float = 60.0
     key_prefix: str = "payments-demo"
     redis_acquire: AcquireStrategy = "setnx"
+    # Long enough to kill a pod mid-request by hand; short enough that no request parks forever.
+    max_demo_delay_ms: int = 60_000
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
@@ -92,6 +101,7 @@ class Settings:
             payments_lock_ttl_seconds=float(env.get("PAYMENTS_LOCK_TTL_SECONDS", "60")),
             key_prefix=env.get("IDEMPOTENCY_KEY_PREFIX", "payments-demo"),
             redis_acquire=acquire,
+            max_demo_delay_ms=int(env.get("DEMO_MAX_DELAY_MS", "60000")),
         )
 
 
@@ -103,10 +113,10 @@ class Model(BaseModel):
 
 
 class PaymentIn(Model):
-    account_id: str = Field(min_length=1, max_length=64)
+    account_id: Text = Field(min_length=1, max_length=64)
     amount: Decimal = Field(gt=0, max_digits=16, decimal_places=2)
     currency: str = Field(pattern=r"^[A-Z]{3}$")
-    merchant_reference: str = Field(min_length=1, max_length=200)
+    merchant_reference: Text = Field(min_length=1, max_length=200)
 
 
 class Payment(Model):
@@ -119,14 +129,17 @@ class Payment(Model):
     created_at: str
 
 
+EMAIL = r"^[^@\s\x00]+@[^@\s\x00]+$"
+
+
 class MemberIn(Model):
-    email: str = Field(pattern=r"^[^@\s]+@[^@\s]+$", max_length=254)
-    name: str = Field(min_length=1, max_length=200)
+    email: str = Field(pattern=EMAIL, max_length=254)
+    name: Text = Field(min_length=1, max_length=200)
 
 
 class MemberPatch(Model):
-    email: str | None = Field(default=None, pattern=r"^[^@\s]+@[^@\s]+$", max_length=254)
-    name: str | None = Field(default=None, min_length=1, max_length=200)
+    email: str | None = Field(default=None, pattern=EMAIL, max_length=254)
+    name: Text | None = Field(default=None, min_length=1, max_length=200)
 
 
 class Member(Model):
@@ -139,17 +152,17 @@ class Member(Model):
 
 
 class OrderItem(Model):
-    sku: str = Field(min_length=1, max_length=64)
+    sku: Text = Field(min_length=1, max_length=64)
     quantity: int = Field(gt=0, le=1000)
 
 
 class OrderIn(Model):
-    order_reference: str = Field(min_length=1, max_length=200)
-    account_id: str = Field(min_length=1, max_length=64)
+    order_reference: Text = Field(min_length=1, max_length=200)
+    account_id: Text = Field(min_length=1, max_length=64)
     items: list[OrderItem] = Field(min_length=1)
     # Change on every retry without changing what is ordered: excluded from the fingerprint.
-    client_timestamp: str | None = None
-    request_nonce: str | None = None
+    client_timestamp: Text | None = None
+    request_nonce: Text | None = None
 
 
 class Order(Model):
@@ -195,8 +208,22 @@ def _order(row: Row) -> Order:
     )
 
 
+class ErrorOut(BaseModel):
+    """The body of the demo's own errors (the idempotency middleware documents its own)."""
+
+    error: str
+    code: str
+    retryable: bool | None = None
+    pod: str | None = None
+
+
 def _error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": message, "code": code, **extra}, status_code=status)
+    body = ErrorOut(error=message, code=code, **extra).model_dump(exclude_none=True)
+    return JSONResponse(body, status_code=status)
+
+
+def _documented(status: int, description: str) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorOut, "description": description}}
 
 
 # --- plumbing ----------------------------------------------------------------------------------
@@ -235,7 +262,8 @@ class StoreSlot:
 
 class LateIdempotencyMiddleware:
     """:class:`IdempotencyMiddleware`, built on the first request with the store the lifespan
-    opened: the app's middleware stack is built before any ``await`` could open a pool."""
+    opened: the app's middleware stack is built before any ``await`` could open a pool. Built
+    again when a new lifespan opened another store (a test client that restarts the app)."""
 
     def __init__(
         self, app: ASGIApp, *, slot: StoreSlot, pod_id: str, key_scope: KeyScope | None = None
@@ -250,11 +278,12 @@ class LateIdempotencyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self._inner is None:
-            if self.slot.store is None:
-                raise RuntimeError("the idempotency store is not open: did the lifespan run?")
+        store = self.slot.store
+        if store is None:
+            raise RuntimeError("the idempotency store is not open: did the lifespan run?")
+        if self._inner is None or self._inner.store is not store:
             self._inner = IdempotencyMiddleware(
-                self.app, store=self.slot.store, pod_id=self.pod_id, key_scope=self.key_scope
+                self.app, store=store, pod_id=self.pod_id, key_scope=self.key_scope
             )
         await self._inner(scope, receive, send)
 
@@ -309,6 +338,10 @@ def build_api(settings: Settings) -> FastAPI:
     # Merchant references whose POST /payments is sleeping on X-Demo-Delay-Ms right now.
     delayed: set[str] = set()
 
+    def delay_header() -> Any:
+        # A default, not an annotation: FastAPI resolves annotations in the module's globals.
+        return Header(0, ge=0, le=settings.max_demo_delay_ms)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.database_url is None:
@@ -333,7 +366,7 @@ def build_api(settings: Settings) -> FastAPI:
         ledger: Ledger = request.app.state.ledger
         return ledger
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses=_documented(503, "The database cannot be reached."))
     async def healthz(request: Request) -> JSONResponse:
         try:
             ok = await ledger_of(request).ping()
@@ -346,7 +379,7 @@ def build_api(settings: Settings) -> FastAPI:
     async def create_payment(
         body: PaymentIn,
         request: Request,
-        x_demo_delay_ms: Annotated[int, Header(ge=0, le=MAX_DEMO_DELAY_MS)] = 0,
+        x_demo_delay_ms: int = delay_header(),
     ) -> Payment:
         if x_demo_delay_ms:
             delayed.add(body.merchant_reference)
@@ -368,7 +401,7 @@ def build_api(settings: Settings) -> FastAPI:
     async def create_charge(
         body: PaymentIn,
         request: Request,
-        x_demo_delay_after_provider_ms: Annotated[int, Header(ge=0, le=MAX_DEMO_DELAY_MS)] = 0,
+        x_demo_delay_after_provider_ms: int = delay_header(),
     ) -> Payment:
         """Charge through the provider, then write the ledger, with a recovery point before
         each step, so that a retry after a crash reconciles instead of charging again."""
@@ -408,7 +441,8 @@ def build_api(settings: Settings) -> FastAPI:
 
     @app.get("/provider/charges")
     async def provider_charges(
-        request: Request, merchant_reference: Annotated[str, Query(alias="merchantReference")]
+        request: Request,
+        merchant_reference: Annotated[str, Query(alias="merchantReference", pattern=NO_NUL)],
     ) -> list[dict[str, str]]:
         """What the fake provider charged for a merchant reference (one row per charge)."""
         rows = await ledger_of(request).list_provider_charges(merchant_reference)
@@ -417,8 +451,12 @@ def build_api(settings: Settings) -> FastAPI:
     @app.get("/payments", response_model=list[Payment])
     async def list_payments(
         request: Request,
-        merchant_reference: Annotated[str | None, Query(alias="merchantReference")] = None,
-        prefix: Annotated[str | None, Query(alias="merchantReferencePrefix")] = None,
+        merchant_reference: Annotated[
+            str | None, Query(alias="merchantReference", pattern=NO_NUL)
+        ] = None,
+        prefix: Annotated[
+            str | None, Query(alias="merchantReferencePrefix", pattern=NO_NUL)
+        ] = None,
     ) -> list[Payment]:
         rows = await ledger_of(request).list_payments(
             merchant_reference=merchant_reference, reference_prefix=prefix
@@ -430,7 +468,11 @@ def build_api(settings: Settings) -> FastAPI:
         """Merchant references whose payment is waiting on ``X-Demo-Delay-Ms`` on this pod."""
         return {"pod": pod, "merchantReferences": sorted(delayed)}
 
-    @app.post("/members", response_model=Member)
+    @app.post(
+        "/members",
+        response_model=Member,
+        responses=_documented(409, "The e-mail is taken: fix it and retry with the same key."),
+    )
     @idempotent()
     async def create_member(body: MemberIn, request: Request) -> Member | JSONResponse:
         ledger = ledger_of(request)
@@ -450,7 +492,14 @@ def build_api(settings: Settings) -> FastAPI:
             )
         return _member(row)
 
-    @app.patch("/members/{member_id}", response_model=Member)
+    @app.patch(
+        "/members/{member_id}",
+        response_model=Member,
+        responses={
+            **_documented(404, "No member has this id."),
+            **_documented(409, "Another member has this e-mail."),
+        },
+    )
     @idempotent(required=False)
     async def update_member(
         member_id: uuid.UUID, body: MemberPatch, request: Request
@@ -481,8 +530,10 @@ def build_api(settings: Settings) -> FastAPI:
     @app.get("/orders", response_model=list[Order])
     async def list_orders(
         request: Request,
-        order_reference: Annotated[str | None, Query(alias="orderReference")] = None,
-        prefix: Annotated[str | None, Query(alias="orderReferencePrefix")] = None,
+        order_reference: Annotated[
+            str | None, Query(alias="orderReference", pattern=NO_NUL)
+        ] = None,
+        prefix: Annotated[str | None, Query(alias="orderReferencePrefix", pattern=NO_NUL)] = None,
     ) -> list[Order]:
         rows = await ledger_of(request).list_orders(
             order_reference=order_reference, reference_prefix=prefix
