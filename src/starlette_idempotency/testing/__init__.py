@@ -1,10 +1,18 @@
 """Helpers for testing apps that use starlette-idempotency (and for this project's own tests).
 
-``FakeClock`` drives :class:`~starlette_idempotency.MemoryStore` expiry without sleeping. The
-``servers`` submodules start throwaway Redis and PostgreSQL servers from local binaries.
+- :class:`FakeClock` drives :class:`~starlette_idempotency.MemoryStore` expiry without sleeping.
+- :class:`Executions` counts a handler's runs by idempotency key: ``assert_ran_once(key)``.
+- :class:`FaultyStore` wraps a store and makes chosen operations fail or stall, to test what the
+  app answers when its store is down or slow.
+- :mod:`.pytest_plugin` (opt in with ``pytest_plugins``) has fixtures for a Redis, a PostgreSQL
+  and a store on each; :mod:`.redis_server` and :mod:`.postgres_server` start throwaway servers
+  from local binaries.
 """
 
 from __future__ import annotations
+
+from starlette_idempotency.testing.executions import Executions
+from starlette_idempotency.testing.faults import FaultyStore, Stall
 
 
 class FakeClock:
@@ -20,4 +28,4 @@ class FakeClock:
         self.now += seconds
 
 
-__all__ = ["FakeClock"]
+__all__ = ["Executions", "FakeClock", "FaultyStore", "Stall"]
