@@ -152,8 +152,7 @@ async def test_a_first_request_that_ends_before_the_watch_starts_is_seen_at_once
     """The watch looks at the key before waiting for a notice: a completion that came before
     it subscribed sends no notice, and would otherwise be seen only at the 1 s poll."""
     from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
