@@ -17,6 +17,7 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench import fingerprint
 from bench.app import AppSettings
 from bench.configs import CONFIGS, Config, select
 from bench.load import LoadSettings, RunResult, measure, wrk_binary, wrk_version
@@ -76,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-counts", action="store_true", help="no round-trip counting")
     parser.add_argument("--skip-micro", action="store_true", help="no in-process microbenchmark")
     parser.add_argument("--skip-profile", action="store_true", help="no cProfile run")
+    parser.add_argument(
+        "--skip-fingerprint", action="store_true", help="no exclude_fields measurement"
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -337,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             if services.redis_url:
                 redis_url = services.redis_url
                 report.pool_cost = run_async(lambda: redis_pool_cost(redis_url))
+    if not args.skip_fingerprint:
+        print("fingerprint with and without exclude_fields", flush=True)
+        body = fingerprint.orders_body()
+        trials = 5 if args.quick else 31
+        report.fingerprint = fingerprint.report(fingerprint.measure(body, trials), len(body))
     meta.machine["load average at end"] = _load()
     meta.machine["wall time of the run"] = f"{time.monotonic() - started:.0f} s"
     text = render(report)

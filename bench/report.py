@@ -39,6 +39,7 @@ class Report:
     micro: dict[tuple[str, Mode], MicroResult] = field(default_factory=dict)
     profiles: list[ProfileResult] = field(default_factory=list)
     pool_cost: dict[str, float] = field(default_factory=dict)  # redis-py pool, CPU µs/command
+    fingerprint: str = ""  # bench.fingerprint's table: what exclude_fields costs
     skipped: list[str] = field(default_factory=list)
 
 
@@ -819,4 +820,6 @@ def render(report: Report) -> str:
     lines += micro_section(report.micro)
     lines += profile_section(report.profiles)
     lines += pool_section(report.pool_cost)
+    if report.fingerprint:
+        lines += ["## What `exclude_fields` costs", "", report.fingerprint, ""]
     return "\n".join(lines).rstrip() + "\n"
