@@ -1,5 +1,7 @@
-"""Every Python block of README.md runs here, and the quick starts' curl lines are replayed
-against the app they define, so the README cannot rot.
+"""Every Python block of README.md and of the documentation pages (docs/) runs here, and the
+curl transcripts after a block (the quick starts', the tutorials') are replayed against the app
+it defines, so neither the README nor the docs can rot. "The README" below means any of these
+pages; messages name the page and line.
 
 How a block runs (the rules of reading are in ``tests/readme_blocks.py``):
 
@@ -64,9 +66,64 @@ from tests.readme_blocks import (
     read_transcript,
 )
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = read_blocks(README.read_text(encoding="utf-8"))
-EXAMPLES = read_examples(BLOCKS)
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+NOT_RUN = {
+    ROOT / "docs" / "how-to" / "testing.md": "its blocks are tests/testing/guide_app.py and "
+    "tests/testing/test_guide.py, which run in the suite (tests/testing/test_docs.py keeps the "
+    "page showing them verbatim)",
+}
+"""Documentation pages whose Python blocks are not run here, each with the reason."""
+PAGES = (README, *sorted(set((ROOT / "docs").rglob("*.md")) - set(NOT_RUN)))
+
+
+def page_name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def on_page(page: Path, error: ReadmeError) -> ReadmeError:
+    """``error`` of ``tests/readme_blocks.py`` (which says README.md) naming ``page`` instead."""
+    return ReadmeError(str(error).replace("README.md:", f"{page_name(page)}:"))
+
+
+def read_page(page: Path) -> list[Block]:
+    try:
+        return read_blocks(page.read_text(encoding="utf-8"))
+    except ReadmeError as exc:
+        raise on_page(page, exc) from None
+
+
+@dataclass(frozen=True)
+class PageExample:
+    """A Python block of ``page`` and the transcripts replayed against its app."""
+
+    page: Path
+    example: Example
+
+    @property
+    def name(self) -> str:
+        return page_name(self.page)
+
+
+def replayable(page: Path, block: Block) -> bool:
+    """Whether ``read_examples`` should see ``block``: in the docs, a shell session that runs
+    no curl (``$ starlette-idempotency doctor ...``, ``$ pip install ...``) shows a command's
+    output, and is not a transcript to replay. The README has none: there every session is one.
+    """
+    if page == README or block.is_python or not block.is_transcript:
+        return True
+    return any(line.startswith("$ curl") for line in block.source.splitlines())
+
+
+def read_page_examples(page: Path) -> list[PageExample]:
+    try:
+        examples = read_examples([block for block in read_page(page) if replayable(page, block)])
+    except ReadmeError as exc:
+        raise on_page(page, exc) from None
+    return [PageExample(page, example) for example in examples]
+
+
+EXAMPLES = [example for page in PAGES for example in read_page_examples(page)]
 
 
 @dataclass
@@ -140,42 +197,49 @@ async def substituted(block: Block, run: Run) -> str:
 # --- running a block -----------------------------------------------------------------------
 
 
-async def execute(block: Block, run: Run, names: dict[str, Any]) -> dict[str, Any]:
-    """Run ``block`` as a module of its own holding ``names``; return the module's names."""
-    module = types.ModuleType(f"readme_line_{block.line}")
-    module.__file__ = str(README)
+async def execute(page: Path, block: Block, run: Run, names: dict[str, Any]) -> dict[str, Any]:
+    """Run ``block`` of ``page`` as a module of its own holding ``names``; return the module's
+    names."""
+    slug = re.sub(r"\W", "_", page_name(page).removesuffix(".md"))
+    module = types.ModuleType(f"{slug}_line_{block.line}")
+    module.__file__ = str(page)
     module.__dict__.update(names)
     run.monkeypatch.setitem(sys.modules, module.__name__, module)
     namespace: dict[str, Any] = module.__dict__
     run.stack.push_async_callback(close_stores, namespace)
     source = "\n" * block.line + await substituted(block, run)  # README line numbers
     code = compile(
-        source, BLOCK_FILENAME, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True
+        source,
+        block_filename(page),
+        "exec",
+        flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+        dont_inherit=True,
     )
     try:
         result = eval(code, namespace)
         if inspect.isawaitable(result):
             await result
     except Exception as exc:
-        note_readme_line(exc)
+        note_readme_line(exc, page)
         raise
     return namespace
 
 
-BLOCK_FILENAME = "<README.md>"
-"""The file name of README code: not a readable path, so that pytest does not print the
-whole README above a failing line (a module's code has no shorter source); the failing
-line itself is added to the error as a note."""
+def block_filename(page: Path) -> str:
+    """The file name of a page's code, ``<README.md>``: not a readable path, so that pytest
+    does not print the whole page above a failing line (a module's code has no shorter
+    source); the failing line itself is added to the error as a note."""
+    return f"<{page_name(page)}>"
 
 
-def note_readme_line(exc: BaseException) -> None:
-    """Add to ``exc`` the README line where it left the README's code last, if it passed
+def note_readme_line(exc: BaseException, page: Path) -> None:
+    """Add to ``exc`` the line of ``page`` where it left the page's code last, if it passed
     through it."""
     frames = traceback.extract_tb(exc.__traceback__)
-    numbers = [frame.lineno for frame in frames if frame.filename == BLOCK_FILENAME]
+    numbers = [frame.lineno for frame in frames if frame.filename == block_filename(page)]
     if numbers and numbers[-1] is not None:
-        line = README.read_text(encoding="utf-8").splitlines()[numbers[-1] - 1]
-        exc.add_note(f"README.md:{numbers[-1]}: {line.strip()}")
+        line = page.read_text(encoding="utf-8").splitlines()[numbers[-1] - 1]
+        exc.add_note(f"{page_name(page)}:{numbers[-1]}: {line.strip()}")
 
 
 async def close_stores(namespace: dict[str, Any]) -> None:
@@ -263,21 +327,24 @@ def same_body(shown: str, sent: str) -> bool:
         return shown.strip() == sent.strip()
 
 
-async def replay(transcript: Block, client: httpx.AsyncClient) -> None:
-    for exchange in read_transcript(transcript):
+async def replay(page: Path, transcript: Block, client: httpx.AsyncClient) -> None:
+    try:
+        exchanges = read_transcript(transcript)
+    except ReadmeError as exc:
+        raise on_page(page, exc) from None
+    for exchange in exchanges:
         sent = exchange.request
+        where = f"{page_name(page)}:{exchange.line}: $ {exchange.command}"
         try:
             response = await client.request(
                 sent.method, sent.url, headers=list(sent.headers), content=sent.body
             )
         except Exception as exc:  # the app raised: a transcript never shows that
-            exc.add_note(f"README.md:{exchange.line}: $ {exchange.command}")
-            note_readme_line(exc)
+            exc.add_note(where)
+            note_readme_line(exc, page)
             raise
         problems = differences(exchange.response, response)
-        assert not problems, "\n  ".join(
-            [f"README.md:{exchange.line}: $ {exchange.command}", *problems]
-        )
+        assert not problems, "\n  ".join([where, *problems])
 
 
 # --- contexts: the names a block uses but does not define, and what it must then do ----------
@@ -473,33 +540,62 @@ class ClientContext(Context):
         assert uuid.UUID(key).version == 4
 
 
+class ErrorEnvelopeContext(Context):
+    """``app`` (a Starlette app with an ``@idempotent`` POST /orders, no middleware yet),
+    ``store`` and ``IdempotencyMiddleware``: the block adds the middleware with an
+    ``error_format`` of its own, and a request without a key gets that envelope."""
+
+    async def names(self, run: Run) -> dict[str, Any]:
+        @idempotent()
+        async def order(request: Request) -> JSONResponse:
+            return JSONResponse({"orderId": "o_1"}, status_code=201)
+
+        app = Starlette(routes=[Route("/orders", order, methods=["POST"])])
+        return {"app": app, "store": MemoryStore(), "IdempotencyMiddleware": IdempotencyMiddleware}
+
+    async def check(self, namespace: dict[str, Any], run: Run) -> None:
+        async with serve(namespace["app"], raise_app_exceptions=True) as client:
+            response = await client.post("/orders", json={"items": [1]})
+        assert response.status_code == 400
+        assert response.json() == {
+            "ok": False,
+            "error": {
+                "code": "idempotency_key_missing",
+                "detail": "Idempotency-Key header is required",
+            },
+        }
+
+
 CONTEXTS: dict[str, Callable[[], Context]] = {
     "app": AppContext,
     "client": ClientContext,
+    "error-envelope": ErrorEnvelopeContext,
     "payments": PaymentsContext,
     "postgres": PostgresContext,
     "redis-clients": RedisClientsContext,
 }
 
 
-# --- the README's blocks -------------------------------------------------------------------
+# --- the pages' blocks ---------------------------------------------------------------------
 
 
-def example_id(example: Example) -> str:
-    marker = example.code.marker
+def example_id(found: PageExample) -> str:
+    marker = found.example.code.marker
     suffix = "" if marker is None else f"-{marker.context or 'skip'}"
-    return f"line{example.code.line}{suffix}"
+    line = f"line{found.example.code.line}{suffix}"
+    return line if found.page == README else f"{found.name}:{line}"
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=example_id)
+@pytest.mark.parametrize("found", EXAMPLES, ids=example_id)
 async def test_readme_python_block(
-    example: Example, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    found: PageExample, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    example = found.example
     block, marker = example.code, example.code.marker
     if marker is not None and marker.skip is not None:
-        pytest.skip(f"README.md:{block.line}: {marker.skip}")
+        pytest.skip(f"{found.name}:{block.line}: {marker.skip}")
     if marker is not None and marker.context not in CONTEXTS:
-        pytest.fail(f"README.md:{marker.line}: no context {marker.context!r} in CONTEXTS")
+        pytest.fail(f"{found.name}:{marker.line}: no context {marker.context!r} in CONTEXTS")
     context = Context() if marker is None else CONTEXTS[str(marker.context)]()
     # A block may configure logging (the JSON formatter example): keep it to this test.
     library_logger = logging.getLogger("starlette_idempotency")
@@ -508,35 +604,41 @@ async def test_readme_python_block(
     request.addfinalizer(lambda: library_logger.setLevel(level))  # clears isEnabledFor's cache
     async with AsyncExitStack() as stack:
         run = Run(request, monkeypatch, stack)
-        namespace = await execute(block, run, await context.names(run))
+        namespace = await execute(found.page, block, run, await context.names(run))
         app = namespace.get("app")
         if example.transcripts:
-            assert app is not None, f"README.md:{block.line}: a transcript follows, but no app"
+            assert app is not None, f"{found.name}:{block.line}: a transcript follows, but no app"
             async with serve(app, raise_app_exceptions=True) as client:
                 for transcript in example.transcripts:
-                    await replay(transcript, client)
+                    await replay(found.page, transcript, client)
         elif marker is None and app is not None:
             async with lifespan(app):  # it starts and stops
                 pass
         await context.check(namespace, run)
 
 
-def test_every_python_fence_is_read() -> None:
+@pytest.mark.parametrize("page", PAGES, ids=page_name)
+def test_every_python_fence_is_read(page: Path) -> None:
     """The blocks found equal the Python fences a plain line search finds."""
     fences = re.findall(
-        r"(?m)^ {0,3}(?:```|~~~)[`~]*\s*(?:python3?|py)\b", README.read_text(encoding="utf-8")
+        r"(?m)^ {0,3}(?:```|~~~)[`~]*\s*(?:python3?|py)\b", page.read_text(encoding="utf-8")
     )
-    assert len([block for block in BLOCKS if block.is_python]) == len(fences) > 0
+    assert len([block for block in read_page(page) if block.is_python]) == len(fences)
+    assert fences or page != README
 
 
 def test_every_context_is_used() -> None:
-    used = {example.code.marker.context for example in EXAMPLES if example.code.marker}
-    assert used >= set(CONTEXTS), f"contexts no README block uses: {set(CONTEXTS) - used}"
+    used = {found.example.code.marker.context for found in EXAMPLES if found.example.code.marker}
+    assert used >= set(CONTEXTS), f"contexts no block uses: {set(CONTEXTS) - used}"
 
 
 def test_the_quick_starts_are_replayed() -> None:
-    replayed = [example for example in EXAMPLES if example.transcripts]
-    assert len(replayed) >= 2, "the FastAPI and Starlette quick starts have transcripts"
+    replayed = [found for found in EXAMPLES if found.page == README and found.example.transcripts]
+    assert len(replayed) >= 2, "the README's FastAPI and Starlette quick starts have transcripts"
+
+
+def test_the_pages_not_run_exist() -> None:
+    assert all(page.is_file() for page in NOT_RUN), NOT_RUN
 
 
 # --- the reader itself ------------------------------------------------------------------------

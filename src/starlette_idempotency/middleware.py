@@ -132,8 +132,8 @@ def _compressing_layer_inside(app: ASGIApp) -> str | None:
 class IdempotencyMiddleware:
     """Makes decorated POST/PATCH routes safe to retry with an ``Idempotency-Key`` header.
 
-    Every ``@idempotent`` option can be given here as the default for all routes; see the
-    README for the meaning of each.
+    Every ``@idempotent`` option can be given here as the default for all routes; the
+    documentation's options reference gives the meaning of each.
     """
 
     def __new__(cls, *args: Any, **options: Any) -> IdempotencyMiddleware:

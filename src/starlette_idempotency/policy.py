@@ -73,7 +73,7 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class IdempotencyPolicy:
-    """The options that govern one route (see the README for each)."""
+    """The options that govern one route (the documentation's options reference has each)."""
 
     ttl_hours: float = 24.0
     lock_ttl_seconds: float = 30.0
@@ -246,8 +246,9 @@ def idempotent(func: None = None, /, **options: Unpack[RouteOptions]) -> Callabl
 def idempotent(func: Any = None, /, **options: Any) -> Any:
     """Make a POST/PATCH endpoint idempotent under :class:`IdempotencyMiddleware`.
 
-    Every option left out takes the middleware's value; the README describes each. Put it
-    below ``@app.post(...)``; bare ``@idempotent`` takes every option from the middleware::
+    Every option left out takes the middleware's value; the documentation's options reference
+    describes each. Put it below ``@app.post(...)``; bare ``@idempotent`` takes every option
+    from the middleware::
 
         @app.post("/payments")
         @idempotent(ttl_hours=48, lock_ttl_seconds=60)
