@@ -156,7 +156,12 @@ class GuardedRequest:
     ) -> None:
         await self._decided(result, note)
         await self.mw._errors.send(
-            self.send, problem, detail, retry_after=retry_after, location=location
+            self.send,
+            problem,
+            detail,
+            retry_after=retry_after,
+            location=location,
+            request_headers=self.scope["headers"],
         )
 
     async def run(self) -> None:

@@ -91,6 +91,7 @@ ErrorFormat = Literal["json", "problem", "stripe"] | ErrorBody
 ``"stripe"`` (``{"error": {"type", "code", "message"}}``, what Stripe's SDKs parse) or an
 :data:`ErrorBody` callable."""
 _ERROR_FORMATS = ("json", "problem", "stripe")
+_STRIPE_SDK_HEADER = b"x-stripe-client-user-agent"
 
 
 IN_PROGRESS_MESSAGE = (
@@ -138,6 +139,7 @@ class ErrorResponder:
             )
         self._problem = error_format == "problem"
         self._stripe = error_format == "stripe"
+        self._json = error_format == "json"
         self._problem_type = problem_type
         self._titles = {problem: problem.title.format(header=header_name) for problem in Problem}
         self._content_type = b"application/problem+json" if self._problem else b"application/json"
@@ -157,7 +159,7 @@ class ErrorResponder:
                 f"error_format {self._build!r} must return a JSON-serialisable dict: {exc}"
             ) from exc
 
-    def _body(self, problem: Problem, detail: str) -> dict[str, Any]:
+    def _body(self, problem: Problem, detail: str, stripe_sdk: bool = False) -> dict[str, Any]:
         if self._build is not None:
             return self._build(
                 IdempotencyProblem(problem.status, problem.code, self._titles[problem], detail)
@@ -170,7 +172,7 @@ class ErrorResponder:
                 "detail": detail,
                 "code": problem.code,
             }
-        if self._stripe:
+        if self._stripe or stripe_sdk:
             return {"error": {"type": problem.error_type, "code": problem.code, "message": detail}}
         return {"error": detail, "code": problem.code}
 
@@ -182,8 +184,16 @@ class ErrorResponder:
         *,
         retry_after: int | None = None,
         location: str | None = None,
+        request_headers: Iterable[tuple[bytes, bytes]] = (),
     ) -> None:
-        body = orjson.dumps(self._body(problem, detail))
+        """Send ``problem`` in the configured format.
+
+        A ``"json"`` error to one of Stripe's SDKs (they send ``X-Stripe-Client-User-Agent``)
+        takes the ``"stripe"`` shape: their parser reads ``error`` as an object and fails with
+        an ``AttributeError`` on the string, instead of raising a catchable ``StripeError``.
+        """
+        stripe_sdk = self._json and any(name == _STRIPE_SDK_HEADER for name, _ in request_headers)
+        body = orjson.dumps(self._body(problem, detail, stripe_sdk))
         headers = [
             (b"content-type", self._content_type),
             (b"content-length", str(len(body)).encode("latin-1")),

@@ -18,10 +18,11 @@ from tests.client.conftest import LiveServer, serve
 from tests.client.test_client_http import plain_post
 
 
-@pytest.fixture(scope="module")
-def stripe_server() -> Iterator[LiveServer]:
-    """The test app with ``error_format="stripe"``, the body shape stripe-python parses."""
-    yield from serve("stripe")
+@pytest.fixture(scope="module", params=["stripe", "json"])
+def stripe_server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    """The test app with ``error_format="stripe"``, and with the default ``"json"``, which
+    answers Stripe's SDKs (``X-Stripe-Client-User-Agent``) in the shape they parse."""
+    yield from serve(request.param)
 
 
 @pytest.fixture

@@ -194,3 +194,13 @@ def _raises(problem: IdempotencyProblem) -> dict[str, Any]:
 def test_a_bad_error_format_fails_at_startup(error_format: Any) -> None:
     with pytest.raises(ConfigurationError, match="error_format"):
         IdempotencyMiddleware(Starlette(), store=MemoryStore(), error_format=error_format)
+
+
+async def test_json_answers_stripes_sdks_in_the_shape_they_parse() -> None:
+    app = App("json")
+    stripe_sdk = {"X-Stripe-Client-User-Agent": '{"bindings_version": "16.1.0"}'}
+    from_stripe = await app.post(key="has space", json={}, headers=stripe_sdk)
+    assert from_stripe.json()["error"]["code"] == "idempotency_key_invalid"
+    from_anyone = await app.post(key="has space", json={})
+    assert isinstance(from_anyone.json()["error"], str)
+    assert from_anyone.json()["code"] == "idempotency_key_invalid"
