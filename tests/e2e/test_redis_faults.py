@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from starlette_idempotency import storage_key
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing.redis_server import RedisServer, redis_command
 from tests.conditions import eventually, eventually_async
 from tests.e2e.uvicorn_server import UvicornServer
 
@@ -102,7 +102,10 @@ async def test_an_acquire_abandoned_in_a_stall_does_not_hold_the_key(
     server, client = app_on
     await client.get("/state")
     # DEBUG SLEEP blocks its caller for the whole stall; CLIENT PAUSE answers at once.
-    stalling = threading.Thread(target=server.command, args=stall)
+    # The reply comes when the stall ends: wait for it well past the 2 s it lasts.
+    stalling = threading.Thread(
+        target=redis_command, args=(server.port, *stall), kwargs={"timeout": 10}
+    )
     stalling.start()
     try:
         await eventually(
