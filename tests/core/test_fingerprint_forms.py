@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import random
 from collections import defaultdict
@@ -16,6 +17,10 @@ from hypothesis import strategies as st
 from starlette_idempotency.fingerprint import canonical_form, raw_body_form
 
 FORM = "application/x-www-form-urlencoded"
+
+STARLETTE_VERSION = tuple(
+    int(part) for part in importlib.metadata.version("starlette").split(".")[:2]
+)
 
 
 def starlette_fields(body: bytes) -> list[tuple[str, str]]:
@@ -196,6 +201,11 @@ def spelled_forms(draw: st.DrawFn) -> bytes:
 
 
 @needs_multipart
+@pytest.mark.skipif(
+    STARLETTE_VERSION < (1, 10),
+    reason="Starlette before 1.10 drops a trailing field without '=': the fingerprint is then "
+    "only stricter than the app, never looser",
+)
 @given(st.binary(max_size=30) | spelled_forms())
 def test_the_reference_decoder_is_starlettes(body: bytes) -> None:
     assert starlette_fields(body) == parse_with_starlette(body)
