@@ -3,10 +3,7 @@ gets, each run as a subprocess the way a user runs it (PostgreSQL: ``stores_pg/t
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,32 +11,12 @@ import pytest
 from starlette_idempotency import __version__
 from starlette_idempotency.testing._process import free_port
 from starlette_idempotency.testing.redis_server import RedisServer
+from tests.cli_runs import Ran, cli, run
 
 SCRIPT = Path(sys.executable).with_name("starlette-idempotency")
 # Runs the command with some modules made unimportable, as if their extra were not installed.
 HIDING = "import sys\nfor name in sys.argv.pop(1).split(','): sys.modules[name] = None\n"
 RUN_CLI = HIDING + "from starlette_idempotency.cli import main\nsys.exit(main())\n"
-
-
-@dataclass
-class Ran:
-    code: int
-    out: str
-    err: str
-
-    @property
-    def lines(self) -> list[str]:
-        return self.out.splitlines()
-
-
-def run(*command: str) -> Ran:
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False)
-    return Ran(done.returncode, done.stdout, done.stderr)
-
-
-def cli(*args: str) -> Ran:
-    return run(sys.executable, "-m", "starlette_idempotency.cli", *args)
 
 
 def cli_without(modules: str, *args: str) -> Ran:

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -14,36 +11,14 @@ import pytest
 
 from starlette_idempotency.stores.postgres import _location
 from starlette_idempotency.testing._process import free_port
+from tests.cli_runs import Ran
+from tests.cli_runs import cli as run_cli
 
 pytestmark = pytest.mark.postgres
 
 
-@dataclass
-class Ran:
-    code: int
-    out: str
-    err: str
-
-    @property
-    def lines(self) -> list[str]:
-        return self.out.splitlines()
-
-
 async def cli(*args: str, env: dict[str, str] | None = None) -> Ran:
-    environment = {key: value for key, value in os.environ.items() if key != "DATABASE_URL"}
-    environment.update(env or {})
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "starlette_idempotency.cli",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=environment,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
-    assert process.returncode is not None
-    return Ran(process.returncode, out.decode(), err.decode())
+    return await asyncio.to_thread(run_cli, *args, env=env)
 
 
 async def test_migrate_creates_the_table_once(
