@@ -1,5 +1,6 @@
 """``starlette-idempotency doctor --redis``, ``--version``, and the one line a missing extra
-gets, each run as a subprocess the way a user runs it (PostgreSQL: ``stores_pg/test_cli.py``)."""
+gets, each run as a subprocess the way a user runs it (PostgreSQL:
+``stores/test_postgres_cli.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from starlette_idempotency import __version__
-from starlette_idempotency.testing._process import free_port
+from starlette_idempotency.testing.processes import free_port
 from starlette_idempotency.testing.redis_server import RedisServer
-from tests.cli_runs import Ran, cli, run
+from tests.support.cli import Ran, cli, run
 
 SCRIPT = Path(sys.executable).with_name("starlette-idempotency")
 # Runs the command with some modules made unimportable, as if their extra were not installed.

@@ -53,8 +53,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message
 
 from starlette_idempotency import IdempotencyMiddleware, IdempotencyStore, MemoryStore, idempotent
-from tests.plugins.redis_servers import delete_prefixed, unique_prefix
-from tests.readme_blocks import (
+from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
+from tests.support.readme_blocks import (
     Block,
     Example,
     Marker,
@@ -177,7 +177,7 @@ SUBSTITUTIONS = (
     ),
     Substitution(
         '"postgresql://app@localhost/app"',
-        "the run's own PostgreSQL database (tests/plugins/postgres_servers.py), in a table of "
+        "the run's own PostgreSQL database (the pytest plugin's postgres_dsn), in a table of "
         "the test's own",
         _test_postgres,
     ),

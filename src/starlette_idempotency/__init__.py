@@ -6,9 +6,16 @@ instead of running the handler again, across every process that shares the store
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from starlette_idempotency.context import IdempotencyContext, checkpoint, idempotency_context
+from starlette_idempotency._context import IdempotencyContext, checkpoint, idempotency_context
+from starlette_idempotency._decorator import idempotent
+from starlette_idempotency._fingerprint import storage_key
+from starlette_idempotency._marks import mark_retryable
+from starlette_idempotency._record import StoredResponse
+from starlette_idempotency._responses import IdempotencyProblem
 from starlette_idempotency.errors import (
     ConfigurationError,
     IdempotencyError,
@@ -16,7 +23,6 @@ from starlette_idempotency.errors import (
     StoreError,
     StoreTimeoutError,
 )
-from starlette_idempotency.fingerprint import storage_key
 from starlette_idempotency.middleware import IdempotencyMiddleware, KeyScope
 from starlette_idempotency.observability import (
     CheckResult,
@@ -25,15 +31,7 @@ from starlette_idempotency.observability import (
     MetricsSink,
     OutcomeResult,
 )
-from starlette_idempotency.policy import IdempotencyPolicy, idempotent, mark_retryable
-from starlette_idempotency.record import (
-    Checkpoint,
-    IdempotencyRecord,
-    RecordStatus,
-    StoredResponse,
-)
-from starlette_idempotency.responses import IdempotencyProblem
-from starlette_idempotency.stores.base import AcquireResult, IdempotencyStore
+from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.stores.memory import MemoryStore
 
 if TYPE_CHECKING:
@@ -52,31 +50,41 @@ _LAZY = {
     "RedisStore": "starlette_idempotency.stores.redis",
     "PostgresStore": "starlette_idempotency.stores.postgres",
 }
+# What only a store implementer needs lives in starlette_idempotency.stores; 0.1 exported it
+# here too, and these names still resolve, with a DeprecationWarning.
+_MOVED = {
+    "AcquireResult": "starlette_idempotency.stores",
+    "Checkpoint": "starlette_idempotency.stores",
+    "IdempotencyRecord": "starlette_idempotency.stores",
+    "RecordStatus": "starlette_idempotency.stores",
+    "IdempotencyPolicy": "starlette_idempotency.stores",
+}
 
 
 def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
-        raise AttributeError(f"module 'starlette_idempotency' has no attribute {name!r}")
-    import importlib
-
+        module_name = _MOVED.get(name)
+        if module_name is None:
+            raise AttributeError(f"module 'starlette_idempotency' has no attribute {name!r}")
+        warnings.warn(
+            f"import {name} from starlette_idempotency.stores, not from the package root",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     return getattr(importlib.import_module(module_name), name)
 
 
 __all__ = [
-    "AcquireResult",
     "AsyncIdempotentTransport",
     "CheckResult",
-    "Checkpoint",
     "ConfigurationError",
     "EventHook",
     "IdempotencyContext",
     "IdempotencyError",
     "IdempotencyEvent",
     "IdempotencyMiddleware",
-    "IdempotencyPolicy",
     "IdempotencyProblem",
-    "IdempotencyRecord",
     "IdempotencyStore",
     "IdempotentTransport",
     "KeyScope",
@@ -86,7 +94,6 @@ __all__ = [
     "OutcomeResult",
     "PostgresStore",
     "PrometheusMetrics",
-    "RecordStatus",
     "RedisStore",
     "StoreError",
     "StoreTimeoutError",

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from starlette_idempotency import __version__
+from starlette_idempotency._store_check import check_store
 from starlette_idempotency.errors import ConfigurationError, StoreError
-from starlette_idempotency.store_check import check_store
 from starlette_idempotency.stores.base import DEFAULT_KEY_PREFIX, CheckableStore, StoreFinding
 from starlette_idempotency.stores.postgres import (
     DEFAULT_OPERATION_TIMEOUT,

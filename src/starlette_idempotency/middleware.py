@@ -1,8 +1,8 @@
-"""The pure-ASGI middleware: its options, the route lookup, and the store calls.
+"""The pure-ASGI middleware: what it guards, and what each guarded request is handed.
 
 Non-HTTP scopes, other methods and undecorated routes pass straight through; a guarded
-request is handed to :class:`~starlette_idempotency.guarded.GuardedRequest`, which drives the
-state machine through :meth:`IdempotencyMiddleware.call_store`.
+request becomes a :class:`~starlette_idempotency._request.GuardedRequest`, handed the
+collaborators built here once (:class:`~starlette_idempotency._services.RequestServices`).
 """
 
 from __future__ import annotations
@@ -10,12 +10,25 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any, Unpack
 
-from starlette.requests import HTTPConnection
-
+from starlette_idempotency._key_scope import KeyScope, KeyScopeResolver
+from starlette_idempotency._loop_timers import PerLoop
+from starlette_idempotency._openapi import OpenAPIDocumenter
+from starlette_idempotency._options import (
+    ROUTE_OPTIONS,
+    IdempotencyPolicy,
+    RouteOptions,
+    unknown_option_error,
+)
+from starlette_idempotency._renewal import RENEWAL_RESOLUTION
+from starlette_idempotency._request import GuardedRequest
+from starlette_idempotency._responses import ErrorFormat, ErrorResponder
+from starlette_idempotency._routing import RouteResolver, routes_for
+from starlette_idempotency._services import RequestLimits, RequestServices
+from starlette_idempotency._store_calls import BoundedStore
+from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy
 from starlette_idempotency._types import (
     DEFAULT_HEADER_NAME,
     ASGIApp,
@@ -25,14 +38,8 @@ from starlette_idempotency._types import (
     Send,
     system_clock,
 )
-from starlette_idempotency.deadlines import CallDeadlines
-from starlette_idempotency.errors import (
-    ConfigurationError,
-    StoreError,
-    StoreTimeoutError,
-)
-from starlette_idempotency.guarded import GuardedRequest
-from starlette_idempotency.loop_timers import PerLoop
+from starlette_idempotency._waiting import Waiters
+from starlette_idempotency.errors import ConfigurationError
 from starlette_idempotency.observability import (
     EventHook,
     KeyLogging,
@@ -40,53 +47,17 @@ from starlette_idempotency.observability import (
     Observer,
     StoreCallTracer,
 )
-from starlette_idempotency.openapi import OpenAPIDocumenter
-from starlette_idempotency.policy import (
-    FingerprintChangePolicy,
-    FingerprintMode,
-    IdempotencyPolicy,
-    InProgressPolicy,
-    RecoveryPolicy,
-    ReplayPolicy,
-    StoreErrorPolicy,
-    unknown_option_error,
-)
-from starlette_idempotency.renewal import RENEWAL_RESOLUTION
-from starlette_idempotency.responses import (
-    ErrorFormat,
-    ErrorResponder,
-)
-from starlette_idempotency.routing import RouteResolver, routes_for
-from starlette_idempotency.store_check import StartupCheck, StoreCheckPolicy
-from starlette_idempotency.stores.base import IdempotencyStore
-from starlette_idempotency.waiting import Waiters
+from starlette_idempotency.stores.base import STORE_OPERATIONS, IdempotencyStore
 
 logger = logging.getLogger(__name__)
 
-KeyScope = Callable[[HTTPConnection], "str | Awaitable[str | None] | None"]
-"""Returns the owner of a request's keys (a user or tenant id); sync or async."""
-
-
-_T = TypeVar("_T")
-
-_UNSCOPED_WARNING = (
-    "Idempotency keys are not scoped to a user: no key_scope was given and no "
-    "authentication middleware set scope['user'], so two clients sending the same key "
-    "share one stored response. Pass key_scope= or add the authentication middleware "
-    "outside IdempotencyMiddleware."
-)
-_ANONYMOUS_WARNING = (
-    "Idempotency keys of unauthenticated requests are not scoped to anyone: scope['user'] is "
-    "not authenticated, so two anonymous clients sending the same key share one stored "
-    "response. Require authentication on guarded routes, or pass key_scope= to scope their "
-    "keys (by API key, session or client id)."
-)
+__all__ = ["IdempotencyMiddleware", "KeyScope"]
 
 
 @functools.cache
 def _option_names() -> frozenset[str]:
     parameters = inspect.signature(IdempotencyMiddleware.__init__).parameters.values()
-    return frozenset(p.name for p in parameters if p.kind is p.KEYWORD_ONLY)
+    return ROUTE_OPTIONS | {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
 
 
 def _check_store_object(store: object) -> None:
@@ -105,14 +76,12 @@ def _check_store_object(store: object) -> None:
         )
     if not isinstance(store, IdempotencyStore):
         missing = [
-            name
-            for name in ("try_acquire", "complete", "fail", "release", "renew", "get")
-            if not callable(getattr(store, name, None))
-        ]
+            name for name in STORE_OPERATIONS if not callable(getattr(store, name, None))
+        ] + [name for name in _CAPABILITIES if not hasattr(store, name)]
         raise ConfigurationError(
             f"store must implement the IdempotencyStore protocol (MemoryStore, RedisStore, "
-            f"PostgresStore or your own); {type(store).__name__} lacks "
-            f"{', '.join(missing) or 'the name and supports_recovery attributes'}"
+            f"PostgresStore, or your own subclass of starlette_idempotency.stores.StoreBase); "
+            f"{type(store).__name__} lacks {', '.join(missing)}"
         )
 
 
@@ -127,6 +96,9 @@ def _compressing_layer_inside(app: ASGIApp) -> str | None:
         if layer is None:
             break
     return None
+
+
+_CAPABILITIES = ("name", "supports_recovery", "never_blocks")
 
 
 class IdempotencyMiddleware:
@@ -159,21 +131,6 @@ class IdempotencyMiddleware:
         problem_type: str = "about:blank",
         max_body_bytes: int = 1024 * 1024,
         store_timeout_seconds: float = 1.0,
-        ttl_hours: float = 24.0,
-        lock_ttl_seconds: float = 30.0,
-        required: bool = True,
-        exclude_fields: Sequence[str] = (),
-        fingerprint_headers: Sequence[str] = (),
-        on_store_error: StoreErrorPolicy = "fail_closed",
-        renew_lock: bool = True,
-        fingerprint: FingerprintMode = "raw",
-        fingerprint_version: str = "1",
-        on_fingerprint_change: FingerprintChangePolicy = "replay",
-        on_in_progress: InProgressPolicy = "conflict",
-        wait_timeout_seconds: float = 10.0,
-        replay: ReplayPolicy = "response",
-        max_response_bytes: int = 1024 * 1024,
-        on_recovery: RecoveryPolicy = "handler",
         max_waiters: int = 1000,
         pod_id: str | None = None,
         log_keys: KeyLogging = "raw",
@@ -182,6 +139,7 @@ class IdempotencyMiddleware:
         tracing: bool = False,
         check_store: StoreCheckPolicy = "warn",
         clock: Clock = system_clock,
+        **route_defaults: Unpack[RouteOptions],
     ) -> None:
         _check_store_object(store)
         if min(max_key_length, max_waiters) < 1 or max_body_bytes < 0 or store_timeout_seconds <= 0:
@@ -192,37 +150,13 @@ class IdempotencyMiddleware:
         self.app = app
         self.store = store
         self.header_name = header_name
-        self._header_bytes = header_name.lower().encode("latin-1")
         self._methods = frozenset(method.upper() for method in methods)
-        self._max_key_length = max_key_length
-        self._key_scope = key_scope
-        self._max_body_bytes = max_body_bytes
-        self._deadlines = CallDeadlines(store_timeout_seconds)
-        #: Where running handlers wait for their first lock renewal (one timer per loop).
-        self.renewal_timers = PerLoop(RENEWAL_RESOLUTION)
-        self._clock = clock
-        defaults = IdempotencyPolicy(
-            ttl_hours=ttl_hours,
-            lock_ttl_seconds=lock_ttl_seconds,
-            required=required,
-            exclude_fields=tuple(exclude_fields),
-            fingerprint_headers=tuple(fingerprint_headers),
-            on_store_error=on_store_error,
-            renew_lock=renew_lock,
-            fingerprint=fingerprint,
-            fingerprint_version=fingerprint_version,
-            on_fingerprint_change=on_fingerprint_change,
-            on_in_progress=on_in_progress,
-            wait_timeout_seconds=wait_timeout_seconds,
-            replay=replay,
-            max_response_bytes=max_response_bytes,
-            on_recovery=on_recovery,
-        )
+        defaults = IdempotencyPolicy().merged(route_defaults)
         self._resolver = RouteResolver(defaults, protect_all=protect_all)
-        self._errors = ErrorResponder(
+        errors = ErrorResponder(
             header_name=header_name, error_format=error_format, problem_type=problem_type
         )
-        # Installed by the first scope, which names the app (there is none before: see openapi.py)
+        # Installed by the first scope, which names the app (there is none before: see _openapi)
         self._openapi: OpenAPIDocumenter | None = OpenAPIDocumenter(
             app,
             self._resolver,
@@ -236,12 +170,33 @@ class IdempotencyMiddleware:
         self.observer = Observer(
             pod_id=pod_id, log_keys=log_keys, on_event=on_event, metrics=metrics
         )
-        self._tracer = StoreCallTracer() if tracing else None
-        self.waiters = Waiters(store, self.call_store, max_waiters)
-        self._store_name = str(getattr(store, "name", type(store).__name__))
-        self._store_never_blocks = bool(getattr(store, "never_blocks", False))
+        bounded = BoundedStore(
+            store,
+            timeout=store_timeout_seconds,
+            metrics=metrics,
+            tracer=StoreCallTracer() if tracing else None,
+        )
+        #: The duplicates waiting for a first request (``on_in_progress="wait"``).
+        self.waiters = Waiters(bounded, max_waiters)
+        #: Where running handlers wait for their first lock renewal (one timer per loop).
+        self.renewal_timers = PerLoop(RENEWAL_RESOLUTION)
+        self._services = RequestServices(
+            app=app,
+            limits=RequestLimits(
+                header_name=header_name,
+                header_bytes=header_name.lower().encode("latin-1"),
+                max_key_length=max_key_length,
+                max_body_bytes=max_body_bytes,
+            ),
+            clock=clock,
+            errors=errors,
+            observer=self.observer,
+            store=bounded,
+            key_scope=KeyScopeResolver(key_scope),
+            waiters=self.waiters,
+            renewal_timers=self.renewal_timers,
+        )
         self._startup_check = StartupCheck(store, check_store, self._check_routes)
-        self._warned: set[str] = set()  # one-time warnings already logged
         compressing = _compressing_layer_inside(app)
         if compressing is not None:
             logger.warning(
@@ -268,79 +223,9 @@ class IdempotencyMiddleware:
         if route is None:
             await self.app(scope, receive, send)
             return
-        await GuardedRequest(self, route, scope, receive, send).run()
+        await GuardedRequest(self._services, route, scope, receive, send).run()
 
     def _check_routes(self, scope: Scope) -> None:
         routes = routes_for(scope, self.app)
         if routes is not None:
             self._resolver.check(routes, self._methods)
-
-    def call_store(self, operation: Callable[..., Awaitable[_T]], *args: Any) -> Awaitable[_T]:
-        """Run one store call within ``store_timeout_seconds``; any failure is a StoreError.
-
-        Returns the awaitable rather than awaiting it: one coroutine frame fewer to suspend
-        and resume on every store call.
-        """
-        if self._tracer is None and self.observer.metrics is None:
-            return self._bounded(operation, args)
-        return self._observed(operation, args)
-
-    async def _observed(self, operation: Callable[..., Awaitable[_T]], args: tuple[Any, ...]) -> _T:
-        """:meth:`_bounded`, timed for the metrics sink and traced as a span."""
-        name = getattr(getattr(operation, "func", operation), "__name__", "call")
-        metrics = self.observer.metrics
-        started = time.perf_counter()
-        ok = False
-        try:
-            if self._tracer is None:
-                result = await self._bounded(operation, args)
-            else:
-                with self._tracer.span(self._store_name, name):
-                    result = await self._bounded(operation, args)
-            ok = True
-            return result
-        finally:
-            if metrics is not None:
-                metrics.observe_store_call(
-                    self._store_name, name, time.perf_counter() - started, ok
-                )
-
-    async def _bounded(self, operation: Callable[..., Awaitable[_T]], args: tuple[Any, ...]) -> _T:
-        try:
-            if self._store_never_blocks:  # even the cheapest deadline costs more than the call
-                return await operation(*args)
-            with self._deadlines.bound():
-                return await operation(*args)
-        except StoreError:
-            raise
-        except TimeoutError as exc:
-            raise StoreTimeoutError(
-                f"idempotency store call took longer than {self._deadlines.timeout}s"
-            ) from exc
-        except Exception as exc:
-            raise StoreError(f"idempotency store call failed: {exc!r}") from exc
-
-    async def scope_id(self, scope: Scope) -> str:
-        """Who owns the keys of this request: ``key_scope``'s answer or the authenticated user."""
-        if self._key_scope is not None:
-            value = self._key_scope(HTTPConnection(scope))
-            if inspect.isawaitable(value):
-                value = await value
-            return "" if value is None else str(value)
-        user = scope.get("user")
-        if user is None:
-            self._warn_once(_UNSCOPED_WARNING)
-            return ""
-        if not getattr(user, "is_authenticated", False):
-            self._warn_once(_ANONYMOUS_WARNING)
-            return ""
-        try:
-            identity = user.identity
-        except (AttributeError, NotImplementedError):
-            identity = None
-        return str(identity or getattr(user, "display_name", "") or "")
-
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            logger.warning(message)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from starlette_idempotency.client import AsyncIdempotentTransport, IdempotentTransport
-from tests.client.conftest import KEY_HEADER, LiveServer
+from tests.support.live_server import KEY_HEADER, LiveServer, plain_post
 
 REPLAY = "X-Idempotent-Replay"
 
@@ -76,12 +76,6 @@ def poster(request: pytest.FixtureRequest, live_server: LiveServer) -> Poster:
     return Poster(mode=str(request.param), base_url=live_server.base_url)
 
 
-def plain_post(base_url: str, path: str, key: str, **kwargs: Any) -> httpx.Response:
-    """One POST with no retries, as a client without this helper would send it."""
-    with httpx.Client(base_url=base_url, timeout=10.0) as client:
-        return client.post(path, headers={KEY_HEADER: key, **kwargs.pop("headers", {})}, **kwargs)
-
-
 def new_key(label: str) -> str:
     return f"{label}-{uuid.uuid4()}"
 
@@ -112,16 +106,14 @@ async def test_503s_past_max_attempts_come_back(poster: Poster, live_server: Liv
 
 async def test_without_the_transport_a_dropped_reply_is_lost(live_server: LiveServer) -> None:
     key = new_key("plain-drop")
-    call = functools.partial(
-        plain_post,
-        live_server.base_url,
-        "/payments",
-        key,
-        json={"amount": "5.00"},
-        headers={"x-fault": "drop"},
-    )
     with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
-        await anyio.to_thread.run_sync(call)
+        await plain_post(
+            live_server.base_url,
+            "/payments",
+            key,
+            json={"amount": "5.00"},
+            headers={"x-fault": "drop"},
+        )
     assert live_server.ledger.executions[key] == 1
 
 
@@ -162,8 +154,7 @@ async def test_in_progress_is_waited_out(poster: Poster, live_server: LiveServer
     firsts: list[httpx.Response] = []
 
     async def first_request() -> None:
-        call = functools.partial(plain_post, live_server.base_url, "/held", key, json=body)
-        firsts.append(await anyio.to_thread.run_sync(call))
+        firsts.append(await plain_post(live_server.base_url, "/held", key, json=body))
 
     # The first request stays in the handler until the second one is told to wait.
     poster.on_sleep = lambda seconds: release.set()
@@ -190,10 +181,8 @@ async def test_a_key_reused_with_another_body_is_not_retried(
     poster: Poster, live_server: LiveServer
 ) -> None:
     key = new_key("reused")
-    call = functools.partial(
-        plain_post, live_server.base_url, "/payments", key, json={"amount": "1"}
-    )
-    assert (await anyio.to_thread.run_sync(call)).status_code == 201
+    first = await plain_post(live_server.base_url, "/payments", key, json={"amount": "1"})
+    assert first.status_code == 201
     response = await poster.post("/payments", json={"amount": "2"}, headers={KEY_HEADER: key})
     assert response.status_code == 422
     assert live_server.ledger.requests[key] == 2

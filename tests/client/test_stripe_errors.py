@@ -14,8 +14,7 @@ import anyio.to_thread
 import pytest
 import stripe
 
-from tests.client.conftest import LiveServer, serve
-from tests.client.test_client_http import plain_post
+from tests.support.live_server import LiveServer, plain_post, serve
 
 
 @pytest.fixture(scope="module", params=["stripe", "json"])
@@ -52,7 +51,7 @@ async def test_409_in_progress_is_a_stripe_error(
         plain_post, stripe_server.base_url, "/held", key, data={"amount": "7"}
     )
     async with anyio.create_task_group() as tasks:
-        tasks.start_soon(anyio.to_thread.run_sync, first)
+        tasks.start_soon(first)
         try:
             assert await anyio.to_thread.run_sync(entered.wait, 5.0)
             call = functools.partial(stripe_post, stripe_client, "/held", key, amount="7")
@@ -76,10 +75,8 @@ async def test_422_key_reused_is_a_stripe_error(
     stripe_client: stripe.StripeClient, stripe_server: LiveServer
 ) -> None:
     key = f"stripe-reused-{uuid.uuid4()}"
-    first = functools.partial(
-        plain_post, stripe_server.base_url, "/payments", key, data={"amount": "1"}
-    )
-    assert (await anyio.to_thread.run_sync(first)).status_code == 201
+    first = await plain_post(stripe_server.base_url, "/payments", key, data={"amount": "1"})
+    assert first.status_code == 201
     call = functools.partial(stripe_post, stripe_client, "/payments", key, amount="2")
     with pytest.raises(stripe.StripeError) as raised:
         await anyio.to_thread.run_sync(call)
@@ -95,10 +92,8 @@ async def test_a_replay_reaches_stripe_as_the_first_answer(
     stripe_client: stripe.StripeClient, stripe_server: LiveServer
 ) -> None:
     key = f"stripe-replay-{uuid.uuid4()}"
-    first = functools.partial(
-        plain_post, stripe_server.base_url, "/payments", key, data={"amount": "3"}
-    )
-    assert (await anyio.to_thread.run_sync(first)).status_code == 201
+    first = await plain_post(stripe_server.base_url, "/payments", key, data={"amount": "3"})
+    assert first.status_code == 201
     call = functools.partial(
         stripe_client.raw_request, "post", "/payments", idempotency_key=key, amount="3"
     )

@@ -15,17 +15,12 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
-from starlette_idempotency import (
-    AcquireResult,
-    IdempotencyMiddleware,
-    IdempotencyRecord,
-    MemoryStore,
-    idempotent,
-)
-from starlette_idempotency.commands import CommandFingerprinter, fingerprinter_for_route
-from starlette_idempotency.fingerprint import FINGERPRINT_SCHEME, MAX_JSON_DEPTH
-from tests.core.conftest import make_client
-from tests.core.test_fingerprint_json import json_values, same
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency._command_fingerprint import CommandFingerprinter, fingerprinter_for_route
+from starlette_idempotency._fingerprint import FINGERPRINT_SCHEME, MAX_JSON_DEPTH
+from starlette_idempotency.stores import AcquireResult, IdempotencyRecord
+from tests.support.guarded import make_client
+from tests.support.json_values import json_values, same
 
 
 class Line(BaseModel):
@@ -155,7 +150,7 @@ async def test_what_the_app_parses_is_parsed_alike() -> None:
 
 
 async def test_endpoint_never_runs_unprotected() -> None:
-    from starlette_idempotency.policy import (
+    from starlette_idempotency._marks import (
         RequestMarks,
         UnprotectedEndpointError,
         current_marks,

@@ -15,8 +15,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from starlette_idempotency.record import StoredResponse
-from starlette_idempotency.responses import replay_for
+from starlette_idempotency._record import StoredResponse
+from starlette_idempotency._responses import replay_for
 
 TEXT = b"a compressible answer " * 100
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from starlette_idempotency.deadlines import CallDeadlines
-from tests.conditions import eventually
+from starlette_idempotency._deadlines import CallDeadlines
+from tests.support.conditions import eventually
 
 
 async def _bounded(deadlines: CallDeadlines, seconds: float) -> str:
@@ -109,7 +109,7 @@ async def test_the_timer_stops_once_no_call_is_in_flight() -> None:
     timer = deadlines.timers.last
     assert timer is not None
     assert not timer.entries
-    await eventually(lambda: not timer.armed, what="the idle timer to stop")
+    await eventually(lambda: not timer.armed, message="the idle timer to stop")
 
 
 def test_one_instance_serves_successive_event_loops() -> None:

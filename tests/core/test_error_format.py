@@ -15,16 +15,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from starlette_idempotency import (
-    ConfigurationError,
-    IdempotencyMiddleware,
-    IdempotencyRecord,
-    MemoryStore,
-    idempotent,
-)
-from starlette_idempotency.responses import ErrorFormat, IdempotencyProblem, Problem
+from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency._responses import ErrorFormat, IdempotencyProblem, Problem
+from starlette_idempotency.stores import IdempotencyRecord
 from starlette_idempotency.stores.base import AcquireResult
-from tests.core.conftest import make_client
+from tests.support.guarded import make_client
 
 CODES = {
     Problem.MISSING_KEY: (400, "idempotency_key_missing"),

@@ -9,13 +9,13 @@ import pytest
 from fastapi import FastAPI
 
 from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
-from tests.core.conftest import make_harness
+from tests.support.guarded import make_guarded_app
 
 PAYMENT = {"amount": "10.00", "currency": "EUR"}
 
 
 async def test_request_validation_422_releases_the_key() -> None:
-    harness = await make_harness("fastapi")
+    harness = await make_guarded_app("fastapi")
     invalid = await harness.client.post(
         "/payments", json={"amount": None}, headers={"Idempotency-Key": "k"}
     )
@@ -28,7 +28,7 @@ async def test_request_validation_422_releases_the_key() -> None:
 
 
 async def test_auth_dependency_401_releases_the_key() -> None:
-    harness = await make_harness("fastapi")
+    harness = await make_guarded_app("fastapi")
     denied = await harness.client.post("/secured", json=PAYMENT, headers={"Idempotency-Key": "k"})
     assert denied.status_code == 401
     allowed = await harness.client.post(
@@ -39,7 +39,7 @@ async def test_auth_dependency_401_releases_the_key() -> None:
 
 
 async def test_handler_422_is_a_stored_business_failure() -> None:
-    harness = await make_harness("fastapi")
+    harness = await make_guarded_app("fastapi")
     for _ in range(2):
         response = await harness.client.post("/handler-422", headers={"Idempotency-Key": "k"})
         assert response.status_code == 422
@@ -65,7 +65,7 @@ async def test_reverse_decorator_order_is_refused_with_the_right_order_shown() -
 
 
 async def test_sync_endpoint_in_a_thread_reports_its_start() -> None:
-    harness = await make_harness("fastapi")
+    harness = await make_guarded_app("fastapi")
     first = await harness.client.patch("/optional", headers={"Idempotency-Key": "k"})
     replay = await harness.client.patch("/optional", headers={"Idempotency-Key": "k"})
     assert first.json() == replay.json()
@@ -73,7 +73,7 @@ async def test_sync_endpoint_in_a_thread_reports_its_start() -> None:
 
 
 async def test_signature_and_openapi_are_unchanged() -> None:
-    harness = await make_harness("fastapi")
+    harness = await make_guarded_app("fastapi")
     route = next(r for r in harness.app.routes if getattr(r, "path", "") == "/payments")
     parameters = inspect.signature(route.endpoint).parameters
     assert list(parameters) == ["body", "request"]

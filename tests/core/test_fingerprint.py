@@ -6,7 +6,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from starlette_idempotency.fingerprint import (
+from starlette_idempotency._fingerprint import (
     canonical_json,
     is_json_content_type,
     raw_body_form,

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from tests.core.conftest import make_client
+from tests.support.guarded import make_client
 
 HAS_MULTIPART = importlib.util.find_spec("python_multipart") is not None
 MODES: dict[str, dict[str, Any]] = {

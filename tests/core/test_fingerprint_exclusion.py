@@ -11,8 +11,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from starlette_idempotency.fingerprint import canonical_json, drop_fields
-from tests.core.test_fingerprint_json import same
+from starlette_idempotency._fingerprint import canonical_json, drop_fields
+from tests.support.json_values import same
 
 
 def without(value: Any, excluded: frozenset[str]) -> Any:

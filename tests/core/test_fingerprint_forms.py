@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from starlette_idempotency.fingerprint import canonical_form, raw_body_form
+from starlette_idempotency._fingerprint import canonical_form, raw_body_form
 
 FORM = "application/x-www-form-urlencoded"
 

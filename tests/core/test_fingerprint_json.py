@@ -13,12 +13,13 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from starlette_idempotency.fingerprint import (
+from starlette_idempotency._fingerprint import (
     MAX_JSON_DEPTH,
     canonical_json,
     raw_body_form,
     request_fingerprint,
 )
+from tests.support.json_values import json_values, same
 
 JSON = "application/json"
 
@@ -30,19 +31,6 @@ def fingerprint(body: bytes, excluded: frozenset[str] = frozenset()) -> str:
     )
 
 
-def same(a: Any, b: Any) -> bool:
-    """Equality as the app sees values: 1 and 1.0 differ, so do 0.0 and -0.0; NaN is NaN."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float):
-        return repr(a) == repr(b)
-    return bool(a == b)
-
-
 def encode(value: Any, style: int = 0) -> bytes:
     """``value`` as a client might send it: compact, spaced, or with non-ASCII escaped."""
     text = json.dumps(
@@ -52,26 +40,6 @@ def encode(value: Any, style: int = 0) -> bytes:
         separators=(",", ":") if style == 0 else None,
     )
     return text.encode("utf-8", "surrogatepass")  # json.loads decodes bytes the same way
-
-
-big_ints = st.integers(min_value=2**63 - 2, max_value=2**66) | st.integers(
-    min_value=-(2**66), max_value=-(2**63) + 2
-)
-scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | big_ints
-    | st.floats()  # NaN, infinities and -0.0 included
-    | st.text(st.characters(exclude_categories=()), max_size=6)  # lone surrogates included
-)
-json_values = st.recursive(
-    scalars,
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4)
-    ),
-    max_leaves=12,
-)
 
 
 @given(json_values, st.sampled_from([0, 1, 2]))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from starlette_idempotency.keys import InvalidKey, parse_key
+from starlette_idempotency._keys import InvalidKey, parse_key
 
 
 def parse(raw: bytes, max_length: int = 255) -> str | InvalidKey:

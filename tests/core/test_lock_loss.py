@@ -18,14 +18,13 @@ from starlette.routing import Route
 from starlette_idempotency import (
     IdempotencyEvent,
     IdempotencyMiddleware,
-    IdempotencyRecord,
     MemoryStore,
-    RecordStatus,
     idempotent,
     storage_key,
 )
-from tests.conditions import eventually, eventually_async
-from tests.core.conftest import make_client
+from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
+from tests.support.conditions import eventually
+from tests.support.guarded import make_client
 
 LOCK_TTL = 0.3
 KEY = storage_key("t", "POST", "/slow", "k")
@@ -67,14 +66,14 @@ class App:
 async def test_renewal_takes_a_vanished_lock_back_so_a_retry_cannot_run() -> None:
     app = App()
     first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
-    await eventually(lambda: app.runs == 1, what="the handler to start")
+    await eventually(lambda: app.runs == 1, message="the handler to start")
     held = await app.delete_the_lock()
 
     async def back() -> bool:
         record = await app.store.get(KEY)
         return record is not None and record.owner_token == held.owner_token
 
-    await eventually_async(back, what="the lock taken back by its owner")
+    await eventually(back, message="the lock taken back by its owner")
     retry = await app.client.post("/slow", headers=HEADERS)
     assert retry.status_code == 409
     assert app.lock_lost_notes() == ["reclaimed"]
@@ -88,7 +87,7 @@ async def test_renewal_takes_a_vanished_lock_back_so_a_retry_cannot_run() -> Non
 async def test_renewal_leaves_a_key_another_request_took() -> None:
     app = App()
     first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
-    await eventually(lambda: app.runs == 1, what="the handler to start")
+    await eventually(lambda: app.runs == 1, message="the handler to start")
     held = await app.delete_the_lock()
     now = time.time()
     other = IdempotencyRecord(
@@ -100,7 +99,7 @@ async def test_renewal_leaves_a_key_another_request_took() -> None:
         expires_at=now + 30,
     )
     assert (await app.store.try_acquire(KEY, other, 30)).acquired
-    await eventually(lambda: "taken_over" in app.lock_lost_notes(), what="LOCK_LOST")
+    await eventually(lambda: "taken_over" in app.lock_lost_notes(), message="LOCK_LOST")
     app.release.set()
     assert (await first).status_code == 200
     current = await app.store.get(KEY)
@@ -112,7 +111,7 @@ async def test_renewal_leaves_a_key_another_request_took() -> None:
 async def test_complete_over_a_vanished_lock_stores_and_reports_it() -> None:
     app = App(renew=False)
     first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
-    await eventually(lambda: app.runs == 1, what="the handler to start")
+    await eventually(lambda: app.runs == 1, message="the handler to start")
     await app.delete_the_lock()
     app.release.set()
     assert (await first).status_code == 200

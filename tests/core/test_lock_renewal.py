@@ -13,8 +13,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from tests.conditions import eventually
-from tests.core.conftest import make_client
+from tests.support.conditions import eventually
+from tests.support.guarded import make_client
 
 LOCK_TTL = 0.3
 
@@ -110,7 +110,7 @@ async def test_short_handlers_leave_no_timer_behind() -> None:
     timer = middleware.renewal_timers.last
     assert timer is not None
     assert not timer.entries
-    await eventually(lambda: not timer.armed, what="the renewal timer to disarm")
+    await eventually(lambda: not timer.armed, message="the renewal timer to disarm")
     assert renewals == []
 
 
@@ -140,7 +140,7 @@ async def test_concurrent_slow_handlers_are_each_renewed() -> None:
     posts = [
         asyncio.create_task(client.post("/slow", headers={"Idempotency-Key": k})) for k in keys
     ]
-    await eventually(lambda: len(set(renewed)) == len(keys), what="every handler's lock renewed")
+    await eventually(lambda: len(set(renewed)) == len(keys), message="every handler's lock renewed")
     release.set()
     assert {(await post).status_code for post in posts} == {200}
     # each renewal ran in its own request's context: key@request id with the same key twice

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from starlette_idempotency.loop_timers import LoopTimer, PerLoop
-from tests.conditions import eventually
+from starlette_idempotency._loop_timers import LoopTimer, PerLoop
+from tests.support.conditions import eventually
 
 
 class Entry:
@@ -29,12 +29,12 @@ async def test_entries_fire_once_after_their_time_and_the_timer_disarms() -> Non
     timer.add(soon)
     timer.add(later)
 
-    await eventually(lambda: soon.fires == 1, what="the first entry to fire")
+    await eventually(lambda: soon.fires == 1, message="the first entry to fire")
     assert later.fires == 0
-    await eventually(lambda: later.fires == 1, what="the second entry to fire")
+    await eventually(lambda: later.fires == 1, message="the second entry to fire")
     timer.discard(soon)
     timer.discard(later)
-    await eventually(lambda: not timer.armed, what="the timer to disarm")
+    await eventually(lambda: not timer.armed, message="the timer to disarm")
     assert (soon.fires, later.fires) == (1, 1)
 
 
@@ -48,7 +48,7 @@ async def test_an_entry_that_fails_to_fire_does_not_stop_the_others() -> None:
         timer.add(failing)
         timer.add(fine)
 
-        await eventually(lambda: fine.fires == 1, what="the other entry to fire")
+        await eventually(lambda: fine.fires == 1, message="the other entry to fire")
         assert failing.fires == 1
         assert [str(error["exception"]) for error in errors] == ["this entry's fire() fails"]
     finally:

@@ -11,8 +11,8 @@ import orjson
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from starlette_idempotency import RecordStatus
-from tests.core.conftest import Harness, make_harness
+from starlette_idempotency.stores import RecordStatus
+from tests.support.guarded import GuardedApp, make_guarded_app
 
 PAYMENT = {"amount": "10.00", "currency": "EUR"}
 
@@ -44,7 +44,7 @@ async def wait_for(event: asyncio.Event) -> None:
         await event.wait()
 
 
-async def test_first_request_runs_and_retry_replays(harness: Harness) -> None:
+async def test_first_request_runs_and_retry_replays(harness: GuardedApp) -> None:
     first = await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
     assert first.status_code == 201
     assert "x-idempotent-replay" not in first.headers
@@ -59,7 +59,7 @@ async def test_first_request_runs_and_retry_replays(harness: Harness) -> None:
     assert harness.ledger.executions["payments"] == 1
 
 
-async def test_equivalent_json_is_the_same_request(harness: Harness) -> None:
+async def test_equivalent_json_is_the_same_request(harness: GuardedApp) -> None:
     await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
     spaced = b'{ "currency" : "EUR",\n "amount": "10.00" }'
     replay = await harness.client.post(
@@ -71,7 +71,7 @@ async def test_equivalent_json_is_the_same_request(harness: Harness) -> None:
     assert harness.ledger.executions["payments"] == 1
 
 
-async def test_missing_key_is_400(harness: Harness) -> None:
+async def test_missing_key_is_400(harness: GuardedApp) -> None:
     response = await harness.client.post("/payments", json=PAYMENT)
     assert response.status_code == 400
     assert response.headers["content-type"] == "application/json"
@@ -93,7 +93,7 @@ async def test_missing_key_is_400(harness: Harness) -> None:
         ('"open', None),
     ],
 )
-async def test_invalid_keys_are_400(harness: Harness, raw: str, message: str | None) -> None:
+async def test_invalid_keys_are_400(harness: GuardedApp, raw: str, message: str | None) -> None:
     response = await harness.client.post(
         "/payments", json=PAYMENT, headers={"Idempotency-Key": raw}
     )
@@ -106,7 +106,7 @@ async def test_invalid_keys_are_400(harness: Harness, raw: str, message: str | N
     assert len(harness.store) == 0
 
 
-async def test_repeated_header_is_400(harness: Harness) -> None:
+async def test_repeated_header_is_400(harness: GuardedApp) -> None:
     response = await harness.client.post(
         "/payments", json=PAYMENT, headers=[("Idempotency-Key", "a"), ("Idempotency-Key", "b")]
     )
@@ -114,7 +114,7 @@ async def test_repeated_header_is_400(harness: Harness) -> None:
     assert "only once" in response.json()["error"]
 
 
-async def test_two_keys_joined_by_a_proxy_are_400(harness: Harness) -> None:
+async def test_two_keys_joined_by_a_proxy_are_400(harness: GuardedApp) -> None:
     response = await harness.client.post(
         "/payments", json=PAYMENT, headers={"Idempotency-Key": "key-a,key-b"}
     )
@@ -123,20 +123,20 @@ async def test_two_keys_joined_by_a_proxy_are_400(harness: Harness) -> None:
     assert harness.ledger.executions["payments"] == 0
 
 
-async def test_quoted_key_means_the_unquoted_key(harness: Harness) -> None:
+async def test_quoted_key_means_the_unquoted_key(harness: GuardedApp) -> None:
     await harness.client.post("/payments", json=PAYMENT, headers=key_headers("abc"))
     replay = await harness.client.post("/payments", json=PAYMENT, headers=key_headers('"abc"'))
     assert replay.headers["x-idempotent-replay"] == "true"
 
 
-async def test_255_character_quoted_key_is_accepted(harness: Harness) -> None:
+async def test_255_character_quoted_key_is_accepted(harness: GuardedApp) -> None:
     response = await harness.client.post(
         "/payments", json=PAYMENT, headers=key_headers('"' + "k" * 255 + '"')
     )
     assert response.status_code == 201
 
 
-async def test_mismatch_is_422(harness: Harness) -> None:
+async def test_mismatch_is_422(harness: GuardedApp) -> None:
     await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
     other = await harness.client.post(
         "/payments", json={**PAYMENT, "amount": "99.00"}, headers=key_headers()
@@ -149,7 +149,7 @@ async def test_mismatch_is_422(harness: Harness) -> None:
     assert harness.ledger.executions["payments"] == 1
 
 
-async def test_in_progress_is_409_and_mismatch_wins_over_it(harness: Harness) -> None:
+async def test_in_progress_is_409_and_mismatch_wins_over_it(harness: GuardedApp) -> None:
     client, ledger = harness.client, harness.ledger
     first = asyncio.create_task(
         client.post("/payments", json=PAYMENT, headers=key_headers(**{"x-gate": "g"}))
@@ -177,7 +177,7 @@ async def test_in_progress_is_409_and_mismatch_wins_over_it(harness: Harness) ->
     assert ledger.executions["payments"] == 1
 
 
-async def test_different_routes_are_different_operations(harness: Harness) -> None:
+async def test_different_routes_are_different_operations(harness: GuardedApp) -> None:
     await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
     refund = await harness.client.post("/refunds", json=PAYMENT, headers=key_headers())
     assert refund.status_code == 201
@@ -186,7 +186,7 @@ async def test_different_routes_are_different_operations(harness: Harness) -> No
 
 
 @pytest.mark.parametrize("code", [400, 404, 409])
-async def test_handler_4xx_is_stored_as_failed_and_replayed(harness: Harness, code: int) -> None:
+async def test_handler_4xx_is_stored_as_failed_and_replayed(harness: GuardedApp, code: int) -> None:
     first = await harness.client.post(f"/status/{code}", headers=key_headers())
     assert first.status_code == code
     replay = await harness.client.post(f"/status/{code}", headers=key_headers())
@@ -197,7 +197,7 @@ async def test_handler_4xx_is_stored_as_failed_and_replayed(harness: Harness, co
 
 
 @pytest.mark.parametrize("code", [200, 201, 204, 302])
-async def test_2xx_and_3xx_are_completed(harness: Harness, code: int) -> None:
+async def test_2xx_and_3xx_are_completed(harness: GuardedApp, code: int) -> None:
     await harness.client.post(f"/status/{code}", headers=key_headers())
     replay = await harness.client.post(f"/status/{code}", headers=key_headers())
     assert replay.status_code == code
@@ -205,7 +205,7 @@ async def test_2xx_and_3xx_are_completed(harness: Harness, code: int) -> None:
 
 
 @pytest.mark.parametrize("code", [500, 502, 503, 408, 429])
-async def test_transient_statuses_release_the_key(harness: Harness, code: int) -> None:
+async def test_transient_statuses_release_the_key(harness: GuardedApp, code: int) -> None:
     first = await harness.client.post(f"/status/{code}", headers=key_headers())
     assert first.status_code == code
     again = await harness.client.post(f"/status/{code}", headers=key_headers())
@@ -215,7 +215,7 @@ async def test_transient_statuses_release_the_key(harness: Harness, code: int) -
     assert len(harness.store) == 0
 
 
-async def test_unhandled_exception_releases_the_key_and_propagates(harness: Harness) -> None:
+async def test_unhandled_exception_releases_the_key_and_propagates(harness: GuardedApp) -> None:
     first = await harness.client.post("/crash", headers=key_headers())
     assert first.status_code == 500
     assert len(harness.store) == 0
@@ -223,14 +223,14 @@ async def test_unhandled_exception_releases_the_key_and_propagates(harness: Harn
     assert harness.ledger.executions["crash"] == 2
 
 
-async def test_exception_reaches_the_app_error_handling(harness: Harness) -> None:
+async def test_exception_reaches_the_app_error_handling(harness: GuardedApp) -> None:
     transport = httpx.ASGITransport(app=harness.app)  # raise_app_exceptions=True
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         with pytest.raises(RuntimeError, match="handler crashed"):
             await client.post("/crash", headers=key_headers())
 
 
-async def test_mark_retryable_releases_the_key(harness: Harness) -> None:
+async def test_mark_retryable_releases_the_key(harness: GuardedApp) -> None:
     for _ in range(2):
         response = await harness.client.post("/retryable", headers=key_headers())
         assert response.status_code == 400
@@ -238,7 +238,7 @@ async def test_mark_retryable_releases_the_key(harness: Harness) -> None:
     assert harness.ledger.executions["retryable"] == 2
 
 
-async def test_error_after_the_response_keeps_the_record(harness: Harness) -> None:
+async def test_error_after_the_response_keeps_the_record(harness: GuardedApp) -> None:
     first = await harness.client.post("/background", headers=key_headers())
     assert first.status_code == 200
     replay = await harness.client.post("/background", headers=key_headers())
@@ -246,7 +246,7 @@ async def test_error_after_the_response_keeps_the_record(harness: Harness) -> No
     assert harness.ledger.executions["background"] == 1
 
 
-async def test_binary_and_streamed_bodies_replay_byte_for_byte(harness: Harness) -> None:
+async def test_binary_and_streamed_bodies_replay_byte_for_byte(harness: GuardedApp) -> None:
     for path in ("/binary", "/stream"):
         first = await harness.client.post(path, headers=key_headers(path))
         replay = await harness.client.post(path, headers=key_headers(path))
@@ -255,7 +255,7 @@ async def test_binary_and_streamed_bodies_replay_byte_for_byte(harness: Harness)
     assert harness.ledger.executions["binary"] == harness.ledger.executions["stream"] == 1
 
 
-async def test_optional_key_route_runs_unprotected_without_a_key(harness: Harness) -> None:
+async def test_optional_key_route_runs_unprotected_without_a_key(harness: GuardedApp) -> None:
     assert (await harness.client.patch("/optional")).json() == {"n": 1}
     assert (await harness.client.patch("/optional")).json() == {"n": 2}
     keyed = await harness.client.patch("/optional", headers=key_headers())
@@ -265,7 +265,7 @@ async def test_optional_key_route_runs_unprotected_without_a_key(harness: Harnes
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "OPTIONS", "HEAD"])
-async def test_other_methods_pass_through(harness: Harness, method: str) -> None:
+async def test_other_methods_pass_through(harness: GuardedApp, method: str) -> None:
     for _ in range(2):
         response = await harness.client.request(
             method, "/payments", json=PAYMENT, headers=key_headers()
@@ -275,7 +275,7 @@ async def test_other_methods_pass_through(harness: Harness, method: str) -> None
     assert len(harness.store) == 0
 
 
-async def test_undecorated_and_unknown_routes_pass_through(harness: Harness) -> None:
+async def test_undecorated_and_unknown_routes_pass_through(harness: GuardedApp) -> None:
     for _ in range(2):
         await harness.client.post("/unguarded", headers=key_headers())
     assert harness.ledger.executions["unguarded"] == 2
@@ -283,7 +283,7 @@ async def test_undecorated_and_unknown_routes_pass_through(harness: Harness) -> 
     assert len(harness.store) == 0
 
 
-async def test_app_sees_every_byte_of_the_body(harness: Harness) -> None:
+async def test_app_sees_every_byte_of_the_body(harness: GuardedApp) -> None:
     body = b'{"a": 1,  "b": [1, 2, 3]}'
     response = await harness.client.post(
         "/echo", content=body, headers=key_headers(**{"content-type": "application/json"})
@@ -291,7 +291,7 @@ async def test_app_sees_every_byte_of_the_body(harness: Harness) -> None:
     assert response.content == body
 
 
-async def test_invalid_json_is_fingerprinted_as_bytes(harness: Harness) -> None:
+async def test_invalid_json_is_fingerprinted_as_bytes(harness: GuardedApp) -> None:
     headers = key_headers(**{"content-type": "application/json"})
     first = await harness.client.post("/echo", content=b"{oops", headers=headers)
     assert first.content == b"{oops"
@@ -302,7 +302,7 @@ async def test_invalid_json_is_fingerprinted_as_bytes(harness: Harness) -> None:
 
 
 async def test_body_larger_than_the_limit_is_413_before_the_store(kind: str) -> None:
-    harness = await make_harness(kind, max_body_bytes=100)
+    harness = await make_guarded_app(kind, max_body_bytes=100)
     response = await harness.client.post("/echo", content=b"x" * 101, headers=key_headers())
     assert response.status_code == 413
     assert "100-byte limit" in response.json()["error"]
@@ -318,7 +318,7 @@ async def test_body_larger_than_the_limit_is_413_before_the_store(kind: str) -> 
 
 
 async def test_problem_details_format(kind: str) -> None:
-    harness = await make_harness(kind, error_format="problem", problem_type="https://e.x/idem")
+    harness = await make_guarded_app(kind, error_format="problem", problem_type="https://e.x/idem")
     missing = await harness.client.post("/payments", json=PAYMENT)
     assert missing.headers["content-type"] == "application/problem+json"
     assert missing.json() == {
@@ -335,7 +335,7 @@ async def test_problem_details_format(kind: str) -> None:
 
 
 async def test_problem_title_for_in_progress(kind: str) -> None:
-    harness = await make_harness(kind, error_format="problem")
+    harness = await make_guarded_app(kind, error_format="problem")
     first = asyncio.create_task(
         harness.client.post("/payments", json=PAYMENT, headers=key_headers(**{"x-gate": "g"}))
     )
@@ -347,7 +347,7 @@ async def test_problem_title_for_in_progress(kind: str) -> None:
 
 
 async def test_custom_header_name_is_used_everywhere(kind: str) -> None:
-    harness = await make_harness(kind, header_name="X-Request-Key")
+    harness = await make_guarded_app(kind, header_name="X-Request-Key")
     missing = await harness.client.post("/payments", json=PAYMENT)
     assert missing.json() == {
         "error": "X-Request-Key header is required",
@@ -358,7 +358,7 @@ async def test_custom_header_name_is_used_everywhere(kind: str) -> None:
     assert replay.headers["x-idempotent-replay"] == "true"
 
 
-async def test_expired_lock_lets_a_retry_run_again(harness: Harness) -> None:
+async def test_expired_lock_lets_a_retry_run_again(harness: GuardedApp) -> None:
     """Seed scenario: the pod holding the lock dies; after the lock TTL a retry runs."""
     client, ledger = harness.client, harness.ledger
     crashed = asyncio.create_task(
@@ -374,7 +374,7 @@ async def test_expired_lock_lets_a_retry_run_again(harness: Harness) -> None:
 
 
 async def test_taken_over_request_answers_its_client_but_does_not_overwrite(
-    harness: Harness,
+    harness: GuardedApp,
 ) -> None:
     client, ledger = harness.client, harness.ledger
     first = asyncio.create_task(
@@ -395,7 +395,7 @@ async def test_taken_over_request_answers_its_client_but_does_not_overwrite(
     assert replay.headers["x-idempotent-replay"] == "true"
 
 
-async def test_lapsed_lock_with_no_successor_still_stores(harness: Harness) -> None:
+async def test_lapsed_lock_with_no_successor_still_stores(harness: GuardedApp) -> None:
     client, ledger = harness.client, harness.ledger
     first = asyncio.create_task(
         client.post("/short-lock", json={}, headers=key_headers(**{"x-gate": "a"}))
@@ -409,7 +409,7 @@ async def test_lapsed_lock_with_no_successor_still_stores(harness: Harness) -> N
     assert ledger.executions["short-lock"] == 1
 
 
-async def test_record_wire_fields(harness: Harness) -> None:
+async def test_record_wire_fields(harness: GuardedApp) -> None:
     await harness.client.post("/payments", json=PAYMENT, headers=key_headers("wire"))
     (entry,) = [record for record, _ in harness.store._entries.values()]
     assert entry.key == "wire"
@@ -423,7 +423,7 @@ async def test_record_wire_fields(harness: Harness) -> None:
     assert "set-cookie" not in names
 
 
-async def test_fifty_concurrent_requests_run_the_handler_once(harness: Harness) -> None:
+async def test_fifty_concurrent_requests_run_the_handler_once(harness: GuardedApp) -> None:
     client, ledger = harness.client, harness.ledger
     for round_number in range(5):
         gate = f"g{round_number}"
@@ -462,7 +462,7 @@ async def test_lifespan_and_websocket_scopes_pass_through() -> None:
 
 
 async def test_record_is_stored_before_the_last_chunk_reaches_the_client(kind: str) -> None:
-    harness = await make_harness(kind)
+    harness = await make_guarded_app(kind)
     seen_on_last_chunk: list[object] = []
     inner_send_messages: list[Message] = []
 
@@ -492,7 +492,7 @@ async def test_record_is_stored_before_the_last_chunk_reaches_the_client(kind: s
 async def test_anonymous_warning_is_logged_once(
     kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    harness = await make_harness(kind)
+    harness = await make_guarded_app(kind)
     with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
         await harness.client.post("/payments", json=PAYMENT, headers=key_headers("a"))
         await harness.client.post("/payments", json=PAYMENT, headers=key_headers("b"))
@@ -504,7 +504,7 @@ async def test_anonymous_warning_is_logged_once(
 async def test_a_content_length_that_is_not_one_number_is_400(
     kind: str, lengths: list[bytes]
 ) -> None:
-    harness = await make_harness(kind)
+    harness = await make_guarded_app(kind)
     body = orjson.dumps(PAYMENT)
     scope = payments_scope(
         (b"idempotency-key", b"k"), *((b"content-length", length) for length in lengths)

@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Host, Mount, Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from starlette_idempotency.responses import Problem
-from starlette_idempotency.routing import find_leaf, iter_routes
+from starlette_idempotency._responses import Problem
+from starlette_idempotency._routing import find_leaf, iter_routes
 
 Schema = dict[str, Any]
 

@@ -48,8 +48,22 @@ def test_exported_members() -> None:
         assert getattr(starlette_idempotency, name) is not None
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["AcquireResult", "Checkpoint", "IdempotencyPolicy", "IdempotencyRecord", "RecordStatus"],
+)
+def test_store_types_moved_from_the_root_resolve_with_a_deprecation_warning(name: str) -> None:
+    import starlette_idempotency.stores
+
+    assert name not in starlette_idempotency.__all__
+    with pytest.warns(DeprecationWarning, match=f"import {name} from starlette_idempotency.stores"):
+        moved = getattr(starlette_idempotency, name)
+    assert moved is getattr(starlette_idempotency.stores, name)
+
+
 def test_record_offers_the_designs_flat_response_fields() -> None:
-    from starlette_idempotency import IdempotencyRecord, RecordStatus, StoredResponse
+    from starlette_idempotency import StoredResponse
+    from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
 
     pending = IdempotencyRecord("k", RecordStatus.IN_PROGRESS, "sha256:x", "owner", 1.0, 2.0)
     assert pending.response_status_code is None
@@ -72,7 +86,7 @@ def test_record_offers_the_designs_flat_response_fields() -> None:
         (MemoryStore, "not the class MemoryStore: pass MemoryStore(...)"),
         ("redis://localhost:6379/0", "RedisStore.from_url('redis://localhost:6379/0')"),
         (object(), "must implement the IdempotencyStore protocol"),
-        ({"a": 1}, "dict lacks try_acquire, complete, fail, release, renew"),
+        ({"a": 1}, "dict lacks try_acquire, finish, save_progress, release, renew"),
     ],
 )
 def test_what_is_not_a_store_is_refused_when_the_middleware_is_built(

@@ -19,9 +19,9 @@ from starlette_idempotency import (
     idempotency_context,
     idempotent,
 )
-from starlette_idempotency.fingerprint import storage_key
+from starlette_idempotency._fingerprint import storage_key
 from starlette_idempotency.testing import FakeClock
-from tests.core.conftest import make_client
+from tests.support.guarded import make_client
 
 HEADERS = {"Idempotency-Key": "order-1"}
 LOCK_TTL = 5.0

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyEvent, IdempotencyMiddleware, MemoryStore, idempotent
-from tests.core.conftest import make_client
+from tests.support.guarded import make_client
 
 HEADERS = {"Idempotency-Key": "k"}
 

@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from tests.conditions import eventually
+from tests.support.conditions import eventually
 
 Message = MutableMapping[str, Any]
 BODY = b'{"amount": 1}'
@@ -136,7 +136,7 @@ async def test_app_that_stops_on_http_disconnect_keeps_the_outcome() -> None:
     client = Client()
     # Before ASGI spec 2.4, StreamingResponse listens for http.disconnect and stops its body.
     running = asyncio.create_task(app(scope(spec_version="2.0"), client.receive, client.send))
-    await eventually(lambda: client.body_chunks() >= 1, what="the first chunk")
+    await eventually(lambda: client.body_chunks() >= 1, message="the first chunk")
     client.gone.set()
     await asyncio.wait_for(running, 5)
     assert client.sent[-1].get("more_body") is True  # the body never finished
@@ -149,7 +149,7 @@ async def test_cancelled_request_task_keeps_the_outcome() -> None:
     app = build_app(executions, release)
     client = Client()
     running = asyncio.create_task(app(scope(), client.receive, client.send))
-    await eventually(lambda: client.body_chunks() >= 1, what="the first chunk")
+    await eventually(lambda: client.body_chunks() >= 1, message="the first chunk")
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running
@@ -172,7 +172,7 @@ async def test_a_5xx_cut_short_frees_the_key() -> None:
     app = build_app(executions, release)
     client = Client()
     running = asyncio.create_task(app(scope("status=503"), client.receive, client.send))
-    await eventually(lambda: client.body_chunks() >= 1, what="the first chunk")
+    await eventually(lambda: client.body_chunks() >= 1, message="the first chunk")
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running

@@ -12,17 +12,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from starlette_idempotency import (
-    IdempotencyMiddleware,
-    IdempotencyRecord,
-    MemoryStore,
-    RecordStatus,
-    checkpoint,
-    idempotent,
-)
-from starlette_idempotency.responses import retry_after_seconds
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, checkpoint, idempotent
+from starlette_idempotency._responses import retry_after_seconds
+from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
 from starlette_idempotency.testing import FakeClock
-from tests.core.conftest import Harness, make_client, make_harness
+from tests.support.guarded import GuardedApp, make_client, make_guarded_app
 
 NOW = 1_800_000_000.0
 PAYMENT = {"amount": "10.00", "currency": "EUR"}
@@ -71,7 +65,7 @@ def test_a_record_with_recovery_points_is_capped_by_its_lease() -> None:
 
 
 async def test_a_duplicate_is_told_to_come_back_soon_not_when_the_lock_ends(kind: str) -> None:
-    harness = await make_harness(kind)
+    harness = await make_guarded_app(kind)
     first = asyncio.create_task(
         harness.client.post(
             "/payments", json=PAYMENT, headers={"Idempotency-Key": "k", "x-gate": "g"}
@@ -87,7 +81,7 @@ async def test_a_duplicate_is_told_to_come_back_soon_not_when_the_lock_ends(kind
 
 
 async def test_the_remaining_lock_caps_the_hint(kind: str) -> None:
-    harness = await make_harness(kind)  # /short-lock: 5 s lock, no renewal
+    harness = await make_guarded_app(kind)  # /short-lock: 5 s lock, no renewal
     first = asyncio.create_task(
         harness.client.post(
             "/short-lock", json=PAYMENT, headers={"Idempotency-Key": "k", "x-gate": "s"}
@@ -101,7 +95,7 @@ async def test_the_remaining_lock_caps_the_hint(kind: str) -> None:
     await first
 
 
-async def retry_after_of(harness: Harness, path: str = "/payments") -> str:
+async def retry_after_of(harness: GuardedApp, path: str = "/payments") -> str:
     response = await harness.client.post(path, json=PAYMENT, headers={"Idempotency-Key": "k"})
     assert response.status_code == 409
     return response.headers["retry-after"]

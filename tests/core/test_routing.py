@@ -1,71 +1,18 @@
-"""Route lookup: included routers, mounts, direct wrapping, the bounded per-route cache.
-
-The helpers here (:class:`Endpoints`, :func:`assert_behaviour`) are shared by the other
-``test_routing_*`` modules.
-"""
+"""Route lookup: included routers, mounts, direct wrapping, the bounded per-route cache."""
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
-import httpx
 from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 from starlette.types import Scope
 
-from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from starlette_idempotency.routing import RouteResolver
-from tests.core.conftest import make_client
-
-Endpoint = Callable[[Request], Awaitable[Response]]
-
-
-@dataclass
-class Endpoints:
-    """Endpoints that count their runs by name and answer ``{"ran": name}``."""
-
-    runs: Counter[str] = field(default_factory=Counter)
-
-    def make(self, name: str, *, guarded: bool) -> Endpoint:
-        async def endpoint(request: Request) -> Response:
-            self.runs[name] += 1
-            return JSONResponse({"ran": name})
-
-        return idempotent()(endpoint) if guarded else endpoint
-
-    def guarded(self, name: str) -> Endpoint:
-        return self.make(name, guarded=True)
-
-    def open(self, name: str) -> Endpoint:
-        return self.make(name, guarded=False)
-
-
-async def assert_behaviour(
-    client: httpx.AsyncClient, url: str, endpoints: Endpoints, name: str, *, guarded: bool
-) -> None:
-    """POST ``url`` twice with one fresh key, then once without a key. A guarded endpoint runs
-    once, is replayed, and demands a key (400); an open one runs every time."""
-    key = {"Idempotency-Key": uuid.uuid4().hex}
-    before = endpoints.runs[name]
-    first = await client.post(url, headers=key)
-    retry = await client.post(url, headers=key)
-    keyless = await client.post(url)
-    assert first.status_code == 200, first.text
-    assert first.json() == {"ran": name}
-    if guarded:
-        assert retry.headers.get("x-idempotent-replay") == "true"
-        assert keyless.status_code == 400, keyless.text
-        assert endpoints.runs[name] == before + 1
-    else:
-        assert "x-idempotent-replay" not in retry.headers
-        assert keyless.json() == {"ran": name}
-        assert endpoints.runs[name] == before + 3
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore
+from starlette_idempotency._routing import RouteResolver
+from tests.support.guarded import make_client
+from tests.support.routing import Endpoint, Endpoints, assert_behaviour
 
 
 def stored_templates(store: MemoryStore) -> set[str]:

@@ -14,8 +14,8 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
-from tests.core.conftest import make_client
-from tests.core.test_routing import Endpoints, assert_behaviour
+from tests.support.guarded import make_client
+from tests.support.routing import Endpoints, assert_behaviour
 
 
 async def test_two_apps_each_with_its_own_middleware_instance() -> None:

@@ -7,8 +7,8 @@ from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
-from tests.core.conftest import make_client
-from tests.core.test_routing import Endpoints, assert_behaviour
+from tests.support.guarded import make_client
+from tests.support.routing import Endpoints, assert_behaviour
 
 
 async def test_route_inserted_ahead_of_a_served_route() -> None:

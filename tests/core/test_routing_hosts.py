@@ -14,8 +14,8 @@ from starlette.routing import Host, Mount, Route, Router
 from starlette.types import ASGIApp
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
-from tests.core.conftest import make_client
-from tests.core.test_routing import Endpoints, assert_behaviour
+from tests.support.guarded import make_client
+from tests.support.routing import Endpoints, assert_behaviour
 
 Placement = Callable[[Starlette], ASGIApp]
 

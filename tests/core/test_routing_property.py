@@ -25,8 +25,8 @@ from starlette.routing import BaseRoute, Host, Mount, Route, Router
 from starlette.types import ASGIApp
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
-from tests.core.conftest import make_client
-from tests.core.test_routing import Endpoint, Endpoints
+from tests.support.guarded import make_client
+from tests.support.routing import Endpoint, Endpoints
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

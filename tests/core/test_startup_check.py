@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from starlette.types import Message
 
 from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
-from starlette_idempotency import store_check as store_check_module
+from starlette_idempotency import _store_check as store_check_module
 from starlette_idempotency.stores.base import StoreFinding
 
 

@@ -6,50 +6,20 @@ store-specific outage tests.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Any
 
 import pytest
 
-from starlette_idempotency import IdempotencyRecord, MemoryStore
-from starlette_idempotency.stores.base import AcquireResult, FencedWrite
-from tests.core.conftest import make_harness
+from tests.support.broken_store import BrokenStore
+from tests.support.guarded import make_guarded_app
 
 PAYMENT = {"amount": "10.00", "currency": "EUR"}
-
-
-class BrokenStore(MemoryStore):
-    """A MemoryStore whose chosen operations fail or hang."""
-
-    never_blocks = False  # it may hang: the middleware must bound its calls
-
-    def __init__(self, *, failing: set[str], hang: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.failing = failing
-        self.hang = hang
-
-    async def _maybe_fail(self, operation: str) -> None:
-        if operation in self.failing:
-            if self.hang:
-                await asyncio.Event().wait()
-            raise ConnectionError(f"{operation} failed")
-
-    async def try_acquire(
-        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
-    ) -> AcquireResult:
-        await self._maybe_fail("try_acquire")
-        return await super().try_acquire(key, pending, lock_ttl, recover=recover)
-
-    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        await self._maybe_fail("complete")
-        return await super().complete(key, record, ttl)
 
 
 @pytest.mark.parametrize("hang", [False, True], ids=["error", "timeout"])
 async def test_fail_closed_answers_503_without_running(kind: str, hang: bool) -> None:
     store = BrokenStore(failing={"try_acquire"}, hang=hang)
-    harness = await make_harness(kind, store, store_timeout_seconds=0.05)
+    harness = await make_guarded_app(kind, store, store_timeout_seconds=0.05)
     response = await harness.client.post(
         "/payments", json=PAYMENT, headers={"Idempotency-Key": "k"}
     )
@@ -63,7 +33,7 @@ async def test_fail_open_runs_the_handler_unprotected(
     kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = BrokenStore(failing={"try_acquire"})
-    harness = await make_harness(kind, store, on_store_error="fail_open")
+    harness = await make_guarded_app(kind, store, on_store_error="fail_open")
     with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
         for _ in range(2):
             response = await harness.client.post(
@@ -75,8 +45,8 @@ async def test_fail_open_runs_the_handler_unprotected(
 
 
 async def test_save_failure_still_answers_the_client(kind: str) -> None:
-    store = BrokenStore(failing={"complete"})
-    harness = await make_harness(kind, store)
+    store = BrokenStore(failing={"finish"})
+    harness = await make_guarded_app(kind, store)
     response = await harness.client.post(
         "/payments", json=PAYMENT, headers={"Idempotency-Key": "k"}
     )
@@ -89,7 +59,7 @@ async def test_save_failure_still_answers_the_client(kind: str) -> None:
 
 async def test_recovers_when_the_store_comes_back(kind: str) -> None:
     store = BrokenStore(failing={"try_acquire"})
-    harness = await make_harness(kind, store)
+    harness = await make_guarded_app(kind, store)
     headers = {"Idempotency-Key": "k"}
     assert (
         await harness.client.post("/payments", json=PAYMENT, headers=headers)

@@ -11,15 +11,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from starlette_idempotency import (
-    AcquireResult,
-    IdempotencyMiddleware,
-    IdempotencyRecord,
-    MemoryStore,
-    idempotent,
-)
-from tests.conditions import eventually
-from tests.core.conftest import make_client
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency.stores import AcquireResult, IdempotencyRecord
+from tests.support.conditions import eventually
+from tests.support.guarded import make_client
 
 HEADERS = {"Idempotency-Key": "k"}
 
@@ -84,7 +79,7 @@ async def test_duplicate_waits_and_gets_the_replay() -> None:
         first = await app.start_first()
         duplicate = asyncio.create_task(app.client.post("/pay", json={}, headers=HEADERS))
         waiters = app.middleware.waiters
-        await eventually(lambda: waiters.count == 1, what="the duplicate to wait")  # noqa: B023
+        await eventually(lambda: waiters.count == 1, message="the duplicate to wait")  # noqa: B023
         app.gate.set()
         assert (await first).json() == {"n": 1}
         replay = await duplicate
@@ -120,7 +115,7 @@ async def test_waiter_runs_itself_when_the_first_fails_transiently() -> None:
     app = App(MemoryStore(), statuses=(503, 201), wait_timeout_seconds=5)
     first = await app.start_first()
     duplicate = asyncio.create_task(app.client.post("/pay", json={}, headers=HEADERS))
-    await eventually(lambda: app.middleware.waiters.count == 1, what="the duplicate to wait")
+    await eventually(lambda: app.middleware.waiters.count == 1, message="the duplicate to wait")
     app.gate.set()
     assert (await first).status_code == 503  # released: the waiter may run
     retried = await duplicate
@@ -135,7 +130,7 @@ async def test_a_thousand_waiters_cost_a_few_reads() -> None:
     duplicates = [
         asyncio.create_task(app.client.post("/pay", json={}, headers=HEADERS)) for _ in range(1000)
     ]
-    await eventually(lambda: store.calls["try_acquire"] == 1001, within=20)
+    await eventually(lambda: store.calls["try_acquire"] == 1001, timeout=20)
     reads_before = store.calls["get"]
     await asyncio.sleep(2.0)  # the waiting period being measured
     reads_while_waiting = store.calls["get"] - reads_before
@@ -156,7 +151,7 @@ async def test_a_first_request_that_ends_before_the_watch_starts_is_seen_at_once
     from starlette.routing import Route
 
     from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-    from tests.core.conftest import make_client
+    from tests.support.guarded import make_client
 
     @idempotent(on_in_progress="wait")
     async def quick(request: Request) -> Response:

@@ -14,35 +14,7 @@ import httpx
 import pytest
 from examples.payments.cluster import Cluster, StoreKind
 
-# Short, so the crash scenario waits 2 s for the lock to lapse instead of 60 s.
-LOCK_TTL_SECONDS = 2.0
-
-
-class Clusters:
-    """Starts one cluster per store on first use and stops them all at the end."""
-
-    def __init__(self) -> None:
-        self._running: dict[StoreKind, Cluster] = {}
-
-    def get(self, store: StoreKind) -> Cluster:
-        if store not in self._running:
-            cluster = Cluster(store=store, payments_lock_ttl_seconds=LOCK_TTL_SECONDS)
-            cluster.start()  # stops what it started if it fails half-way
-            self._running[store] = cluster
-        cluster = self._running[store]
-        cluster.heal()
-        return cluster
-
-    def close(self) -> None:
-        errors = []
-        for cluster in self._running.values():
-            try:
-                cluster.close()
-            except Exception as exc:
-                errors.append(exc)
-        self._running.clear()
-        if errors:
-            raise errors[0]
+from tests.support.e2e import Clusters
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.uvicorn_server import UvicornServer
+from tests.support.uvicorn import UvicornServer
 
 pytestmark = pytest.mark.e2e
 

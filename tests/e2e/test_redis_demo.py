@@ -9,7 +9,8 @@ import httpx
 import pytest
 from examples.payments.cluster import Cluster
 
-from tests.e2e.support import eventually, new_key, order_rows, payment_body, payment_rows, post
+from tests.support.conditions import eventually
+from tests.support.e2e import new_key, order_rows, payment_body, payment_rows, post
 
 pytestmark = pytest.mark.e2e
 
@@ -123,7 +124,7 @@ async def test_nginx_never_resends_a_post_to_the_other_pod(
             return None
 
         body, key = await eventually(
-            refused, within=15, interval=0.25, what="a POST routed to the dead pod"
+            refused, timeout=15, interval=0.25, message="a POST routed to the dead pod"
         )
         assert await payment_rows(client, redis_cluster.url, body["merchantReference"]) == []
         # The client retries with the same key; it runs once, on the live pod.
@@ -161,7 +162,9 @@ async def test_7_redis_down_is_503_and_writes_nothing_then_recovers(
         return None if response.status_code == 503 else response
 
     # No restart of the pods: their Redis clients reconnect by themselves.
-    recovered = await eventually(served, within=10, what="the pods to reach Redis again")
+    recovered = await eventually(
+        served, timeout=10, interval=0.1, message="the pods to reach Redis again"
+    )
     assert recovered.status_code == 200, recovered.text
     replay = await post(client, "/payments", body, key=key)
     assert replay.headers["x-idempotent-replay"] == "true"

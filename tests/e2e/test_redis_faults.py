@@ -14,8 +14,8 @@ import redis
 
 from starlette_idempotency import storage_key
 from starlette_idempotency.testing.redis_server import RedisServer, redis_command
-from tests.conditions import eventually, eventually_async
-from tests.e2e.uvicorn_server import UvicornServer
+from tests.support.conditions import eventually
+from tests.support.uvicorn import UvicornServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
@@ -65,12 +65,12 @@ async def test_a_vanished_lock_is_taken_back_before_a_retry_can_run(
     first = asyncio.create_task(
         client.post("/slow?wait=1", json={}, headers={"Idempotency-Key": "k"})
     )
-    await eventually(lambda: bool(admin.exists(LOCK_KEY)), what="the lock in Redis")
+    await eventually(lambda: bool(admin.exists(LOCK_KEY)), message="the lock in Redis")
     if vanish == "evicted":
         evict(admin)
     else:
         admin.delete(LOCK_KEY)
-    await eventually(lambda: bool(admin.exists(LOCK_KEY)), what="the owner taking its lock back")
+    await eventually(lambda: bool(admin.exists(LOCK_KEY)), message="the owner taking its lock back")
     retry = await client.post("/slow?wait=1", json={}, headers={"Idempotency-Key": "k"})
     assert retry.status_code == 409
     await client.post("/release")
@@ -109,7 +109,7 @@ async def test_an_acquire_abandoned_in_a_stall_does_not_hold_the_key(
     stalling.start()
     try:
         await eventually(
-            lambda: stall[0] == "CLIENT" or is_stalled(server.url), what="Redis to stall"
+            lambda: stall[0] == "CLIENT" or is_stalled(server.url), message="Redis to stall"
         )
         if stall[0] == "CLIENT":
             await asyncio.to_thread(stalling.join)
@@ -126,6 +126,6 @@ async def test_an_acquire_abandoned_in_a_stall_does_not_hold_the_key(
         answers.append(retry.status_code)
         return retry.status_code not in (409, 503)
 
-    await eventually_async(answered, within=10, what="the key to be free again")
+    await eventually(answered, timeout=10, message="the key to be free again")
     assert answers[-1] == 200, answers
     assert (await client.get("/state")).json()["executions"] == 1

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from examples.payments.cluster import Cluster
 
-from tests.e2e.conftest import LOCK_TTL_SECONDS
-from tests.e2e.support import eventually, new_key, payment_body, payment_rows, post
+from tests.support.conditions import eventually
+from tests.support.e2e import LOCK_TTL_SECONDS, new_key, payment_body, payment_rows, post
 
 pytestmark = pytest.mark.e2e
 
@@ -110,7 +110,9 @@ async def test_6_pod_crash_mid_request_retry_on_other_pod_runs_after_lock_ttl(
         response = await post(client, f"{pod_b.url}/payments", body, key=key)
         return None if response.status_code == 409 else response
 
-    response = await eventually(retried, within=LOCK_TTL_SECONDS + 10, what="the lock to lapse")
+    response = await eventually(
+        retried, timeout=LOCK_TTL_SECONDS + 10, interval=0.1, message="the lock to lapse"
+    )
     waited = asyncio.get_running_loop().time() - crashed_at
     assert response.status_code == 200, response.text
     assert response.json()["pod"] == "pod-b"
@@ -144,7 +146,9 @@ async def test_crash_after_the_provider_call_charges_exactly_once(
         return None if response.status_code == 409 else response
 
     try:
-        response = await eventually(retried, within=LOCK_TTL_SECONDS + 10, what="the lease to end")
+        response = await eventually(
+            retried, timeout=LOCK_TTL_SECONDS + 10, interval=0.1, message="the lease to end"
+        )
         assert response.status_code == 200, response.text
         assert response.json()["pod"] == "pod-b"
         charges = (
@@ -183,7 +187,9 @@ async def kill_pod_a_while_delayed(
             response = await client.get(f"{pod_a.url}/demo/delayed")
             return True if reference in response.json()["merchantReferences"] else None
 
-        await eventually(sleeping_on_pod_a, within=10, what="pod-a to be inside the handler")
+        await eventually(
+            sleeping_on_pod_a, timeout=10, interval=0.1, message="pod-a to be inside the handler"
+        )
         cluster.kill_pod("pod-a")
         with pytest.raises(httpx.TransportError):
             await in_flight

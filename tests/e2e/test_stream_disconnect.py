@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.uvicorn_server import HttpImplementation, UvicornServer
+from tests.support.conditions import eventually
+from tests.support.uvicorn import HttpImplementation, UvicornServer
 
 pytestmark = pytest.mark.e2e
 
@@ -50,14 +51,16 @@ async def hang_up_mid_stream(port: int, key: str, query: str = "") -> bytes:
 
 async def settled_retry(client: httpx.AsyncClient, key: str, query: str = "") -> httpx.Response:
     """Retry until the first request's outcome is settled (no longer 409 in progress)."""
-    async with asyncio.timeout(15):
-        while True:
-            response = await client.post(
-                f"/stream{query}", json={"amount": 1}, headers={"Idempotency-Key": key}
-            )
-            if response.status_code != 409:
-                return response
-            await asyncio.sleep(0.05)
+
+    async def settled() -> httpx.Response | None:
+        response = await client.post(
+            f"/stream{query}", json={"amount": 1}, headers={"Idempotency-Key": key}
+        )
+        return None if response.status_code == 409 else response
+
+    return await eventually(
+        settled, timeout=15, interval=0.05, message="the first request's outcome"
+    )
 
 
 async def test_retry_after_a_hang_up_is_a_replay_not_a_second_run(server: UvicornServer) -> None:

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from starlette_idempotency import IdempotencyEvent, MemoryStore, PrometheusMetrics
-from tests.core.conftest import Harness, make_harness
-from tests.core.test_store_failures import BrokenStore
+from tests.support.broken_store import BrokenStore
+from tests.support.guarded import GuardedApp, make_guarded_app
 
 PAYMENT = {"amount": "10.00", "currency": "EUR"}
 
@@ -27,18 +27,20 @@ class Collected:
         return [event.result for event in self.events if event.event == kind]
 
 
-async def observed(store: MemoryStore | None = None, **options: Any) -> tuple[Harness, Collected]:
+async def observed(
+    store: MemoryStore | None = None, **options: Any
+) -> tuple[GuardedApp, Collected]:
     sink = Collected()
     registry = CollectorRegistry()
     metrics = PrometheusMetrics(registry=registry)
-    harness = await make_harness(
+    harness = await make_guarded_app(
         "fastapi", store, on_event=sink, metrics=metrics, pod_id="pod-test", **options
     )
     harness.registry = registry  # type: ignore[attr-defined]
     return harness, sink
 
 
-def sample(harness: Harness, name: str, **labels: str) -> float:
+def sample(harness: GuardedApp, name: str, **labels: str) -> float:
     value = harness.registry.get_sample_value(name, labels)  # type: ignore[attr-defined]
     return float(value or 0.0)
 
@@ -165,7 +167,7 @@ async def test_store_errors_are_counted(policy: str, result: str) -> None:
 
 
 async def test_events_are_logged_with_extra_fields(caplog: pytest.LogCaptureFixture) -> None:
-    harness = await make_harness("fastapi", pod_id="pod-a", log_keys="hashed")
+    harness = await make_guarded_app("fastapi", pod_id="pod-a", log_keys="hashed")
     with caplog.at_level(logging.INFO, logger="starlette_idempotency"):
         await harness.client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": "secret"})
     checks = [r for r in caplog.records if getattr(r, "event", None) == "idempotency_check"]
@@ -183,7 +185,7 @@ async def test_a_failing_hook_never_fails_the_request(caplog: pytest.LogCaptureF
     def broken_hook(event: IdempotencyEvent) -> None:
         raise RuntimeError("sink down")
 
-    harness = await make_harness("fastapi", on_event=broken_hook)
+    harness = await make_guarded_app("fastapi", on_event=broken_hook)
     with caplog.at_level(logging.ERROR, logger="starlette_idempotency"):
         response = await harness.client.post(
             "/payments", json=PAYMENT, headers={"Idempotency-Key": "k"}
@@ -208,7 +210,7 @@ async def test_store_calls_are_traced_with_opentelemetry() -> None:
     from opentelemetry import trace
 
     trace.set_tracer_provider(provider)
-    harness = await make_harness("fastapi", tracing=True)
+    harness = await make_guarded_app("fastapi", tracing=True)
     await harness.client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": "k"})
     spans = exporter.get_finished_spans()
     names = [span.name for span in spans if span.name.startswith("idempotency.")]
@@ -222,8 +224,8 @@ async def test_renewal_that_finds_the_lock_gone_is_a_processing_timeout() -> Non
     from starlette.routing import Route
 
     from starlette_idempotency import IdempotencyMiddleware, idempotent
-    from tests.conditions import eventually
-    from tests.core.conftest import make_client
+    from tests.support.conditions import eventually
+    from tests.support.guarded import make_client
 
     registry = CollectorRegistry()
     store = MemoryStore()
@@ -251,6 +253,6 @@ async def test_renewal_that_finds_the_lock_gone_is_a_processing_timeout() -> Non
         )
         return value == 1
 
-    await eventually(counted, what="the renewal to find the lock gone")
+    await eventually(counted, message="the renewal to find the lock gone")
     release.set()
     assert (await request).status_code == 200

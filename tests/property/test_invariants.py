@@ -1,7 +1,8 @@
 """Property tests: generated requests against the guarded Starlette and FastAPI apps.
 
-The invariants are described and checked in ``tests.property.invariants``; a failure names the
-invariant, and hypothesis prints the shrunk scenario with every request as it was sent.
+The invariants are described and checked in ``tests.support.property.invariants``; a failure
+names the invariant, and hypothesis prints the shrunk scenario with every request as it was
+sent.
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.property.conftest import PROPERTY_SETTINGS
-from tests.property.invariants import run_scenario
-from tests.property.scenarios import (
+from tests.support.property.invariants import run_scenario
+from tests.support.property.scenarios import (
     concurrent_duplicates,
     confusable_twins,
     content_type_pairs,
@@ -21,6 +21,7 @@ from tests.property.scenarios import (
     sequential_pairs,
     transports,
 )
+from tests.support.property.settings import PROPERTY_SETTINGS
 
 KINDS = pytest.mark.parametrize("kind", ["starlette", "fastapi"])
 

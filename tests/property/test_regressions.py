@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.property.driver import RequestSpec
-from tests.property.invariants import Scenario, run_scenario
+from tests.support.property.driver import RequestSpec
+from tests.support.property.invariants import Scenario, run_scenario
 
 
 def _one_after_another(kind: str, *requests: RequestSpec) -> Scenario:

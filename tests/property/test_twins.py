@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 
-from tests.property.apps import ROUTES
-from tests.property.bodies import TWINS, encode, place_twin, render
-from tests.property.driver import RequestSpec
-from tests.property.invariants import Scenario, ScenarioRun
+from tests.support.property.apps import ROUTES
+from tests.support.property.bodies import TWINS, encode, place_twin, render
+from tests.support.property.driver import RequestSpec
+from tests.support.property.invariants import Scenario, ScenarioRun
 
 
 def _cases(kind: str, first: str, second: str) -> list[tuple[RequestSpec, ...]]:

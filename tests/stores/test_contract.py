@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from starlette_idempotency.record import (
+from starlette_idempotency._record import (
     Checkpoint,
     IdempotencyRecord,
     RecordStatus,
@@ -23,7 +23,8 @@ from starlette_idempotency.stores.base import (
     FencedWrite,
     IdempotencyStore,
 )
-from tests.stores.conftest import Harness, finished
+from tests.support.records import finished
+from tests.support.stores import ClockedStore
 
 #: A lock or retention TTL short enough to wait out on a real server.
 SHORT_TTL = 0.3
@@ -86,7 +87,7 @@ async def test_complete_then_conflict_returns_the_response(
     await store.try_acquire("k1", pending, LOCK_TTL)
     done = finished(pending)
 
-    assert await store.complete("k1", done, RETENTION_TTL)
+    assert await store.finish("k1", done, RETENTION_TTL)
 
     assert_same(await store.get("k1"), done)
     result = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
@@ -103,7 +104,7 @@ async def test_fail_stores_a_failed_record(
     await store.try_acquire("k1", pending, LOCK_TTL)
     failed = finished(pending, status=RecordStatus.FAILED, body=b'{"error": "card declined"}')
 
-    assert await store.fail("k1", failed, RETENTION_TTL)
+    assert await store.finish("k1", failed, RETENTION_TTL)
 
     stored = await store.get("k1")
     assert_same(stored, failed)
@@ -138,11 +139,11 @@ async def test_release_by_another_owner_keeps_the_lock(
 
 
 async def test_final_record_expires_after_its_ttl(
-    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     pending = make_record("k1", "owner-a")
     await store.try_acquire("k1", pending, LOCK_TTL)
-    assert await store.complete("k1", finished(pending), SHORT_TTL)
+    assert await store.finish("k1", finished(pending), SHORT_TTL)
 
     await harness.expire("k1", SHORT_TTL)
 
@@ -151,7 +152,7 @@ async def test_final_record_expires_after_its_ttl(
 
 
 async def test_expired_lock_is_taken_over(
-    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     await store.try_acquire("k1", make_record("k1", "owner-a"), SHORT_TTL)
 
@@ -164,7 +165,7 @@ async def test_expired_lock_is_taken_over(
 
 
 async def test_old_owner_is_fenced_off_after_a_takeover(
-    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     old = make_record("k1", "owner-a")
     await store.try_acquire("k1", old, SHORT_TTL)
@@ -172,25 +173,25 @@ async def test_old_owner_is_fenced_off_after_a_takeover(
     successor = make_record("k1", "owner-b")
     assert (await store.try_acquire("k1", successor, LOCK_TTL)).acquired
 
-    assert await store.complete("k1", finished(old), RETENTION_TTL) is FencedWrite.LOST
+    assert await store.finish("k1", finished(old), RETENTION_TTL) is FencedWrite.LOST
     failed = finished(old, status=RecordStatus.FAILED)
-    assert await store.fail("k1", failed, RETENTION_TTL) is FencedWrite.LOST
+    assert await store.finish("k1", failed, RETENTION_TTL) is FencedWrite.LOST
     assert not await store.release("k1", "owner-a")
     assert not await store.renew("k1", "owner-a", LOCK_TTL)
 
     assert_same(await store.get("k1"), successor)
-    assert await store.complete("k1", finished(successor), RETENTION_TTL) is FencedWrite.WRITTEN
+    assert await store.finish("k1", finished(successor), RETENTION_TTL) is FencedWrite.WRITTEN
 
 
 async def test_complete_after_the_lock_lapsed_with_nobody_else(
-    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     pending = make_record("k1", "owner-a")
     await store.try_acquire("k1", pending, SHORT_TTL)
     await harness.expire("k1", SHORT_TTL)
     done = finished(pending)
 
-    assert await store.complete("k1", done, RETENTION_TTL) is FencedWrite.RECLAIMED
+    assert await store.finish("k1", done, RETENTION_TTL) is FencedWrite.RECLAIMED
 
     assert_same(await store.get("k1"), done)
 
@@ -202,7 +203,7 @@ async def test_a_final_write_by_the_owner_is_written(
     pending = make_record("k1", "owner-a")
     await store.try_acquire("k1", pending, LOCK_TTL)
     final = finished(pending, status=status)
-    write = store.complete if status is RecordStatus.COMPLETED else store.fail
+    write = store.finish
 
     assert await write("k1", final, RETENTION_TTL) is FencedWrite.WRITTEN
 
@@ -219,7 +220,7 @@ async def test_a_final_write_over_a_vanished_key_is_reclaimed(
     await store.try_acquire("k1", pending, LOCK_TTL)
     assert await store.release("k1", "owner-a")
     final = finished(pending, status=status)
-    write = store.complete if status is RecordStatus.COMPLETED else store.fail
+    write = store.finish
 
     assert await write("k1", final, RETENTION_TTL) is FencedWrite.RECLAIMED
 
@@ -241,7 +242,7 @@ async def test_the_holder_acquiring_again_keeps_the_key(
     assert again.record is None
     assert_same(await store.get("k1"), pending)
     assert not (await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)).acquired
-    assert await store.complete("k1", finished(pending), RETENTION_TTL) is FencedWrite.WRITTEN
+    assert await store.finish("k1", finished(pending), RETENTION_TTL) is FencedWrite.WRITTEN
 
 
 async def test_the_owner_acquiring_a_vanished_key_takes_it_back(
@@ -255,7 +256,7 @@ async def test_the_owner_acquiring_a_vanished_key_takes_it_back(
 
     assert back.acquired
     assert await store.renew("k1", "owner-a", LOCK_TTL)
-    assert await store.complete("k1", finished(pending), RETENTION_TTL) is FencedWrite.WRITTEN
+    assert await store.finish("k1", finished(pending), RETENTION_TTL) is FencedWrite.WRITTEN
 
 
 async def test_a_finished_record_is_not_held_by_its_owner(
@@ -266,7 +267,7 @@ async def test_a_finished_record_is_not_held_by_its_owner(
     pending = make_record("k1", "owner-a")
     await store.try_acquire("k1", pending, LOCK_TTL)
     done = finished(pending)
-    await store.complete("k1", done, RETENTION_TTL)
+    await store.finish("k1", done, RETENTION_TTL)
 
     again = await store.try_acquire("k1", make_record("k1", "owner-a"), LOCK_TTL, recover=False)
 
@@ -275,7 +276,7 @@ async def test_a_finished_record_is_not_held_by_its_owner(
 
 
 async def test_renewed_lock_outlives_its_first_ttl(
-    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     renewed = make_record("renewed", "owner-a")
     await store.try_acquire("renewed", renewed, SHORT_TTL)
@@ -299,7 +300,7 @@ async def test_renew_needs_an_in_progress_record_of_the_same_owner(
     assert not await store.renew("k1", "owner-b", LOCK_TTL)
     assert await store.renew("k1", "owner-a", LOCK_TTL)
 
-    assert await store.complete("k1", finished(pending), RETENTION_TTL)
+    assert await store.finish("k1", finished(pending), RETENTION_TTL)
     assert not await store.renew("k1", "owner-a", LOCK_TTL)
 
 
@@ -311,7 +312,7 @@ async def test_binary_body_round_trips_byte_for_byte(
     await store.try_acquire("k1", pending, LOCK_TTL)
     done = finished(pending, body=body)
 
-    assert await store.complete("k1", done, RETENTION_TTL)
+    assert await store.finish("k1", done, RETENTION_TTL)
 
     stored = await store.get("k1")
     assert stored is not None
@@ -334,7 +335,7 @@ async def test_keys_with_colons_and_unicode(
     assert (await store.try_acquire(sibling, make_record(sibling, "owner-b"), LOCK_TTL)).acquired
 
     assert_same(await store.get(key), pending)
-    assert await store.complete(key, finished(pending), RETENTION_TTL)
+    assert await store.finish(key, finished(pending), RETENTION_TTL)
     stored_sibling = await store.get(sibling)
     assert stored_sibling is not None
     assert stored_sibling.owner_token == "owner-b"
@@ -384,7 +385,7 @@ def require_recovery(store: IdempotencyStore) -> None:
 
 
 async def test_save_progress_by_the_owner(
-    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     pending = make_record("k1", "owner-a")
     await store.try_acquire("k1", pending, LOCK_TTL)
@@ -403,7 +404,7 @@ async def test_save_progress_by_the_owner(
 
 
 async def test_save_progress_needs_a_live_record(
-    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     pending = make_record("k1", "owner-a")
     now = harness.now()
@@ -414,7 +415,7 @@ async def test_save_progress_needs_a_live_record(
 
 
 async def test_a_dead_handlers_checkpoints_are_taken_over(
-    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     require_recovery(store)
     dead = make_record("k1", "owner-a")
@@ -440,15 +441,15 @@ async def test_a_dead_handlers_checkpoints_are_taken_over(
     assert again.acquired
     assert_same(again.record, stored)
     # The dead handler is fenced off; its successor finishes.
-    assert not await store.complete("k1", finished(saved), RETENTION_TTL)
+    assert not await store.finish("k1", finished(saved), RETENTION_TTL)
     assert not await store.save_progress("k1", saved, RETENTION_TTL)
     assert not await store.release("k1", "owner-a")
     assert not (await store.try_acquire("k1", make_record("k1", "owner-c"), LOCK_TTL)).acquired
-    assert await store.complete("k1", finished(stored), RETENTION_TTL)
+    assert await store.finish("k1", finished(stored), RETENTION_TTL)
 
 
 async def test_a_checkpointed_record_is_not_taken_over_when(
-    harness: Harness, store: IdempotencyStore, make_record: MakeRecord
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     require_recovery(store)
     now = harness.now()

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import pytest
 import redis.asyncio as aioredis
 
-from starlette_idempotency.stores import redis as redis_store
 from starlette_idempotency.stores.base import CheckableStore, StoreFinding
 from starlette_idempotency.stores.redis import DriverName, RedisStore
+from starlette_idempotency.stores.redis import _check as redis_check
 from starlette_idempotency.testing.redis_server import RedisClusterServers, RedisServer
-from tests.stores.conftest import DRIVERS, glide_client
+from tests.support.stores import DRIVERS, glide_client
 
 pytestmark = pytest.mark.redis
 
@@ -125,7 +125,7 @@ async def test_a_stopped_server_is_one_error(server: RedisServer, store: RedisSt
 async def test_a_hung_server_is_one_error_within_the_check_timeout(
     server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_store, "CHECK_TIMEOUT_SECONDS", 0.3)
+    monkeypatch.setattr(redis_check, "CHECK_TIMEOUT_SECONDS", 0.3)
     store = RedisStore.from_url(server.url)
     server.freeze()
     try:

@@ -18,10 +18,12 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
-from starlette_idempotency.stores.redis_driver import lua_source
+from starlette_idempotency.stores.redis._driver import lua_source
+from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
 from starlette_idempotency.testing.redis_server import RedisClusterServers
-from tests.plugins.redis_servers import delete_prefixed, unique_prefix
-from tests.stores.conftest import STRATEGIES, finished, pending, poll
+from tests.support.conditions import eventually
+from tests.support.records import finished, pending
+from tests.support.stores import STRATEGIES
 
 pytestmark = [pytest.mark.redis, pytest.mark.cluster]
 
@@ -151,10 +153,12 @@ async def test_a_cancelled_call_leaves_no_half_read_connection(
         await admin.client_pause(10_000, all=False)
         try:
             call = asyncio.create_task(bounded_call())
-            await poll(lambda: _is(blocked_clients(), 1), "the acquire held by the pause")
+            await eventually(
+                lambda: _is(blocked_clients(), 1), message="the acquire held by the pause"
+            )
             with pytest.raises(TimeoutError):
                 await call
-            await poll(lambda: _is(blocked_clients(), 0), "the cancelled client gone")
+            await eventually(lambda: _is(blocked_clients(), 0), message="the cancelled client gone")
         finally:
             await admin.client_unpause()
 

@@ -13,11 +13,12 @@ from typing import Literal
 import pytest
 import redis.asyncio as aioredis
 
-from starlette_idempotency.record import RecordStatus
+from starlette_idempotency._record import RecordStatus
 from starlette_idempotency.stores.base import FencedWrite
 from starlette_idempotency.stores.redis import DriverName, RedisStore
 from starlette_idempotency.testing.redis_server import RedisServer
-from tests.stores.conftest import DRIVERS, finished, pending
+from tests.support.records import finished, pending
+from tests.support.stores import DRIVERS
 
 pytestmark = pytest.mark.redis
 

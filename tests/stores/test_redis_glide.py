@@ -17,21 +17,20 @@ import pytest
 import redis.asyncio as aioredis
 from glide import GlideClient, GlideError
 
+from starlette_idempotency._record import Checkpoint, dump_record, record_to_dict
 from starlette_idempotency.errors import ConfigurationError, StoreError
-from starlette_idempotency.record import Checkpoint, dump_record, record_to_dict
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
-from starlette_idempotency.stores.redis_glide import config_from_url
+from starlette_idempotency.stores.redis._glide import config_from_url
 from starlette_idempotency.testing.redis_server import RedisServer
-from tests.stores.conftest import (
+from tests.support.conditions import eventually
+from tests.support.records import finished, pending
+from tests.support.stores import (
     DRIVERS,
     STRATEGIES,
     command_calls,
     commands_sent,
     equals,
-    finished,
     glide_client,
-    pending,
-    poll,
 )
 
 pytestmark = pytest.mark.redis
@@ -143,7 +142,9 @@ async def test_from_url_connects_once_on_first_use_and_aclose_closes_it(
 
     assert await named_connections(admin, name) == 1
     await store.aclose()
-    await poll(lambda: equals(named_connections(admin, name), 0), "the store's connection to close")
+    await eventually(
+        lambda: equals(named_connections(admin, name), 0), message="the store's connection to close"
+    )
 
 
 async def test_aclose_leaves_a_client_passed_in_open(private_glide: GlideClient) -> None:
@@ -218,7 +219,7 @@ async def test_an_acquire_abandoned_on_a_paused_server_is_undone(
         assert await _calls(admin, "eval") == 0  # the release waits behind the held acquire
         await admin.client_unpause()
 
-        await poll(lambda: equals(_calls(admin, "eval"), 1), "the release to run")
+        await eventually(lambda: equals(_calls(admin, "eval"), 1), message="the release to run")
         assert await _calls(admin, "set") == 1, "the held acquire ran first"
         assert await admin.get("p:k") is None
         assert (await store.try_acquire("k", pending("k", "owner-b"), LOCK_TTL)).acquired
@@ -251,9 +252,9 @@ async def test_concurrent_waiters_share_one_subscriber_connection(
             clients: list[dict[str, Any]] = await admin.client_list()
             return [int(c["sub"]) for c in clients if c.get("name") == name and int(c["sub"])]
 
-        await poll(
+        await eventually(
             lambda: equals(subscriber_connections(), [len(keys)]),
-            "one connection subscribed to every key",
+            message="one connection subscribed to every key",
         )
         for key, record in records.items():
             assert await other.complete(key, finished(record), RETENTION_TTL)

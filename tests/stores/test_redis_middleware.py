@@ -16,11 +16,11 @@ from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, RedisStore, idempotent
 from starlette_idempotency.stores.redis import DriverName
-from starlette_idempotency.stores.redis_py import RedisPyDriver
+from starlette_idempotency.stores.redis._redis_py import RedisPyDriver
 from starlette_idempotency.testing.redis_server import RedisServer
-from tests.conditions import eventually
-from tests.core.conftest import make_client
-from tests.stores.conftest import DRIVERS, answers, poll
+from tests.support.conditions import eventually
+from tests.support.guarded import make_client
+from tests.support.stores import DRIVERS, answers
 
 pytestmark = pytest.mark.redis
 
@@ -90,7 +90,7 @@ async def test_stopped_redis_fails_closed_or_open_and_recovers(
     assert runs == ["closed", "open"]
     private_redis.start()
     # the same app, no restart: the client reconnects (glide in the background, with backoff)
-    await poll(lambda: answers(closed.store), "the store to reconnect", within=10)
+    await eventually(lambda: answers(closed.store), timeout=10, message="the store to reconnect")
     # glide may still send the abandoned acquire after the reconnect: a lock of at most
     # lock_ttl_seconds (1 s here), which the store also releases.
     assert (await retry_while_in_progress(closed, "during")).status_code == 201
@@ -131,7 +131,7 @@ async def test_client_pause_leaves_no_stale_lock(
         # the cancelled call's connection was closed: Redis drops the command it held
         await eventually(
             lambda: b"cmd=evalsha" not in private_redis.command("CLIENT", "LIST"),
-            what="the timed-out connection to close",
+            message="the timed-out connection to close",
         )
     private_redis.command("CLIENT", "UNPAUSE")
     if not redis_py:
@@ -139,7 +139,7 @@ async def test_client_pause_leaves_no_stale_lock(
         # release (an EVAL) the store queued behind it on that connection.
         await eventually(
             lambda: b"cmdstat_eval:" in private_redis.command("INFO", "commandstats"),
-            what="the store's release of the abandoned acquire to run",
+            message="the store's release of the abandoned acquire to run",
         )
     retry = await closed.post("paused")
     assert retry.status_code == 201, "a stale lock of the timed-out acquire answered"
@@ -188,7 +188,7 @@ async def test_a_thousand_waiters_cost_the_store_a_few_commands_a_second(
         async with asyncio.timeout(5):
             await pod_a.entered.wait()
         waiters = [asyncio.create_task(pod_b.post()) for _ in range(1000)]
-        await eventually(lambda: pod_b.middleware.waiters.count == 1000, within=30)
+        await eventually(lambda: pod_b.middleware.waiters.count == 1000, timeout=30)
         before = _commands(private_redis)
         await asyncio.sleep(3.0)  # the quiet period being measured
         during = _commands(private_redis) - before
@@ -205,10 +205,12 @@ async def test_a_thousand_waiters_cost_the_store_a_few_commands_a_second(
 
 async def retry_while_in_progress(pod: Pod, key: str) -> Any:
     """POST as a client would while a stale lock may still hold the key (409), for 10 s."""
-    async with asyncio.timeout(10):
-        while (response := await pod.post(key)).status_code == 409:  # noqa: ASYNC110
-            await asyncio.sleep(0.1)
-    return response
+
+    async def settled() -> Any:
+        response = await pod.post(key)
+        return None if response.status_code == 409 else response
+
+    return await eventually(settled, timeout=10, interval=0.1, message=f"{key!r} to be free")
 
 
 def _commands(server: RedisServer) -> int:
@@ -223,8 +225,8 @@ def _commands(server: RedisServer) -> int:
 async def test_wait_for_change_returns_on_another_processs_notice(
     redis_url: str, redis_key_prefix: str, finish: str, driver: DriverName
 ) -> None:
-    from starlette_idempotency.record import RecordStatus, StoredResponse
-    from tests.stores.conftest import pending
+    from starlette_idempotency._record import RecordStatus, StoredResponse
+    from tests.support.records import pending
 
     waiting_store = RedisStore.from_url(redis_url, key_prefix=redis_key_prefix, driver=driver)
     other_store = RedisStore.from_url(redis_url, key_prefix=redis_key_prefix)
@@ -234,10 +236,12 @@ async def test_wait_for_change_returns_on_another_processs_notice(
         waiter = asyncio.create_task(waiting_store.wait_for_change("k"))
         channel = waiting_store.storage_key("k")
         probe = aioredis.from_url(redis_url)
+
+        async def subscribed() -> bool:
+            return bool((await probe.pubsub_numsub(channel))[0][1] >= 1)
+
         try:
-            async with asyncio.timeout(5):  # the subscription is live on the server
-                while (await probe.pubsub_numsub(channel))[0][1] < 1:  # noqa: ASYNC110
-                    await asyncio.sleep(0.01)
+            await eventually(subscribed, message="the subscription to be live on the server")
         finally:
             await probe.aclose()
         assert not waiter.done()  # nothing happened to the key yet: no return

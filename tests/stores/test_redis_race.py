@@ -15,11 +15,12 @@ from multiprocessing.synchronize import Barrier
 import pytest
 import redis.asyncio as aioredis
 
-from starlette_idempotency.record import Checkpoint
+from starlette_idempotency._record import Checkpoint
 from starlette_idempotency.stores.base import AcquireResult
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
-from tests.plugins.redis_servers import delete_prefixed, unique_prefix
-from tests.stores.conftest import DRIVERS, STRATEGIES, pending
+from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
+from tests.support.records import pending
+from tests.support.stores import DRIVERS, STRATEGIES
 
 pytestmark = pytest.mark.redis
 

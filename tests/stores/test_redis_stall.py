@@ -19,12 +19,13 @@ from typing import Any, Literal
 import pytest
 import redis.asyncio as aioredis
 
-from starlette_idempotency.record import Checkpoint, IdempotencyRecord, dump_record
+from starlette_idempotency._record import Checkpoint, IdempotencyRecord, dump_record
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
-from starlette_idempotency.stores.redis_driver import Arg
+from starlette_idempotency.stores.redis._driver import Arg
 from starlette_idempotency.testing.redis_server import RedisServer, encode_command
-from tests.conditions import eventually
-from tests.stores.conftest import DRIVERS, STRATEGIES, command_calls, pending, poll
+from tests.support.conditions import eventually
+from tests.support.records import pending
+from tests.support.stores import DRIVERS, STRATEGIES, command_calls
 
 pytestmark = pytest.mark.redis
 
@@ -64,7 +65,7 @@ async def stalled(server: RedisServer, how: Stall) -> AsyncIterator[None]:
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     try:
         writer.write(encode_command("DEBUG", "SLEEP", str(DEBUG_SLEEP_SECONDS)))
-        await eventually(lambda: sleeping(server), what="redis-server to enter DEBUG SLEEP")
+        await eventually(lambda: sleeping(server), message="redis-server to enter DEBUG SLEEP")
         yield
         async with asyncio.timeout(DEBUG_SLEEP_SECONDS + 5):
             assert await reader.readline() == b"+OK\r\n"
@@ -114,7 +115,9 @@ async def test_an_acquire_abandoned_while_redis_stalls_is_undone(
                     and await admin.get(f"p:{key}") is None
                 )
 
-            await poll(undone, f"round {n}: the abandoned acquire to run and be undone")
+            await eventually(
+                undone, message=f"round {n}: the abandoned acquire to run and be undone"
+            )
             assert (await store.try_acquire(key, pending(key, "owner-b"), LOCK_TTL)).acquired
     finally:
         await store.aclose()
@@ -166,7 +169,7 @@ async def test_a_takeover_abandoned_while_redis_stalls_is_swapped_back(
             async def swapped_back(key: str = key, evals: int = evals) -> bool:
                 return await calls(admin, "eval") >= evals + 2
 
-            await poll(swapped_back, f"round {n}: the takeover to be undone")
+            await eventually(swapped_back, message=f"round {n}: the takeover to be undone")
             assert await admin.get(f"p:{key}") == dead
             retry = await store.try_acquire(key, pending(key, "owner-c"), LOCK_TTL)
             assert retry.acquired

@@ -23,28 +23,27 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
-from starlette_idempotency.record import (
+from starlette_idempotency._record import (
     Checkpoint,
     RecordStatus,
     StoredResponse,
     dump_record,
     record_to_dict,
 )
+from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.testing.redis_server import RedisServer, encode_command
-from tests.stores.conftest import (
+from tests.support.conditions import eventually
+from tests.support.records import finished, pending
+from tests.support.stores import (
     DRIVERS,
     STRATEGIES,
     answers,
     command_calls,
     commands_sent,
     equals,
-    finished,
     glide_client,
-    pending,
-    poll,
 )
 
 pytestmark = pytest.mark.redis
@@ -326,7 +325,7 @@ async def test_a_stopped_server_raises_store_error_and_the_store_recovers(
 
         private_redis.start()
         # glide reconnects in the background, with backoff
-        await poll(lambda: answers(store), "the store to reconnect", within=10)
+        await eventually(lambda: answers(store), timeout=10, message="the store to reconnect")
         record = pending("k", "owner-a")
         assert (await store.try_acquire("k", record, LOCK_TTL)).acquired
         assert await store.complete("k", finished(record), RETENTION_TTL)
@@ -352,7 +351,7 @@ async def test_a_hung_server_raises_store_timeout_error(
             assert time.monotonic() - started < 2.0
         finally:
             private_redis.thaw()
-        await poll(lambda: answers(store), "the thawed server to answer")
+        await eventually(lambda: answers(store), message="the thawed server to answer")
         assert (await store.try_acquire("k", pending("k", "owner-a"), LOCK_TTL)).acquired
     finally:
         await store.aclose()
@@ -396,15 +395,19 @@ async def test_a_call_cancelled_mid_flight_leaves_nothing_behind(
                 await store.try_acquire("k", pending("k", "owner-a"), LOCK_TTL)
 
         call = asyncio.create_task(bounded_call())
-        await poll(lambda: equals(blocked_clients(admin), 2), "both writes held by the pause")
+        await eventually(
+            lambda: equals(blocked_clients(admin), 2), message="both writes held by the pause"
+        )
         with pytest.raises(TimeoutError):
             await call
         # The store's connection was closed, so Redis drops its held command with it.
-        await poll(lambda: acquire_gone(admin), "the cancelled client gone")
+        await eventually(lambda: acquire_gone(admin), message="the cancelled client gone")
         await admin.client_unpause()
-        await poll(lambda: equals(admin.get("p:control"), b"ran"), "the control write to run")
+        await eventually(
+            lambda: equals(admin.get("p:control"), b"ran"), message="the control write to run"
+        )
         # The store's undo of the abandoned acquire: two fenced releases (EVAL), no-ops here.
-        await poll(lambda: equals(eval_calls(admin), 2), "the undo to finish")
+        await eventually(lambda: equals(eval_calls(admin), 2), message="the undo to finish")
 
         assert await admin.get("p:k") is None, "the cancelled acquire ran after all"
         pool: Any = client.connection_pool
@@ -525,7 +528,9 @@ async def test_aclose_closes_a_client_from_url(
 
     await store.aclose()
 
-    await poll(lambda: equals(connected_clients(), 1), "the store's connection to close")
+    await eventually(
+        lambda: equals(connected_clients(), 1), message="the store's connection to close"
+    )
 
 
 @STRATEGIES

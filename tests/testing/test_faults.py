@@ -5,29 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 
 import pytest
 
-from starlette_idempotency import IdempotencyRecord, MemoryStore, RecordStatus, StoreError
+from starlette_idempotency import MemoryStore, StoreError
 from starlette_idempotency.stores.base import (
     ChangeNotifyingStore,
     CheckableStore,
     IdempotencyStore,
 )
 from starlette_idempotency.testing import FaultyStore
-
-
-def pending(key: str, owner: str = "owner-a") -> IdempotencyRecord:
-    now = time.time()
-    return IdempotencyRecord(
-        key=key,
-        status=RecordStatus.IN_PROGRESS,
-        request_fingerprint="sha256:abc",
-        owner_token=owner,
-        created_at=now,
-        expires_at=now + 30,
-    )
+from tests.support.records import pending
 
 
 @pytest.fixture

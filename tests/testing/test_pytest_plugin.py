@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from starlette_idempotency import PostgresStore, RedisStore
-from starlette_idempotency.record import IdempotencyRecord, RecordStatus
+from starlette_idempotency._record import IdempotencyRecord, RecordStatus
 
 
 def pending(key):

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from starlette_idempotency.record import IdempotencyRecord, RecordStatus, StoredResponse
+from starlette_idempotency._record import IdempotencyRecord, RecordStatus, StoredResponse
 
 DEFAULT_KEY_PREFIX = "idempotency"
 DEFAULT_RESOLVED_TTL = 24 * 3600.0
@@ -77,7 +77,8 @@ class IdempotencyStore(Protocol):
     """Atomic primitives over idempotency records, shared by all processes using the store.
 
     ``key`` is the storage key built by the middleware (the store adds its own prefix). All
-    durations are in seconds and may be fractional.
+    durations are in seconds and may be fractional. Subclass :class:`StoreBase` to implement
+    one: it adds what is built on these primitives (:meth:`StoreBase.resolve`).
     """
 
     #: A short name for logs and metrics labels ("memory", "redis", "postgres").
@@ -85,8 +86,9 @@ class IdempotencyStore(Protocol):
     #: Whether the store keeps recovery points: takes over an ``InProgress`` record whose
     #: ``locked_until`` has passed, atomically, even though the record itself lives on.
     supports_recovery: bool
-    # Optional: ``never_blocks = True`` on a store whose calls never wait on I/O lets the
-    # middleware skip the timer that bounds each call (MemoryStore).
+    #: Whether no call ever waits on I/O (MemoryStore): the middleware then skips the timer
+    #: that bounds each call, which would cost more than the call.
+    never_blocks: bool
 
     async def try_acquire(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
@@ -101,17 +103,14 @@ class IdempotencyStore(Protocol):
         """
         ...
 
-    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        """Store the ``Completed`` ``record`` for ``ttl`` seconds if its owner still holds the key.
+    async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        """Store the final ``record`` (``Completed`` or ``Failed``) for ``ttl`` seconds if its
+        owner still holds the key.
 
         Returns ``WRITTEN`` then. When the key is absent (evicted, deleted, or the lock lapsed
         and nobody took it over) it is stored too and the answer is ``RECLAIMED``. Returns
         ``LOST``, writing nothing, when another owner holds the key.
         """
-        ...
-
-    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        """Like :meth:`complete`, for a ``Failed`` record (a replayable business failure)."""
         ...
 
     async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
@@ -144,6 +143,51 @@ class IdempotencyStore(Protocol):
         ...
 
 
+#: The operations of :class:`IdempotencyStore`, as the middleware calls them.
+STORE_OPERATIONS = (
+    "try_acquire",
+    "finish",
+    "save_progress",
+    "release",
+    "renew",
+    "get",
+    "aclose",
+)
+
+
+class StoreBase(IdempotencyStore):
+    """What every store builds on the protocol's primitives; subclass it to write a store.
+
+    Subclasses implement the primitives and set ``name`` and ``supports_recovery``; a store
+    that never waits on I/O also sets ``never_blocks = True``.
+    """
+
+    never_blocks = False
+
+    async def resolve(
+        self, key: str, response: StoredResponse, ttl: float = DEFAULT_RESOLVED_TTL
+    ) -> bool:
+        """Finish the record under ``key`` with ``response``, whoever holds it (for operators
+        and reconcilers). Returns false when there is no record to resolve."""
+        status = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
+        for _ in range(3):
+            current = await self.get(key)
+            if current is None:
+                return False
+            record = current.finished(status, response, expires_at=time.time() + ttl)
+            if await self.finish(key, record, ttl):
+                return True
+        return False
+
+    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        """:meth:`finish`, named for a ``Completed`` record (the protocol's first spelling)."""
+        return await self.finish(key, record, ttl)
+
+    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        """:meth:`finish`, named for a ``Failed`` record (a replayable business failure)."""
+        return await self.finish(key, record, ttl)
+
+
 @runtime_checkable
 class ChangeNotifyingStore(Protocol):
     """A store that can announce changes to a key, so waiting duplicates need not poll."""
@@ -152,21 +196,3 @@ class ChangeNotifyingStore(Protocol):
         """Return once ``key`` was completed, failed, released or resolved (bounded by the
         caller); may also return early, as the caller reads the key again anyway."""
         ...
-
-
-async def resolve_record(
-    store: IdempotencyStore, key: str, response: StoredResponse, ttl: float
-) -> bool:
-    """Finish a key's record with ``response``, whoever holds it (for operators and
-    reconcilers: ``store.resolve(...)``). Returns false when there is no record to resolve.
-    """
-    for _ in range(3):
-        current = await store.get(key)
-        if current is None:
-            return False
-        status = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
-        record = current.finished(status, response, expires_at=time.time() + ttl)
-        finish = store.complete if status is RecordStatus.COMPLETED else store.fail
-        if await finish(key, record, ttl):
-            return True
-    return False

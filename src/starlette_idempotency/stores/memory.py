@@ -10,21 +10,20 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+from starlette_idempotency._record import IdempotencyRecord, RecordStatus
 from starlette_idempotency._types import Clock, system_clock
-from starlette_idempotency.record import IdempotencyRecord, RecordStatus, StoredResponse
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
-    DEFAULT_RESOLVED_TTL,
     AcquireResult,
     FencedWrite,
+    StoreBase,
     StoreFinding,
-    resolve_record,
 )
 
 _SWEEP_INTERVAL_SECONDS = 60.0
 
 
-class MemoryStore:
+class MemoryStore(StoreBase):
     """A dict of records with TTLs measured on an injectable clock.
 
     ``clock`` returns seconds; tests pass a fake clock to expire locks and records without
@@ -113,25 +112,13 @@ class MemoryStore:
         self._entries[key] = (record, now + ttl)
         return written
 
-    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        return self._finish(key, record, ttl)
-
-    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        return self._finish(key, record, ttl)
-
-    def _finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+    async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         written = self._write_if_owner(key, record, ttl, absent_ok=True)
         self._notify(key, bool(written))
         return written
 
     async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         return bool(self._write_if_owner(key, record, ttl, absent_ok=False))
-
-    async def resolve(
-        self, key: str, response: StoredResponse, ttl: float = DEFAULT_RESOLVED_TTL
-    ) -> bool:
-        """Finish the record under ``key`` with ``response``, whoever holds it."""
-        return await resolve_record(self, key, response, ttl)
 
     async def release(self, key: str, owner_token: str) -> bool:
         full_key = self._prefix + key

@@ -8,7 +8,7 @@ Statements per operation (each one statement, so its own short transaction):
 * ``try_acquire``: 1 on a free key (``INSERT ... ON CONFLICT DO NOTHING``); 2 when a row is
   there (then one statement takes an expired row over, returning its old values, or reads the
   live holder). It starts again, a few times at most, only when the row changes in between.
-* ``complete`` / ``fail``: 1, which locks the row, then writes it fenced by the owner token
+* ``finish``: 1, which locks the row, then writes it fenced by the owner token
   and says how (a :class:`~starlette_idempotency.stores.base.FencedWrite`).
 * ``save_progress`` / ``release`` / ``renew`` / ``get``: 1 each, no read first.
 * ``purge_expired``: 1 per batch.
@@ -27,6 +27,10 @@ middleware set them, as data only. Expired rows are invisible at once and delete
 Behind PgBouncer in transaction pooling mode, create the pool with
 ``statement_cache_size=0`` (asyncpg's named prepared statements do not survive a change of
 server connection); nothing else in the store depends on session state.
+
+Why one module: the store's operations, the mapping of its rows to records and the rule for
+when a statement may be sent again all answer one question, what one SQL statement did, and
+each is read against the others (a retry is safe only for statements shaped as these are).
 """
 
 from __future__ import annotations
@@ -47,21 +51,20 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import orjson
 
-from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
-from starlette_idempotency.record import (
+from starlette_idempotency._record import (
     IdempotencyRecord,
     RecordStatus,
     StoredResponse,
     checkpoints_from_wire,
     checkpoints_to_wire,
 )
+from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
-    DEFAULT_RESOLVED_TTL,
     AcquireResult,
     FencedWrite,
+    StoreBase,
     StoreFinding,
-    resolve_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -281,7 +284,7 @@ def _record_from_row(row: Mapping[str, Any]) -> IdempotencyRecord:
     )
 
 
-class PostgresStore:
+class PostgresStore(StoreBase):
     """Idempotency records in one PostgreSQL table, shared by every process that uses it.
 
     Pass your own asyncpg pool (it stays open on :meth:`aclose`) or let :meth:`connect` open
@@ -449,17 +452,9 @@ class PostgresStore:
             raise StoreError(f"PostgreSQL try_acquire gave up on key {key!r}: it kept changing")
         return result
 
-    async def _finish(
-        self, operation: str, key: str, record: IdempotencyRecord, ttl: float
-    ) -> FencedWrite:
+    async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         params = self._row_params(self._prefix + key, record, ttl)
-        return FencedWrite(await self._fetchval(operation, "finish", *params))
-
-    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        return await self._finish("complete", key, record, ttl)
-
-    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        return await self._finish("fail", key, record, ttl)
+        return FencedWrite(await self._fetchval("finish", "finish", *params))
 
     async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         lease = (
@@ -478,12 +473,6 @@ class PostgresStore:
             float(ttl),
         )
         return saved is not None
-
-    async def resolve(
-        self, key: str, response: StoredResponse, ttl: float = DEFAULT_RESOLVED_TTL
-    ) -> bool:
-        """Finish the record under ``key`` with ``response``, whoever holds it."""
-        return await resolve_record(self, key, response, ttl)
 
     async def release(self, key: str, owner_token: str) -> bool:
         released = await self._fetchval("release", "release", self._prefix + key, owner_token)

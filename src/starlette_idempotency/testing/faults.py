@@ -23,23 +23,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from starlette_idempotency._record import IdempotencyRecord
 from starlette_idempotency.errors import StoreError
-from starlette_idempotency.record import IdempotencyRecord
-from starlette_idempotency.stores.base import AcquireResult, FencedWrite, IdempotencyStore
+from starlette_idempotency.stores.base import (
+    STORE_OPERATIONS,
+    AcquireResult,
+    FencedWrite,
+    IdempotencyStore,
+)
 
 _T = TypeVar("_T")
-
-#: The async methods of the store protocol, each an operation :class:`FaultyStore` can fault.
-_PROTOCOL_OPERATIONS = (
-    "aclose",
-    "complete",
-    "fail",
-    "get",
-    "release",
-    "renew",
-    "save_progress",
-    "try_acquire",
-)
 
 
 class Stall:
@@ -81,8 +74,8 @@ class FaultyStore:
     """A store that passes every call to ``store`` until told to fail or stall some.
 
     An operation is one of the store's async methods, by name: the protocol's ``try_acquire``,
-    ``complete``, ``fail``, ``save_progress``, ``release``, ``renew``, ``get`` and ``aclose``,
-    and those the wrapped store adds (``wait_for_change``, ``check``, ``resolve``,
+    ``finish``, ``save_progress``, ``release``, ``renew``, ``get`` and ``aclose``,
+    and those the wrapped store adds (``wait_for_change``, ``check``, ``resolve``, ``complete``,
     ``create_schema`` ...). Its other methods and attributes are the wrapped store's, so the
     wrapper has the same capabilities: ``supports_recovery``, change notifications, the startup
     check. ``calls`` counts the calls of each operation.
@@ -99,7 +92,7 @@ class FaultyStore:
         self.calls: Counter[str] = Counter()
         self._failures: dict[str, _Failure] = {}
         self._stalls: list[Stall] = []
-        operations = set(_PROTOCOL_OPERATIONS)
+        operations = set(STORE_OPERATIONS)
         # Instance attributes, not __getattr__: isinstance() against a runtime-checkable
         # protocol looks attributes up statically on Python 3.12+.
         for name in dir(type(store)):
@@ -200,11 +193,8 @@ class FaultyStore:
             "try_acquire", lambda: self.inner.try_acquire(key, pending, lock_ttl, recover=recover)
         )
 
-    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        return await self._call("complete", lambda: self.inner.complete(key, record, ttl))
-
-    async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        return await self._call("fail", lambda: self.inner.fail(key, record, ttl))
+    async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        return await self._call("finish", lambda: self.inner.finish(key, record, ttl))
 
     async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         return await self._call("save_progress", lambda: self.inner.save_progress(key, record, ttl))

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from starlette_idempotency.testing._process import (
+from starlette_idempotency.testing.processes import (
     Managed,
     free_port,
     require_binary,

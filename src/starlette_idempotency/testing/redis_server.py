@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from starlette_idempotency.testing._process import (
+from starlette_idempotency.testing.processes import (
     Managed,
     free_port,
     require_binary,

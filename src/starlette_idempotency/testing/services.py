@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from starlette_idempotency.testing._process import Managed
 from starlette_idempotency.testing.postgres_server import PostgresServer
+from starlette_idempotency.testing.processes import Managed
 from starlette_idempotency.testing.redis_server import RedisServer
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,166 @@
+"""The route options: declared once, with their defaults, in :class:`IdempotencyPolicy`.
+
+``@idempotent`` and ``IdempotencyMiddleware`` take them as keywords typed by
+:class:`RouteOptions` (so type checkers and IDEs know each name); the middleware's values are
+the defaults a route's own override. A test holds the two declarations to the same names and
+types.
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, TypedDict
+
+from starlette_idempotency.errors import ConfigurationError
+
+StoreErrorPolicy = Literal["fail_closed", "fail_open"]
+FingerprintMode = Literal["raw", "validated"]
+FingerprintChangePolicy = Literal["replay", "reject"]
+InProgressPolicy = Literal["conflict", "wait"]
+ReplayPolicy = Literal["response", "reject"]
+RecoveryPolicy = Literal["handler", "hold"]
+
+# Never part of a fingerprint: credentials rotate, and the key is what the fingerprint guards.
+_FORBIDDEN_FINGERPRINT_HEADERS = frozenset({"authorization", "cookie", "idempotency-key"})
+
+
+def unknown_option_error(unknown: Iterable[str], known: Iterable[str], where: str) -> Exception:
+    """A :class:`ConfigurationError` naming each unknown option, with the closest known name."""
+    known = sorted(known)
+    parts = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ConfigurationError(
+        f"unknown option{'s' if len(parts) > 1 else ''} for {where}: {', '.join(parts)}; "
+        f"the options are {', '.join(known)}"
+    )
+
+
+_NUMBER_OPTIONS = {
+    "ttl_hours": "a positive number of hours",
+    "lock_ttl_seconds": "a positive number of seconds",
+    "wait_timeout_seconds": "a positive number of seconds",
+}
+_CHOICES = {
+    "on_store_error": ("fail_closed", "fail_open"),
+    "fingerprint": ("raw", "validated"),
+    "on_fingerprint_change": ("replay", "reject"),
+    "on_in_progress": ("conflict", "wait"),
+    "replay": ("response", "reject"),
+    "on_recovery": ("handler", "hold"),
+}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyPolicy:
+    """The options that govern one route (the documentation's options reference has each)."""
+
+    ttl_hours: float = 24.0
+    lock_ttl_seconds: float = 30.0
+    required: bool = True
+    exclude_fields: tuple[str, ...] = ()
+    fingerprint_headers: tuple[str, ...] = ()
+    on_store_error: StoreErrorPolicy = "fail_closed"
+    renew_lock: bool = True
+    fingerprint: FingerprintMode = "raw"
+    fingerprint_version: str = "1"
+    on_fingerprint_change: FingerprintChangePolicy = "replay"
+    on_in_progress: InProgressPolicy = "conflict"
+    wait_timeout_seconds: float = 10.0
+    replay: ReplayPolicy = "response"
+    max_response_bytes: int = 1024 * 1024
+    on_recovery: RecoveryPolicy = "handler"
+    # Derived once, for the hot path: lower-cased names as the fingerprint matches them.
+    excluded_field_names: frozenset[str] = field(init=False, repr=False, compare=False)
+    fingerprint_header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name, accepted in _NUMBER_OPTIONS.items():
+            value = getattr(self, name)
+            if not _is_number(value) or not value > 0:
+                raise ConfigurationError(f"{name} must be {accepted}, not {value!r}")
+        if self.lock_ttl_seconds > self.ttl_seconds:
+            raise ConfigurationError(
+                f"lock_ttl_seconds ({self.lock_ttl_seconds:g} s) must not exceed ttl_hours "
+                f"({self.ttl_hours:g} h = {self.ttl_seconds:g} s): a record must outlive its lock"
+            )
+        if not isinstance(self.max_response_bytes, int) or isinstance(
+            self.max_response_bytes, bool
+        ):
+            raise ConfigurationError(
+                f"max_response_bytes must be a whole number of bytes, not "
+                f"{self.max_response_bytes!r}"
+            )
+        if self.max_response_bytes < 0:
+            raise ConfigurationError("max_response_bytes must not be negative")
+        for name in ("required", "renew_lock"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(
+                    f"{name} must be True or False, not {getattr(self, name)!r}"
+                )
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigurationError(
+                    f"{name} must be one of {', '.join(map(repr, allowed))}, "
+                    f"not {getattr(self, name)!r}"
+                )
+        object.__setattr__(self, "fingerprint_version", str(self.fingerprint_version))
+        for name in ("exclude_fields", "fingerprint_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ConfigurationError(f"{name} must be a sequence of names, not a string")
+            object.__setattr__(self, name, tuple(value))
+        forbidden = {h.lower() for h in self.fingerprint_headers} & _FORBIDDEN_FINGERPRINT_HEADERS
+        if forbidden:
+            raise ConfigurationError(
+                f"fingerprint_headers must not include {', '.join(sorted(forbidden))}"
+            )
+        object.__setattr__(
+            self, "excluded_field_names", frozenset(name.lower() for name in self.exclude_fields)
+        )
+        object.__setattr__(
+            self,
+            "fingerprint_header_names",
+            frozenset(name.lower().encode("latin-1") for name in self.fingerprint_headers),
+        )
+
+    @property
+    def ttl_seconds(self) -> float:
+        return self.ttl_hours * 3600.0
+
+    def merged(self, overrides: Mapping[str, Any]) -> IdempotencyPolicy:
+        """This policy with a route's overrides applied."""
+        return replace(self, **overrides) if overrides else self
+
+
+#: The names of the route options (the fields of :class:`IdempotencyPolicy` one can set).
+ROUTE_OPTIONS = frozenset(f.name for f in fields(IdempotencyPolicy) if f.init)
+
+
+class RouteOptions(TypedDict, total=False):
+    """The route options as keywords (``@idempotent`` and ``IdempotencyMiddleware`` take them):
+    names and types only; :class:`IdempotencyPolicy` holds the defaults."""
+
+    ttl_hours: float
+    lock_ttl_seconds: float
+    required: bool
+    exclude_fields: Sequence[str]
+    fingerprint_headers: Sequence[str]
+    on_store_error: StoreErrorPolicy
+    renew_lock: bool
+    fingerprint: FingerprintMode
+    fingerprint_version: str
+    on_fingerprint_change: FingerprintChangePolicy
+    on_in_progress: InProgressPolicy
+    wait_timeout_seconds: float
+    replay: ReplayPolicy
+    max_response_bytes: int
+    on_recovery: RecoveryPolicy

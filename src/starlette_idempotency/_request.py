@@ -1,0 +1,395 @@
+"""One guarded request's journey until it owns its key, or is answered without running.
+
+Validate the key, buffer and fingerprint the body, and acquire the key as ``InProgress``; then
+an :class:`~starlette_idempotency._ownership.OwnedKey` runs the app and settles the outcome. A
+key already held answers with a replay, a 409 (or a wait for the first request) or a 422
+without running the app.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Awaitable
+from dataclasses import replace
+
+from starlette_idempotency._capture import ReplayingReceive
+from starlette_idempotency._fingerprint import raw_body_form, request_fingerprint, storage_key
+from starlette_idempotency._keys import InvalidKey, parse_key, sent_once_message
+from starlette_idempotency._marks import MARKS_SCOPE_KEY, RequestMarks, current_marks
+from starlette_idempotency._ownership import OwnedKey
+from starlette_idempotency._record import IdempotencyRecord, RecordStatus
+from starlette_idempotency._request_events import RequestEvents
+from starlette_idempotency._responses import (
+    ALREADY_PROCESSED_MESSAGE,
+    IN_PROGRESS_MESSAGE,
+    MISMATCH_MESSAGE,
+    STORE_UNAVAILABLE_MESSAGE,
+    Problem,
+    replay_for,
+    retry_after_seconds,
+    send_replay,
+    send_requires_recovery,
+)
+from starlette_idempotency._routing import GuardedRoute
+from starlette_idempotency._services import RequestServices
+from starlette_idempotency._types import Receive, Scope, Send
+from starlette_idempotency.errors import StoreError
+from starlette_idempotency.observability import CheckResult
+from starlette_idempotency.stores.base import AcquireResult
+
+logger = logging.getLogger(__name__)
+
+# A Content-Length that is not one decimal number (RFC 9110 calls the request malformed).
+_INVALID_LENGTH = -1
+
+
+class GuardedRequest:
+    """One request to a guarded route, from its headers to the key's owner or an answer."""
+
+    __slots__ = (
+        "_chosen_headers",
+        "_content_length",
+        "_content_type",
+        "_events",
+        "_policy",
+        "_receive",
+        "_route",
+        "_scope",
+        "_send",
+        "_services",
+        "_store_key",
+    )
+
+    def __init__(
+        self,
+        services: RequestServices,
+        route: GuardedRoute,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        self._services = services
+        self._route = route
+        self._policy = route.policy
+        self._scope = scope
+        self._receive = receive
+        self._send = send
+        self._events = RequestEvents(services.observer, scope["method"], route.template)
+        self._content_length: int | None = None
+        self._content_type = ""
+        self._chosen_headers: list[tuple[str, str]] = []
+        self._store_key = ""
+
+    async def _reject(
+        self,
+        problem: Problem,
+        detail: str,
+        result: CheckResult,
+        *,
+        retry_after: int | None = None,
+        note: str | None = None,
+        location: str | None = None,
+    ) -> None:
+        await self._events.decided(result, note)
+        await self._services.errors.send(
+            self._send,
+            problem,
+            detail,
+            retry_after=retry_after,
+            location=location,
+            request_headers=self._scope["headers"],
+        )
+
+    async def run(self) -> None:
+        limits = self._services.limits
+        # One pass over the headers for everything the request needs from them.
+        raw_keys: list[bytes] = []
+        wanted = self._policy.fingerprint_header_names
+        for name, value in self._scope["headers"]:
+            if name == limits.header_bytes:
+                raw_keys.append(value)
+            elif name == b"content-length":
+                length = int(value) if value.isdigit() else _INVALID_LENGTH
+                if self._content_length not in (None, length):
+                    length = _INVALID_LENGTH  # two Content-Length headers that disagree
+                self._content_length = length
+            elif name == b"content-type" and not self._content_type:
+                self._content_type = value.decode("latin-1")
+            if name in wanted:
+                self._chosen_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        if not raw_keys:
+            if self._policy.required:
+                await self._reject(
+                    Problem.MISSING_KEY,
+                    f"{limits.header_name} header is required",
+                    CheckResult.MISSING_KEY,
+                )
+            else:
+                await self._events.decided(CheckResult.MISSING_KEY)
+                await self._services.app(self._scope, self._receive, self._send)
+            return
+        key = (
+            parse_key(raw_keys[0], header_name=limits.header_name, max_length=limits.max_key_length)
+            if len(raw_keys) == 1
+            else InvalidKey(sent_once_message(limits.header_name))
+        )
+        if isinstance(key, InvalidKey):
+            await self._reject(Problem.INVALID_KEY, key.message, CheckResult.INVALID_KEY)
+            return
+        self._events.key = key
+        body = await self._read_body()
+        if body is None:
+            return
+        await self._acquire_and_run(key, body)
+
+    async def _read_body(self) -> bytes | None:
+        """The whole request body, or ``None`` once an answer was sent (413) or the client left."""
+        limit = self._services.limits.max_body_bytes
+        if self._content_length == _INVALID_LENGTH:
+            await self._reject(
+                Problem.INVALID_REQUEST,
+                "Content-Length must be one decimal number",
+                CheckResult.INVALID_REQUEST,
+            )
+            return None
+        if self._content_length is not None and self._content_length > limit:
+            await self._body_too_large()
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await self._body_too_large()
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _body_too_large(self) -> None:
+        await self._reject(
+            Problem.BODY_TOO_LARGE,
+            f"Request body exceeds the {self._services.limits.max_body_bytes}-byte limit "
+            "for idempotent requests",
+            CheckResult.TOO_LARGE,
+        )
+
+    def _fingerprint(self, body: bytes) -> str | None:
+        """The request's fingerprint; ``None`` when ``fingerprint="validated"`` finds the body
+        is not a valid command."""
+        scope = self._scope
+        command = self._route.command
+        if command is None:
+            kind, canonical = raw_body_form(
+                body, content_type=self._content_type, excluded=self._policy.excluded_field_names
+            )
+        else:
+            form = command.canonical(body, self._content_type)
+            if form is None:
+                return None
+            kind, canonical = form
+        return request_fingerprint(
+            method=scope["method"],
+            path=scope["path"],
+            query_string=scope.get("query_string", b""),
+            headers=self._chosen_headers,
+            body_kind=kind,
+            body=canonical,
+        )
+
+    async def _acquire_and_run(self, key: str, body: bytes) -> None:
+        services, policy = self._services, self._policy
+        fingerprint = self._fingerprint(body)
+        if fingerprint is None:
+            await self._pass_invalid_command(body)
+            return
+        self._store_key = storage_key(
+            await services.key_scope(self._scope), self._scope["method"], self._route.template, key
+        )
+        now = services.clock()
+        pending = IdempotencyRecord(
+            key=key,
+            status=RecordStatus.IN_PROGRESS,
+            request_fingerprint=fingerprint,
+            owner_token=secrets.token_hex(16),
+            created_at=now,
+            expires_at=now + policy.lock_ttl_seconds,
+            fingerprint_version=self._route.fingerprint_version,
+        )
+        try:
+            acquired = await self._try_acquire(pending)
+        except StoreError as exc:
+            await self._on_store_down(exc, body)
+            return
+        if not acquired.acquired:
+            assert acquired.record is not None
+            if self._is_waitable(acquired.record, fingerprint):
+                after_wait = await self._wait_for_first(pending)
+                if after_wait is None:
+                    return
+                acquired = after_wait
+            if not acquired.acquired:
+                assert acquired.record is not None
+                await self._answer_existing(acquired.record, fingerprint)
+                return
+        owned = OwnedKey(
+            store=services.store,
+            clock=services.clock,
+            events=self._events,
+            route=self._route,
+            store_key=self._store_key,
+            record=self._owned_record(pending, acquired.record),
+        )
+        await self._events.decided(
+            CheckResult.ACQUIRED, note="recovering" if owned.record.checkpoints else None
+        )
+        await owned.run(
+            services.app, self._scope, self._receive, self._send, body, services.renewal_timers
+        )
+
+    def _owned_record(
+        self, pending: IdempotencyRecord, taken_over: IdempotencyRecord | None
+    ) -> IdempotencyRecord:
+        """The record this request now owns: ``pending``, or the expired record it took over
+        with that record's recovery points (which the store kept under our token)."""
+        if taken_over is None or taken_over.status is not RecordStatus.IN_PROGRESS:
+            return pending
+        self._events.processing_timeout("expired_lease_taken_over")
+        if not taken_over.checkpoints:
+            return pending
+        return replace(
+            taken_over,
+            owner_token=pending.owner_token,
+            locked_until=pending.expires_at,
+            expires_at=self._services.clock() + self._policy.ttl_seconds,
+        )
+
+    def _try_acquire(self, pending: IdempotencyRecord) -> Awaitable[AcquireResult]:
+        return self._services.store.try_acquire(
+            self._store_key,
+            pending,
+            self._policy.lock_ttl_seconds,
+            recover=self._policy.on_recovery != "hold",
+        )
+
+    def _same_request(self, record: IdempotencyRecord, fingerprint: str) -> tuple[bool, str | None]:
+        """Whether ``record`` was made by this same request, and a note for the event."""
+        if record.fingerprint_version != self._route.fingerprint_version:
+            # Fingerprinted under another scheme or route version (a deploy in between):
+            # comparing the two would be meaningless, so the policy decides.
+            return self._policy.on_fingerprint_change == "replay", "fingerprint_version_changed"
+        return record.request_fingerprint == fingerprint, None
+
+    def _is_waitable(self, record: IdempotencyRecord, fingerprint: str) -> bool:
+        return (
+            self._policy.on_in_progress == "wait"
+            and record.status is RecordStatus.IN_PROGRESS
+            and not record.lease_expired(self._services.clock())
+            and self._same_request(record, fingerprint)[0]
+        )
+
+    async def _wait_for_first(self, pending: IdempotencyRecord) -> AcquireResult | None:
+        """Wait for the request holding the key to finish, then try again.
+
+        Returns the final acquire result, or ``None`` once this request has been answered
+        (409 when the wait timed out or too many requests already wait).
+        """
+        deadline = time.monotonic() + self._policy.wait_timeout_seconds
+        result: AcquireResult | None = None
+        async with self._services.waiters.waiting(self._store_key) as watch:
+            if watch is None:
+                await self._reject_in_progress(None, note="too_many_waiters")
+                return None
+            while (remaining := deadline - time.monotonic()) > 0:
+                changed, record = await watch.changed(remaining)
+                if not changed:
+                    break
+                if record is not None:
+                    if record.status is not RecordStatus.IN_PROGRESS:
+                        return AcquireResult(acquired=False, record=record)
+                    continue  # another request took the key over: wait for it instead
+                try:
+                    result = await self._try_acquire(pending)  # the key is free: take it
+                except StoreError:
+                    continue  # the store hiccupped: keep waiting until the deadline
+                if result.acquired or result.record is None:
+                    return result
+                if result.record.status is not RecordStatus.IN_PROGRESS:
+                    return result
+        await self._reject_in_progress(result.record if result else None, note="wait_timed_out")
+        return None
+
+    async def _pass_invalid_command(self, body: bytes) -> None:
+        """Let the app answer an invalid body with its own 422, without touching the store.
+
+        Should the endpoint start anyway (the app accepted what its own model rejects), the
+        start mark refuses to run it unprotected.
+        """
+        await self._events.decided(CheckResult.INVALID_BODY)
+        marks = RequestMarks()
+        marks.must_not_start = True
+        scope = self._scope
+        scope[MARKS_SCOPE_KEY] = marks
+        token = current_marks.set(marks)
+        try:
+            await self._services.app(scope, ReplayingReceive(body, self._receive), self._send)
+        finally:
+            current_marks.reset(token)
+
+    async def _on_store_down(self, exc: StoreError, body: bytes) -> None:
+        if self._policy.on_store_error == "fail_open":
+            logger.warning(
+                "idempotency store unavailable, running %s unprotected (fail_open): %s",
+                self._events.endpoint,
+                exc,
+            )
+            await self._events.decided(CheckResult.FAIL_OPEN)
+            await self._services.app(self._scope, ReplayingReceive(body, self._receive), self._send)
+            return
+        logger.error("idempotency store unavailable, answering 503: %s", exc)
+        await self._reject(
+            Problem.STORE_UNAVAILABLE,
+            STORE_UNAVAILABLE_MESSAGE,
+            CheckResult.STORE_ERROR,
+            retry_after=1,
+        )
+
+    async def _reject_in_progress(
+        self, record: IdempotencyRecord | None, note: str | None = None
+    ) -> None:
+        await self._reject(
+            Problem.IN_PROGRESS,
+            IN_PROGRESS_MESSAGE,
+            CheckResult.CONFLICT,
+            retry_after=retry_after_seconds(record, self._services.clock()),
+            note=note,
+        )
+
+    async def _answer_existing(self, record: IdempotencyRecord, fingerprint: str) -> None:
+        same_request, note = self._same_request(record, fingerprint)
+        if not same_request:
+            await self._reject(Problem.MISMATCH, MISMATCH_MESSAGE, CheckResult.MISMATCH, note=note)
+        elif record.lease_expired(self._services.clock()):
+            # on_recovery="hold": a handler checkpointed and died; nobody may run it again
+            # until an operator or a reconciler resolves the record.
+            await self._events.decided(CheckResult.REQUIRES_RECOVERY, note=note)
+            await send_requires_recovery(self._send, record.checkpoints[-1].name)
+        elif record.status is RecordStatus.IN_PROGRESS or record.response is None:
+            await self._reject_in_progress(record, note)
+        elif self._policy.replay == "reject":
+            await self._reject(
+                Problem.ALREADY_PROCESSED,
+                ALREADY_PROCESSED_MESSAGE,
+                CheckResult.REPLAYED,
+                note="replay_rejected",
+                location=record.response.header("location"),
+            )
+        else:
+            await self._events.decided(CheckResult.REPLAYED, note=note)
+            await send_replay(self._send, replay_for(record.response, self._scope["headers"]))

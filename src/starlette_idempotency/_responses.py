@@ -1,0 +1,334 @@
+"""HTTP answers the middleware gives itself: errors (JSON, RFC 9457 problem details, or a body
+the application builds) and replays of stored responses. Stores never build responses; this is
+the one place that maps outcomes to HTTP."""
+
+from __future__ import annotations
+
+import enum
+import math
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from starlette_idempotency._record import IdempotencyRecord, StoredResponse
+from starlette_idempotency._types import REPLAY_HEADER, Send
+from starlette_idempotency.errors import ConfigurationError
+
+_REPLAY_HEADER = (REPLAY_HEADER.lower().encode("latin-1"), b"true")
+
+
+class Problem(enum.Enum):
+    """Every error the middleware answers with.
+
+    Each has its status, its stable machine-readable ``code`` (in every error format; a code
+    never changes meaning), the coarse ``error_type`` of the ``"stripe"`` format (Stripe's
+    vocabulary) and its problem title.
+    """
+
+    MISSING_KEY = (400, "idempotency_key_missing", "invalid_request_error", "{header} is missing")
+    INVALID_KEY = (400, "idempotency_key_invalid", "invalid_request_error", "{header} is invalid")
+    INVALID_REQUEST = (400, "request_malformed", "invalid_request_error", "Request is malformed")
+    BODY_TOO_LARGE = (
+        413,
+        "request_body_too_large",
+        "invalid_request_error",
+        "Request body is too large",
+    )
+    IN_PROGRESS = (
+        409,
+        "idempotency_key_in_use",
+        "idempotency_error",
+        "A request is outstanding for this {header}",
+    )
+    ALREADY_PROCESSED = (
+        409,
+        "idempotency_key_already_processed",
+        "idempotency_error",
+        "{header} was already processed",
+    )
+    MISMATCH = (422, "idempotency_key_reused", "idempotency_error", "{header} is already used")
+    STORE_UNAVAILABLE = (
+        503,
+        "idempotency_store_unavailable",
+        "api_error",
+        "Idempotency store is unavailable",
+    )
+
+    status: int
+    code: str
+    error_type: str
+    title: str
+
+    def __init__(self, status: int, code: str, error_type: str, title: str) -> None:
+        self.status = status
+        self.code = code
+        self.error_type = error_type
+        self.title = title
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyProblem:
+    """One error answer, as an ``error_format`` callable receives it.
+
+    ``code`` is stable (see :class:`Problem`); ``title`` names the kind of problem with the
+    configured header; ``detail`` is this occurrence's message.
+    """
+
+    status: int
+    code: str
+    title: str
+    detail: str
+
+
+ErrorBody = Callable[[IdempotencyProblem], dict[str, Any]]
+"""Builds the JSON object sent (as ``application/json``) for an error: ``error_format=``."""
+
+ErrorFormat = Literal["json", "problem", "stripe"] | ErrorBody
+"""``"json"`` (``{"error": "<message>", "code": "<code>"}``), ``"problem"`` (RFC 9457),
+``"stripe"`` (``{"error": {"type", "code", "message"}}``, what Stripe's SDKs parse) or an
+:data:`ErrorBody` callable."""
+_ERROR_FORMATS = ("json", "problem", "stripe")
+_STRIPE_SDK_HEADER = b"x-stripe-client-user-agent"
+
+
+IN_PROGRESS_MESSAGE = (
+    "A request with this idempotency key is already being processed. "
+    "Retry after the original request completes."
+)
+MISMATCH_MESSAGE = "Idempotency key has already been used with a different request payload."
+ALREADY_PROCESSED_MESSAGE = (
+    "A request with this idempotency key was already processed; its response is not replayed."
+)
+STORE_UNAVAILABLE_MESSAGE = "The idempotency store is unavailable. Retry later with the same key."
+
+# A duplicate is told to come back after this share of the time the first request has run.
+_RETRY_AFTER_SHARE = 0.25
+
+
+def retry_after_seconds(record: IdempotencyRecord | None, now: float) -> int:
+    """``Retry-After`` for a duplicate of a request still in progress, in whole seconds.
+
+    A quarter of the time the first request has run so far (``now - created_at``), rounded up,
+    at least 1 and at most the seconds left on its lock (``locked_until`` for a record with
+    recovery points, else ``expires_at``). The answer then comes at most a quarter of the first
+    request's own duration (and at least a second) after it is ready, and a client that honours
+    every hint asks about ``log(duration) / log(1.25)`` times instead of once a second. ``1``
+    when the record is unknown.
+    """
+    if record is None:
+        return 1
+    lock_ends = record.expires_at if record.locked_until is None else record.locked_until
+    share = math.ceil((now - record.created_at) * _RETRY_AFTER_SHARE)
+    return max(1, min(share, math.ceil(lock_ends - now)))
+
+
+class ErrorResponder:
+    """Sends error responses in the configured format."""
+
+    def __init__(self, *, header_name: str, error_format: ErrorFormat, problem_type: str) -> None:
+        self._build: ErrorBody | None = None
+        if callable(error_format):
+            self._build = error_format
+        elif error_format not in _ERROR_FORMATS:
+            raise ConfigurationError(
+                f"error_format must be 'json', 'problem', 'stripe' or a callable, "
+                f"not {error_format!r}"
+            )
+        self._problem = error_format == "problem"
+        self._stripe = error_format == "stripe"
+        self._json = error_format == "json"
+        self._problem_type = problem_type
+        self._titles = {problem: problem.title.format(header=header_name) for problem in Problem}
+        self._content_type = b"application/problem+json" if self._problem else b"application/json"
+        if self._build is not None:
+            self._check_build()
+
+    def _check_build(self) -> None:
+        """Call the ``error_format`` callable once, so that a broken one fails at startup
+        rather than turning the first error answer into a 500."""
+        try:
+            body = self._body(Problem.IN_PROGRESS, IN_PROGRESS_MESSAGE)
+            if not isinstance(body, dict):
+                raise TypeError(f"it returned {type(body).__name__}")
+            orjson.dumps(body)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"error_format {self._build!r} must return a JSON-serialisable dict: {exc}"
+            ) from exc
+
+    def _body(self, problem: Problem, detail: str, stripe_sdk: bool = False) -> dict[str, Any]:
+        if self._build is not None:
+            return self._build(
+                IdempotencyProblem(problem.status, problem.code, self._titles[problem], detail)
+            )
+        if self._problem:
+            return {
+                "type": self._problem_type,
+                "title": self._titles[problem],
+                "status": problem.status,
+                "detail": detail,
+                "code": problem.code,
+            }
+        if self._stripe or stripe_sdk:
+            return {"error": {"type": problem.error_type, "code": problem.code, "message": detail}}
+        return {"error": detail, "code": problem.code}
+
+    async def send(
+        self,
+        send: Send,
+        problem: Problem,
+        detail: str,
+        *,
+        retry_after: int | None = None,
+        location: str | None = None,
+        request_headers: Iterable[tuple[bytes, bytes]] = (),
+    ) -> None:
+        """Send ``problem`` in the configured format.
+
+        A ``"json"`` error to one of Stripe's SDKs (they send ``X-Stripe-Client-User-Agent``)
+        takes the ``"stripe"`` shape: their parser reads ``error`` as an object and fails with
+        an ``AttributeError`` on the string, instead of raising a catchable ``StripeError``.
+        """
+        stripe_sdk = self._json and any(name == _STRIPE_SDK_HEADER for name, _ in request_headers)
+        body = orjson.dumps(self._body(problem, detail, stripe_sdk))
+        headers = [
+            (b"content-type", self._content_type),
+            (b"content-length", str(len(body)).encode("latin-1")),
+        ]
+        if retry_after is not None:
+            headers.append((b"retry-after", str(retry_after).encode("latin-1")))
+        if location is not None:
+            headers.append((b"location", location.encode("latin-1")))
+        await send({"type": "http.response.start", "status": problem.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def send_replay(send: Send, response: StoredResponse) -> None:
+    """Replay a stored response byte for byte, marked with ``X-Idempotent-Replay: true``."""
+    headers = [
+        (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
+    ]
+    headers.append(_REPLAY_HEADER)
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+_NOT_STORED_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "date",
+        "server",
+        "set-cookie",
+        REPLAY_HEADER.lower(),
+    }
+)
+
+
+_BODY_HEADERS = frozenset({"content-length", "content-type", "content-encoding"})
+BODY_OMITTED_HEADER = ("x-idempotent-body-omitted", "true")
+
+
+def stored_response(
+    status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes | None
+) -> StoredResponse:
+    """The response as it is stored: no hop-by-hop headers, no Date, Server or Set-Cookie.
+
+    ``body`` is ``None`` when it outgrew ``max_response_bytes``: then the status and headers
+    are kept, the body headers dropped, and ``X-Idempotent-Body-Omitted: true`` added.
+    """
+    headers = []
+    for raw_name, raw_value in raw_headers:
+        name = raw_name.decode("latin-1").lower()
+        if name in _NOT_STORED_HEADERS or (body is None and name in _BODY_HEADERS):
+            continue
+        headers.append((name, raw_value.decode("latin-1")))
+    if body is None:
+        headers.append(BODY_OMITTED_HEADER)
+    content_type = next((value for name, value in headers if name == "content-type"), None)
+    return StoredResponse(status, tuple(headers), body or b"", content_type)
+
+
+# A stored body decoded for a client that did not accept its encoding may grow this far.
+_MAX_DECODED_BYTES = 64 * 1024 * 1024
+_ZLIB_WBITS = {
+    "gzip": 16 + zlib.MAX_WBITS,
+    "x-gzip": 16 + zlib.MAX_WBITS,
+    "deflate": zlib.MAX_WBITS,
+}
+
+
+def _accepts(accept_encoding: str, coding: str) -> bool:
+    """Whether an ``Accept-Encoding`` value accepts ``coding`` (RFC 9110 12.5.3).
+
+    No header at all counts as identity only: curl and most SDKs send none and cannot read a
+    compressed body.
+    """
+    for part in accept_encoding.lower().split(","):
+        name, _, params = part.partition(";")
+        if name.strip() not in (coding, "*"):
+            continue
+        quality = params.strip().removeprefix("q=")
+        try:
+            return not params.strip() or float(quality) > 0
+        except ValueError:
+            return True
+    return False
+
+
+def replay_for(
+    response: StoredResponse, request_headers: Iterable[tuple[bytes, bytes]]
+) -> StoredResponse:
+    """The stored response as this client can read it.
+
+    A response stored with a ``Content-Encoding`` (a compressing middleware ran inside this
+    one) is decoded for a client that does not accept that encoding when it is gzip or deflate,
+    and replayed without its body (``X-Idempotent-Body-Omitted``) when it cannot be decoded.
+    """
+    coding = (response.header("content-encoding") or "identity").strip().lower()
+    if coding == "identity":
+        return response
+    accept_encoding = b",".join(v for k, v in request_headers if k == b"accept-encoding")
+    if _accepts(accept_encoding.decode("latin-1"), coding):
+        return response
+    body: bytes | None = None
+    if coding in _ZLIB_WBITS:
+        decoder = zlib.decompressobj(_ZLIB_WBITS[coding])
+        try:
+            decoded = decoder.decompress(response.body, _MAX_DECODED_BYTES)
+        except zlib.error:
+            decoded = None
+        if decoded is not None and decoder.eof and not decoder.unconsumed_tail:
+            body = decoded
+    headers = [(name, value) for name, value in response.headers if name not in _BODY_HEADERS]
+    if body is None:
+        headers.append(BODY_OMITTED_HEADER)
+    else:
+        headers += [(name, value) for name, value in response.headers if name == "content-type"]
+        headers.append(("content-length", str(len(body))))
+    return StoredResponse(response.status_code, tuple(headers), body or b"", response.content_type)
+
+
+async def send_requires_recovery(send: Send, checkpoint: str) -> None:
+    """202 for a key whose first attempt died after a recovery point (``on_recovery="hold"``)."""
+    body = orjson.dumps(
+        {
+            "status": "requires_recovery",
+            "checkpoint": checkpoint,
+            "detail": "The first attempt stopped after a recovery point; the outcome is being "
+            "reconciled. Retry later with the same key.",
+        }
+    )
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 202, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

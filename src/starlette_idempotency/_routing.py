@@ -1,0 +1,333 @@
+"""Finding the route a request will reach, before the app runs, and its idempotency policy.
+
+The middleware must decide before the endpoint runs, so it repeats the router's matching on
+every guarded request: the first FULL match wins, ``Mount`` and ``Host`` are entered with
+their prefix joined into the template, and FastAPI's lazily included routers (``include_router``
+since FastAPI 0.13x) are entered through their effective routes.
+
+Nothing is cached by request. Which route a request reaches depends on its host,
+``root_path``, method and path, on whatever a custom route matches on (any header), and on route
+lists that may change after the first request (lists keep no version to compare). Matching
+costs about 1 µs per Starlette route tried, several for FastAPI's included routes, and the
+router pays as much again on the same request. Only the policy of a matched route is cached,
+keyed by the route object, its endpoint and its full template.
+
+The routes are those of the app the middleware wraps, found by following ``.app`` down the
+stack: the scope the middleware receives is the scope that app's router will match, however
+many mounts were entered above it. ``scope["app"]`` can name a parent app whose routes sit
+above that scope, so it is used only when its own middleware stack holds this middleware.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.routing import BaseRoute, Host, Match, Mount
+
+from starlette_idempotency._decorator import (
+    MARKS_START_ATTRIBUTE,
+    POLICY_ATTRIBUTE,
+    misplaced_decorator_error,
+)
+from starlette_idempotency._fingerprint import fingerprint_version
+from starlette_idempotency._options import IdempotencyPolicy
+from starlette_idempotency._types import ASGIApp, Scope
+from starlette_idempotency.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from starlette_idempotency._command_fingerprint import CommandFingerprinter
+
+logger = logging.getLogger(__name__)
+
+_MAX_CACHED_ROUTES = 2048
+_MAX_STACK_DEPTH = 64  # bounds the walk down ``.app`` attributes, should they ever form a cycle
+
+
+@dataclass(frozen=True, slots=True)
+class GuardedRoute:
+    """A route the middleware guards: its template, merged policy, whether the endpoint reports
+    its own start (the documented decorator order), and how its requests are fingerprinted."""
+
+    template: str
+    policy: IdempotencyPolicy
+    marks_start: bool
+    fingerprint_version: str
+    command: CommandFingerprinter | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Leaf:
+    route: BaseRoute
+    endpoint: Callable[..., Any] | None
+    template: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Routes:
+    """The routes an app dispatches to, and the ``root_path`` it sets before matching them
+    (``FastAPI(root_path=...)`` does, in its own ``__call__``); ``""`` when it sets none."""
+
+    routes: Sequence[BaseRoute]
+    root_path: str = ""
+
+    def scope_for(self, scope: Scope) -> Scope:
+        """A copy of ``scope`` as this app's router will see it."""
+        return {**scope, "root_path": self.root_path} if self.root_path else dict(scope)
+
+
+_INCLUDED_ROUTER_TYPES: dict[type, bool] = {}
+
+
+def _is_included_router(route: object) -> bool:
+    """FastAPI's lazily included router (``include_router`` since FastAPI 0.13x), by type once:
+    its public ``matches()`` hides which route matched, so it is entered through ``_match``."""
+    kind = type(route)
+    known = _INCLUDED_ROUTER_TYPES.get(kind)
+    if known is None:
+        known = _INCLUDED_ROUTER_TYPES[kind] = hasattr(kind, "_match") and hasattr(
+            kind, "effective_candidates"
+        )
+    return known
+
+
+def _included_router_match(route: Any, scope: Scope) -> tuple[Match, Scope, Any, Any]:
+    result: tuple[Match, Scope, Any, Any] = route._match(scope)
+    return result
+
+
+def find_leaf(routes: Iterable[BaseRoute], scope: Scope, prefix: str = "") -> _Leaf | None:
+    """The first route that fully matches ``scope``, with its full path template."""
+    for route in routes:
+        if _is_included_router(route):
+            match, child_scope, matched, context = _included_router_match(route, scope)
+            if match is not Match.FULL:
+                continue
+            if _is_included_router(matched):
+                return find_leaf([matched], scope, prefix)
+            if isinstance(matched, Mount | Host):
+                return _enter(matched, scope, child_scope, prefix)
+            template = str(getattr(context, "path", None) or getattr(matched, "path", ""))
+            return _Leaf(matched, child_scope.get("endpoint"), prefix + template)
+        match, child_scope = route.matches(scope)
+        if match is not Match.FULL:
+            continue
+        if isinstance(route, Mount | Host):
+            return _enter(route, scope, child_scope, prefix)
+        endpoint = child_scope.get("endpoint", getattr(route, "endpoint", None))
+        return _Leaf(route, endpoint, prefix + getattr(route, "path", ""))
+    return None
+
+
+def _enter(route: Mount | Host, scope: Scope, child_scope: Scope, prefix: str) -> _Leaf | None:
+    below, inner_prefix = _inside(route, prefix)
+    return find_leaf(below.routes, below.scope_for({**scope, **child_scope}), inner_prefix)
+
+
+def _inside(route: Mount | Host, prefix: str) -> tuple[_Routes, str]:
+    """The routes a ``Mount`` or ``Host`` dispatches to, and the template prefix below it."""
+    # ``Mount.routes`` is empty when the mounted app is wrapped (in IdempotencyMiddleware, say),
+    # yet the router still dispatches through the wrapper to the routes below it.
+    below = _routes_below(route.app) or _Routes(route.routes)
+    return below, prefix + route.path if isinstance(route, Mount) else prefix
+
+
+@dataclass(frozen=True, slots=True)
+class RouteEntry:
+    """A route :func:`iter_routes` found: the route, its full template, methods and endpoint."""
+
+    route: BaseRoute
+    template: str
+    methods: frozenset[str]
+    endpoint: Callable[..., Any] | None
+
+
+def iter_routes(routes: Iterable[BaseRoute], prefix: str = "") -> Iterator[RouteEntry]:
+    """Every route below ``routes`` that ends a match, in the order :func:`find_leaf` tries
+    them: ``Mount``, ``Host`` and FastAPI's included routers are entered as it enters them."""
+    for route in routes:
+        if not _is_included_router(route):
+            yield from _entries(route, prefix, "")
+            continue
+        included: Any = route
+        for candidate in included.effective_candidates():
+            if _is_included_router(candidate):
+                yield from iter_routes([candidate], prefix)
+            else:
+                # An included APIRoute keeps its own path; its context holds the prefixed one.
+                target = candidate.starlette_route or candidate.original_route
+                yield from _entries(target, prefix, str(getattr(candidate, "path", "") or ""))
+
+
+def _entries(route: BaseRoute, prefix: str, template: str) -> Iterator[RouteEntry]:
+    if isinstance(route, Mount | Host):
+        below, inner_prefix = _inside(route, prefix)
+        yield from iter_routes(below.routes, inner_prefix)
+        return
+    yield RouteEntry(
+        route,
+        prefix + (template or getattr(route, "path", "")),
+        frozenset(getattr(route, "methods", None) or ()),
+        getattr(route, "endpoint", None),
+    )
+
+
+def _stack(app: object) -> Iterator[object]:
+    """``app``, what it wraps (its ``.app``), what that wraps, and so on."""
+    node: object = app
+    for _ in range(_MAX_STACK_DEPTH):
+        if node is None:
+            return
+        yield node
+        node = getattr(node, "app", None)
+
+
+def _wraps(outer: object, app: object) -> bool:
+    return any(node is app for node in _stack(outer))
+
+
+def _routes_below(app: object) -> _Routes | None:
+    """The routes of the first router found by following ``.app`` down from ``app``."""
+    for node in _stack(app):
+        routes: Sequence[BaseRoute] | None = getattr(node, "routes", None)
+        if routes is not None:
+            root_path = getattr(node, "root_path", "")
+            return _Routes(routes, root_path if isinstance(root_path, str) else "")
+    return None
+
+
+def _router_for(scope: Scope, app: ASGIApp) -> _Routes | None:
+    """The routes a middleware wrapping ``app`` matches ``scope`` against, if it finds them.
+
+    Where ``.app`` leads to no router (a plain function middleware in between, or the
+    middleware given to one ``Route(middleware=...)``), the app named in the scope is used
+    instead, but only once its own stack is seen to hold ``app``.
+    """
+    below = _routes_below(app)
+    if below is None:
+        owner = scope.get("app")
+        if owner is not None and _wraps(getattr(owner, "middleware_stack", None), app):
+            below = _routes_below(owner)
+    return below
+
+
+def routes_for(scope: Scope, app: ASGIApp) -> Sequence[BaseRoute] | None:
+    """The route list a middleware wrapping ``app`` resolves the requests of ``scope`` in."""
+    below = _router_for(scope, app)
+    return None if below is None else below.routes
+
+
+class RouteResolver:
+    """Maps a request to its :class:`GuardedRoute` (or ``None`` when it is not guarded)."""
+
+    def __init__(self, defaults: IdempotencyPolicy, *, protect_all: bool) -> None:
+        self._defaults = defaults
+        self._protect_all = protect_all
+        # The key holds ids; the value holds the objects themselves, so that no id in a key can
+        # be reused by a new route or endpoint while the entry lives.
+        self._cache: dict[tuple[int, int, str], tuple[BaseRoute, object, GuardedRoute | None]] = {}
+        self._warned_unrouted = False
+
+    def resolve(self, scope: Scope, app: ASGIApp) -> GuardedRoute | None:
+        leaf = self._locate(scope, app)
+        if leaf is None:
+            return None
+        cache_key = (id(leaf.route), id(leaf.endpoint), leaf.template)
+        cached = self._cache.get(cache_key)
+        if cached is not None and cached[0] is leaf.route and cached[1] is leaf.endpoint:
+            return cached[2]
+        guarded = self._guard(leaf)
+        if len(self._cache) >= _MAX_CACHED_ROUTES:
+            self._cache.clear()
+        self._cache[cache_key] = (leaf.route, leaf.endpoint, guarded)
+        return guarded
+
+    def check(self, routes: Iterable[BaseRoute], methods: frozenset[str]) -> None:
+        """Refuse, at startup, every ``@idempotent`` route that would not work as written: the
+        decorator above the route decorator, a route none of whose methods is guarded, options
+        that do not fit the middleware's (a lock longer than the retention)."""
+        problems: list[str] = []
+        for entry in iter_routes(routes):
+            overrides = getattr(entry.endpoint, POLICY_ATTRIBUTE, None)
+            if overrides is None:
+                continue
+            if not getattr(entry.endpoint, MARKS_START_ATTRIBUTE, False):
+                problems.append(str(misplaced_decorator_error(entry.template)))
+            elif entry.methods and entry.methods.isdisjoint(methods):
+                problems.append(
+                    f"@idempotent on {entry.template} ({', '.join(sorted(entry.methods))}) does "
+                    f"nothing: the middleware guards {', '.join(sorted(methods))} only. Add the "
+                    f"method to IdempotencyMiddleware(methods=...), or remove @idempotent"
+                )
+            else:
+                try:
+                    self._defaults.merged(overrides)
+                except ConfigurationError as exc:
+                    problems.append(f"@idempotent on {entry.template}: {exc}")
+        if problems:
+            raise ConfigurationError("\n".join(problems))
+
+    def policy_for(self, endpoint: object) -> IdempotencyPolicy | None:
+        """The merged policy of a route with this endpoint, or ``None`` when it is not guarded
+        (as :meth:`resolve` decides it, minus the checks that raise on a misplaced decorator)."""
+        overrides = getattr(endpoint, POLICY_ATTRIBUTE, None)
+        if overrides is None and not self._protect_all:
+            return None
+        return self._defaults.merged(overrides or {})
+
+    def _locate(self, scope: Scope, app: ASGIApp) -> _Leaf | None:
+        """The route ``scope`` reaches in ``app``, the app the middleware wraps.
+
+        Where no router is found (:func:`_router_for`), the route named in the scope is used
+        instead, but only once its own stack is seen to hold ``app``.
+        """
+        below = _router_for(scope, app)
+        if below is not None:
+            return find_leaf(below.routes, below.scope_for(scope))
+        route = scope.get("route")
+        if (
+            isinstance(route, BaseRoute)
+            and not isinstance(route, Mount | Host)
+            and _wraps(getattr(route, "app", None), app)
+        ):
+            endpoint = scope.get("endpoint", getattr(route, "endpoint", None))
+            return _Leaf(route, endpoint, str(getattr(route, "path", "")))
+        if not self._warned_unrouted:
+            self._warned_unrouted = True
+            logger.warning(
+                "IdempotencyMiddleware finds no router below %r: its requests pass through "
+                "unguarded. Wrap a Starlette or FastAPI app, or add the middleware to one.",
+                app,
+            )
+        return None
+
+    def _guard(self, leaf: _Leaf) -> GuardedRoute | None:
+        overrides = getattr(leaf.endpoint, POLICY_ATTRIBUTE, None)
+        if overrides is None and not self._protect_all:
+            return None
+        marks_start = bool(getattr(leaf.endpoint, MARKS_START_ATTRIBUTE, False))
+        if overrides is not None and not marks_start:
+            raise misplaced_decorator_error(leaf.template)
+        policy = self._defaults.merged(overrides or {})
+        command = None
+        if policy.fingerprint == "validated":
+            from starlette_idempotency._command_fingerprint import fingerprinter_for_route
+
+            command = fingerprinter_for_route(leaf.route, policy.excluded_field_names)
+            if command is None:
+                logger.warning(
+                    "fingerprint='validated' on %s, which has no FastAPI body model: "
+                    "fingerprinting its raw body instead",
+                    leaf.template,
+                )
+        return GuardedRoute(
+            template=leaf.template,
+            policy=policy,
+            marks_start=marks_start,
+            fingerprint_version=fingerprint_version(
+                "validated" if command else "raw", policy.fingerprint_version
+            ),
+            command=command,
+        )

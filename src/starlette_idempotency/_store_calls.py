@@ -1,0 +1,108 @@
+"""The store as the engine calls it: bounded, observed, and with one kind of failure.
+
+Every call the middleware makes goes through :class:`BoundedStore`, which names its operation
+once (for the metrics sink and the tracing span), bounds it to ``store_timeout_seconds``, and
+turns whatever it raises into a :class:`~starlette_idempotency.errors.StoreError`. The stores
+raise ``StoreError`` for their drivers' failures themselves (they are used on their own too);
+what reaches this boundary otherwise is the call's own deadline, or a bug in a custom store,
+and the request must still get its 503 or run fail-open rather than a 500.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from starlette_idempotency._deadlines import CallDeadlines
+from starlette_idempotency._record import IdempotencyRecord, RecordStatus
+from starlette_idempotency.errors import StoreError, StoreTimeoutError
+from starlette_idempotency.observability import MetricsSink, StoreCallTracer
+from starlette_idempotency.stores.base import AcquireResult, FencedWrite, IdempotencyStore
+
+_T = TypeVar("_T")
+
+
+class BoundedStore:
+    """The store's primitives, each bounded to ``timeout`` seconds, timed and traced."""
+
+    __slots__ = ("_deadlines", "_metrics", "_never_blocks", "_tracer", "name", "store")
+
+    def __init__(
+        self,
+        store: IdempotencyStore,
+        *,
+        timeout: float,
+        metrics: MetricsSink | None,
+        tracer: StoreCallTracer | None,
+    ) -> None:
+        self.store = store
+        #: The store's name for metrics labels and spans.
+        self.name = store.name
+        self._deadlines = CallDeadlines(timeout)
+        # A store that never waits on I/O costs less than the cheapest deadline would.
+        self._never_blocks = store.never_blocks
+        self._metrics = metrics
+        self._tracer = tracer
+
+    def try_acquire(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
+    ) -> Awaitable[AcquireResult]:
+        call = self.store.try_acquire(key, pending, lock_ttl, recover=recover)
+        return self._call("try_acquire", call)
+
+    def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[FencedWrite]:
+        # Metrics and spans name the outcome, as dashboards built on them expect.
+        operation = "complete" if record.status is RecordStatus.COMPLETED else "fail"
+        return self._call(operation, self.store.finish(key, record, ttl))
+
+    def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[bool]:
+        return self._call("save_progress", self.store.save_progress(key, record, ttl))
+
+    def release(self, key: str, owner_token: str) -> Awaitable[bool]:
+        return self._call("release", self.store.release(key, owner_token))
+
+    def renew(self, key: str, owner_token: str, lock_ttl: float) -> Awaitable[bool]:
+        return self._call("renew", self.store.renew(key, owner_token, lock_ttl))
+
+    def get(self, key: str) -> Awaitable[IdempotencyRecord | None]:
+        return self._call("get", self.store.get(key))
+
+    def _call(self, operation: str, call: Awaitable[_T]) -> Awaitable[_T]:
+        # The awaitable itself, not a coroutine awaiting it: one frame fewer per store call.
+        if self._tracer is None and self._metrics is None:
+            return self._bounded(call)
+        return self._observed(operation, call)
+
+    async def _observed(self, operation: str, call: Awaitable[_T]) -> _T:
+        """:meth:`_bounded`, timed for the metrics sink and traced as a span."""
+        started = time.perf_counter()
+        ok = False
+        try:
+            if self._tracer is None:
+                result = await self._bounded(call)
+            else:
+                with self._tracer.span(self.name, operation):
+                    result = await self._bounded(call)
+            ok = True
+            return result
+        finally:
+            if self._metrics is not None:
+                self._metrics.observe_store_call(
+                    self.name, operation, time.perf_counter() - started, ok
+                )
+
+    async def _bounded(self, call: Awaitable[_T]) -> _T:
+        try:
+            if self._never_blocks:
+                return await call
+            with self._deadlines.bound():
+                return await call
+        except StoreError:
+            raise
+        except TimeoutError as exc:
+            raise StoreTimeoutError(
+                f"idempotency store call took longer than {self._deadlines.timeout}s"
+            ) from exc
+        except Exception as exc:
+            raise StoreError(f"idempotency store call failed: {exc!r}") from exc

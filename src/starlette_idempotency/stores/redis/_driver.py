@@ -1,0 +1,121 @@
+"""What :class:`~starlette_idempotency.stores.redis.RedisStore` needs from a Redis client library.
+
+The store holds the record logic (acquire, takeover, fenced writes); a driver sends its commands
+through one client library: redis-py (:mod:`.redis_py`) or valkey-glide (:mod:`.redis_glide`).
+Drivers return the library's own awaitable where they can, so no frame of theirs waits on the
+hot path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from collections.abc import Awaitable
+from typing import Any, Protocol, runtime_checkable
+
+#: A command argument: the store passes numbers as decimal strings.
+Arg = bytes | str
+
+_NEEDS_RECORD_PRELUDE = frozenset({"finish", "release", "renew"})
+
+
+@functools.cache
+def lua_source(name: str) -> str:
+    """A script's source; those that read the stored record get ``_record.lua`` first."""
+    lua = importlib.resources.files("starlette_idempotency.stores.redis").joinpath("lua")
+    source = lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    if name in _NEEDS_RECORD_PRELUDE:
+        source = lua.joinpath("_record.lua").read_text(encoding="utf-8") + source
+    return source
+
+
+class Subscription(Protocol):
+    """One pub/sub connection of a driver's, used for change notices."""
+
+    async def subscribe(self, channel: str) -> None: ...
+
+    async def unsubscribe(self, channel: str) -> None: ...
+
+    async def next_channel(self) -> str | None:
+        """The channel of the next published message; ``None`` when none came for a while."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class RedisDriver(Protocol):
+    """The commands the store sends, through one client library."""
+
+    #: The library's failures, turned into ``StoreError``; ``timeouts`` among them become
+    #: ``StoreTimeoutError``.
+    errors: tuple[type[BaseException], ...]
+    timeouts: tuple[type[BaseException], ...]
+    #: How long (seconds) after Redis answered a later command on another connection the
+    #: client may still send or resend a command whose caller was cancelled or timed out:
+    #: glide's request timeout, as its connection outlives the call and it retries after a
+    #: reconnect or a script reload; 0 on redis-py, which closes the connection (a command
+    #: Redis already received still runs, but no later than such an answer).
+    late_command_window: float
+
+    def set_nx_get(self, key: str, value: bytes, px: int) -> Awaitable[bytes | str | None]:
+        """``SET key value NX PX px GET``: ``None`` when written, else the current value."""
+        ...
+
+    async def set_nx(self, key: str, value: bytes, px: int) -> bool:
+        """``SET key value NX PX px``: whether it wrote (Redis < 7, without ``GET``)."""
+        ...
+
+    def get(self, key: str) -> Awaitable[bytes | str | None]: ...
+
+    def run_script(self, name: str, key: str, args: list[Arg]) -> Awaitable[Any]:
+        """Run the script :func:`lua_source` ``(name)`` on ``key``, loading it when the server
+        does not know it (first use, restart, ``SCRIPT FLUSH``)."""
+        ...
+
+    def eval_script(self, name: str, key: str, args: list[Arg]) -> Awaitable[Any]:
+        """Run the script sent whole (``EVAL``): slower, but never answered ``NOSCRIPT`` and
+        so never resent behind commands queued after it."""
+        ...
+
+    def rejects_nx_get(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a server refusing ``SET NX GET`` (Redis < 7: a syntax error)."""
+        ...
+
+    def subscription(self) -> Subscription:
+        """A new, unconnected pub/sub connection (it connects on its first subscribe)."""
+        ...
+
+    def describe(self) -> str:
+        """Where the client points, without credentials: ``redis at 127.0.0.1:6379/0``, or
+        ``redis cluster at`` a startup node."""
+        ...
+
+    async def ping(self) -> None:
+        """``PING`` the server (every primary of a cluster)."""
+        ...
+
+    async def config_get(self, parameter: str) -> dict[str, str]:
+        """``CONFIG GET parameter`` on the server (every primary of a cluster): node address
+        -> value, ``""`` for a parameter the server does not know."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close the client."""
+        ...
+
+
+@runtime_checkable
+class ReplicaWaitingDriver(RedisDriver, Protocol):
+    """A driver that can pipeline ``WAIT`` behind a write on the write's own connection."""
+
+    async def set_nx_and_wait(
+        self, key: str, value: bytes, px: int, *, get: bool, replicas: int, timeout_ms: int
+    ) -> tuple[Any, int]:
+        """``SET NX PX`` (with ``GET`` when asked), then ``WAIT``: both replies."""
+        ...
+
+    async def run_script_and_wait(
+        self, name: str, key: str, args: list[Arg], *, replicas: int, timeout_ms: int
+    ) -> tuple[Any, int]:
+        """The script, then ``WAIT``: both replies."""
+        ...

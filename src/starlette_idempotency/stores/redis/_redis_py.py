@@ -1,0 +1,212 @@
+"""The redis-py driver of :class:`~starlette_idempotency.stores.redis.RedisStore`.
+
+Cancellation: redis-py 8 closes a connection when a command on it is cancelled between send and
+reply (``Connection.send_packed_command`` / ``read_response`` catch ``BaseException`` and
+disconnect), so a call cut short by the middleware's deadline returns no half-read connection
+to the pool. Nothing here shields a call; ``CancelledError`` goes through. Closing does not
+take back a command Redis has received: one waiting in its socket buffer while Redis stalls
+still runs when it wakes (the store undoes an abandoned acquire).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeGuard
+
+from starlette_idempotency.stores.redis._driver import Arg, lua_source
+
+try:
+    import redis.asyncio as aioredis
+    from redis import exceptions as redis_errors
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "RedisStore on redis-py needs the redis driver: pip install 'starlette-idempotency[redis]'"
+    ) from exc
+
+_READ_TIMEOUT_SECONDS = 1.0
+
+
+class RedisScript(Protocol):
+    """What ``register_script`` returns (redis-py ``AsyncScript``)."""
+
+    sha: str
+
+    async def __call__(
+        self, keys: Sequence[Any] | None = None, args: Sequence[Any] | None = None
+    ) -> Any: ...
+
+
+class RedisClient(Protocol):
+    """The methods of ``redis.asyncio.Redis`` / ``RedisCluster`` the driver uses."""
+
+    def set(self, name: Any, value: Any, *args: Any, **kwargs: Any) -> Any: ...
+    def get(self, name: Any) -> Any: ...
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any: ...
+    def pubsub(self, **kwargs: Any) -> Any: ...
+    def register_script(self, script: Any) -> Any: ...
+    def eval(self, script: Any, numkeys: int, *keys_and_args: Any) -> Any: ...
+    def script_load(self, script: Any) -> Any: ...
+    def ping(self, **kwargs: Any) -> Any: ...
+    def config_get(self, pattern: str = "*", **kwargs: Any) -> Any: ...
+    async def aclose(self) -> None: ...
+
+
+def is_redis_py_client(client: object) -> TypeGuard[RedisClient]:
+    """Whether ``client`` is a ``redis.asyncio`` client (standalone or Cluster)."""
+    return isinstance(client, aioredis.Redis | aioredis.RedisCluster)
+
+
+def connect(url: str, **client_options: Any) -> RedisClient:
+    """A ``redis.asyncio`` client for ``url`` (it connects on first use).
+
+    ``max_connections`` defaults to 1000 rather than redis-py's 100, past which a burst of
+    concurrent requests would fail with "Too many connections"; redis-py's
+    ``BlockingConnectionPool``, which waits instead, costs about a fifth more CPU per call.
+    """
+    client_options.setdefault("max_connections", 1000)
+    client: RedisClient = aioredis.from_url(url, **client_options)
+    return client
+
+
+class RedisPySubscription:
+    """A redis-py ``PubSub`` connection."""
+
+    def __init__(self, client: RedisClient) -> None:
+        self._pubsub: Any = client.pubsub()
+
+    async def subscribe(self, channel: str) -> None:
+        await self._pubsub.subscribe(channel)
+
+    async def unsubscribe(self, channel: str) -> None:
+        await self._pubsub.unsubscribe(channel)
+
+    async def next_channel(self) -> str | None:
+        message = await self._pubsub.get_message(
+            ignore_subscribe_messages=True, timeout=_READ_TIMEOUT_SECONDS
+        )
+        if message is None or message.get("type") != "message":
+            return None
+        channel = message["channel"]
+        return channel.decode() if isinstance(channel, bytes) else str(channel)
+
+    async def aclose(self) -> None:
+        await self._pubsub.aclose()
+
+
+class RedisPyDriver:
+    """Commands through a ``redis.asyncio.Redis`` or ``RedisCluster`` client."""
+
+    errors: tuple[type[BaseException], ...] = (
+        redis_errors.RedisError,
+        redis_errors.RedisClusterException,
+        OSError,
+    )
+    timeouts: tuple[type[BaseException], ...] = (redis_errors.TimeoutError, TimeoutError)
+    late_command_window = 0.0
+
+    def __init__(self, client: RedisClient) -> None:
+        self._client = client
+        self._scripts: dict[str, RedisScript] = {}
+
+    def set_nx_get(self, key: str, value: bytes, px: int) -> Awaitable[bytes | str | None]:
+        return self._client.set(key, value, px=px, nx=True, get=True)  # type: ignore[no-any-return]
+
+    async def set_nx(self, key: str, value: bytes, px: int) -> bool:
+        return bool(await self._client.set(key, value, px=px, nx=True))
+
+    def get(self, key: str) -> Awaitable[bytes | str | None]:
+        return self._client.get(key)  # type: ignore[no-any-return]
+
+    def run_script(self, name: str, key: str, args: list[Arg]) -> Awaitable[Any]:
+        # redis-py's AsyncScript sends EVALSHA and reloads the script on NoScriptError.
+        return self._script(name)(keys=[key], args=args)
+
+    def _script(self, name: str) -> RedisScript:
+        script = self._scripts.get(name)
+        if script is None:
+            script = self._scripts[name] = self._client.register_script(lua_source(name))
+        return script
+
+    def eval_script(self, name: str, key: str, args: list[Arg]) -> Awaitable[Any]:
+        return self._client.eval(lua_source(name), 1, key, *args)  # type: ignore[no-any-return]
+
+    def rejects_nx_get(self, exc: BaseException) -> bool:
+        return isinstance(exc, redis_errors.ResponseError) and "syntax error" in str(exc).lower()
+
+    async def set_nx_and_wait(
+        self, key: str, value: bytes, px: int, *, get: bool, replicas: int, timeout_ms: int
+    ) -> tuple[Any, int]:
+        return await self._with_wait(
+            key, lambda pipe: pipe.set(key, value, px=px, nx=True, get=get), replicas, timeout_ms
+        )
+
+    async def run_script_and_wait(
+        self, name: str, key: str, args: list[Arg], *, replicas: int, timeout_ms: int
+    ) -> tuple[Any, int]:
+        script = self._script(name)
+
+        def queue(pipe: Any) -> None:
+            # EVALSHA by name: ClusterPipeline blocks only its evalsha() helper.
+            pipe.execute_command("EVALSHA", script.sha, 1, key, *args)
+
+        try:
+            return await self._with_wait(key, queue, replicas, timeout_ms)
+        except redis_errors.NoScriptError:  # the server lost it (restart, SCRIPT FLUSH)
+            await self._client.script_load(lua_source(name))
+            return await self._with_wait(key, queue, replicas, timeout_ms)
+
+    async def _with_wait(
+        self, key: str, queue: Callable[[Any], object], replicas: int, timeout_ms: int
+    ) -> tuple[Any, int]:
+        """Pipeline the command ``queue`` adds and ``WAIT`` behind it on the same connection
+        (``WAIT`` counts only its own connection's writes); the command's reply and ``WAIT``'s."""
+        pipe = self._client.pipeline(transaction=False)
+        queue(pipe)
+        pipe.wait(replicas, timeout_ms, **await self._wait_target(key))
+        reply, acknowledged = await pipe.execute()
+        return reply, int(acknowledged)
+
+    async def _wait_target(self, key: str) -> dict[str, Any]:
+        # In a cluster pipeline, send WAIT to the node that owns the key so it shares that
+        # node's connection with the write.
+        if not isinstance(self._client, aioredis.RedisCluster):
+            return {}
+        await self._client.initialize()  # the slot map (a no-op once loaded)
+        return {"target_nodes": self._client.get_node_from_key(key)}
+
+    def subscription(self) -> RedisPySubscription:
+        return RedisPySubscription(self._client)
+
+    def _standalone_address(self) -> tuple[str, int]:
+        """The server a standalone client connects to, and its database number."""
+        options: dict[str, Any] = self._client.connection_pool.connection_kwargs  # type: ignore[attr-defined]
+        if "path" in options:
+            return f"unix:{options['path']}", options.get("db", 0)
+        return f"{options.get('host', 'localhost')}:{options.get('port', 6379)}", options.get(
+            "db", 0
+        )
+
+    def describe(self) -> str:
+        client = self._client
+        if isinstance(client, aioredis.RedisCluster):
+            startup = next(iter(client.nodes_manager.startup_nodes.values()))
+            return f"redis cluster at {startup.name}"
+        address, db = self._standalone_address()
+        return f"redis at {address}/{db}"
+
+    async def ping(self) -> None:
+        await self._client.ping()
+
+    async def config_get(self, parameter: str) -> dict[str, str]:
+        client = self._client
+        replies: dict[str, Any] = {}
+        if isinstance(client, aioredis.RedisCluster):
+            await client.initialize()
+            for primary in client.get_primaries():
+                replies[primary.name] = await client.config_get(parameter, target_nodes=primary)
+        else:
+            replies[self._standalone_address()[0]] = await client.config_get(parameter)
+        return {node: str(reply.get(parameter, "")) for node, reply in replies.items()}
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,540 @@
+"""Redis store: one JSON value per key, acquired with one atomic command, fenced by Lua.
+
+Each record lives under ``<key_prefix>:<key>`` as its JSON wire form (:func:`dump_record`),
+with the lock TTL or the retention TTL as the Redis TTL. Acquiring is one atomic round trip
+(``SET NX PX GET`` or a Lua script); every later write is a Lua compare-and-set on the owner
+token. Standalone Redis and Redis Cluster both work: each operation touches a single key.
+
+The commands go through a driver (:mod:`._driver`): redis-py or valkey-glide, picked by
+the client passed in (or ``from_url(..., driver=...)``).
+
+Recovery points: a conflict on an ``InProgress`` record whose lease (``lockedUntil``, inside the
+value) has passed and whose fingerprint matches is taken over with a second, rare step, a
+compare-and-set on the whole value the acquire returned (``takeover.lua``). Leases are
+judged on this process's wall clock, as the middleware sets them: keep app servers on NTP.
+
+Why one module: an acquire's strategies (``SET NX GET``, the Lua script, the takeover of a dead
+handler's record) and what undoes each when its caller gave up on a stalled server are one
+protocol, correct only together with the fenced writes that follow them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import replace
+from typing import Any, Literal
+
+from starlette_idempotency._record import (
+    IdempotencyRecord,
+    RecordStatus,
+    dump_record,
+    load_record,
+)
+from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
+from starlette_idempotency.stores.base import (
+    DEFAULT_KEY_PREFIX,
+    AcquireResult,
+    FencedWrite,
+    StoreBase,
+    StoreFinding,
+)
+from starlette_idempotency.stores.redis._changes import RedisChangeListener
+from starlette_idempotency.stores.redis._check import check_redis
+from starlette_idempotency.stores.redis._driver import Arg, RedisDriver, ReplicaWaitingDriver
+
+logger = logging.getLogger(__name__)
+
+AcquireStrategy = Literal["setnx", "lua"]
+DriverName = Literal["redis-py", "glide"]
+DEFAULT_WAIT_TIMEOUT_MS = 100
+_UNDO_RETRY_SECONDS = 0.1
+
+
+class _DriverErrors:
+    """Turns the driver's errors inside ``with`` into StoreError (a class: on the hot path a
+    generator-based context manager costs several times more)."""
+
+    __slots__ = ("_driver", "_key", "_operation")
+
+    def __init__(self, driver: RedisDriver, operation: str, key: str) -> None:
+        self._driver = driver
+        self._operation = operation
+        self._key = key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
+        if isinstance(exc, self._driver.timeouts):
+            raise StoreTimeoutError(
+                f"redis {self._operation} timed out for key {self._key!r}"
+            ) from exc
+        if isinstance(exc, self._driver.errors):
+            raise StoreError(
+                f"redis {self._operation} failed for key {self._key!r}: {exc}"
+            ) from exc
+
+
+def _driver_for(client: object) -> RedisDriver:
+    """The driver for a redis-py or valkey-glide client (each imported only when installed)."""
+    try:
+        from starlette_idempotency.stores.redis._redis_py import RedisPyDriver, is_redis_py_client
+    except ImportError:
+        pass
+    else:
+        if is_redis_py_client(client):
+            return RedisPyDriver(client)
+    try:
+        from starlette_idempotency.stores.redis._glide import GlideDriver, is_glide_client
+    except ImportError:
+        pass
+    else:
+        if is_glide_client(client):
+            return GlideDriver(client)
+    raise ConfigurationError(
+        f"RedisStore needs a redis.asyncio client (Redis or RedisCluster) or a valkey-glide "
+        f"client (GlideClient or GlideClusterClient), not {type(client).__name__}"
+    )
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _recoverable(current: IdempotencyRecord, pending: IdempotencyRecord, now: float) -> bool:
+    """Whether ``pending``'s request may take ``current`` over: a checkpointed handler died."""
+    return (
+        current.lease_expired(now)
+        and current.request_fingerprint == pending.request_fingerprint
+        and current.fingerprint_version == pending.fingerprint_version
+    )
+
+
+class RedisStore(StoreBase):
+    """Idempotency records in Redis (standalone or Cluster), shared by every process using it.
+
+    ``client`` is a ``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster`` (redis-py), or a
+    ``glide.GlideClient`` or ``glide.GlideClusterClient`` (valkey-glide, the ``glide`` extra);
+    a client passed in is never closed by :meth:`aclose` (use :meth:`from_url` to let the
+    store own one).
+
+    ``acquire`` picks how :meth:`try_acquire` writes: ``"setnx"`` sends ``SET NX PX GET``
+    (Redis >= 7; on older servers the store falls back, once per instance, to ``SET NX PX``
+    then ``GET``), ``"lua"`` runs a script that reads and writes in one step.
+
+    Replication is asynchronous: a failover right after an acquire can promote a replica that
+    never saw the lock, and a retry then runs the request a second time. ``wait_replicas=N``
+    narrows that window: ``WAIT N wait_timeout_ms`` is pipelined behind the acquire on the
+    same connection (``WAIT`` only counts its own connection's writes), so it costs no extra
+    round trip. When fewer than ``N`` replicas acknowledge in time the lock is still held and
+    a warning is logged: ``WAIT`` is not a consensus protocol, and a failing request would not
+    make the lock any safer. On a conflict nothing is written and ``WAIT`` returns at once
+    unless fewer than ``N`` replicas are connected. ``wait_replicas`` needs redis-py: on
+    valkey-glide's one multiplexed connection a ``WAIT`` would hold up every other caller.
+    """
+
+    name = "redis"
+    supports_recovery = True
+
+    def __init__(
+        self,
+        client: object,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        acquire: AcquireStrategy = "setnx",
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
+    ) -> None:
+        self._init(
+            _driver_for(client),
+            key_prefix=key_prefix,
+            acquire=acquire,
+            wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
+            owns_client=False,
+        )
+
+    def _init(
+        self,
+        driver: RedisDriver,
+        *,
+        key_prefix: str,
+        acquire: AcquireStrategy,
+        wait_replicas: int,
+        wait_timeout_ms: int,
+        owns_client: bool,
+    ) -> None:
+        if "{" in key_prefix or "}" in key_prefix:
+            raise ConfigurationError(
+                f"key_prefix {key_prefix!r} must not contain '{{' or '}}' (Redis Cluster hash tag)"
+            )
+        if acquire not in ("setnx", "lua"):
+            raise ConfigurationError(f"acquire must be 'setnx' or 'lua', not {acquire!r}")
+        if wait_replicas < 0:
+            raise ConfigurationError(f"wait_replicas must be >= 0, not {wait_replicas!r}")
+        if wait_replicas and wait_timeout_ms <= 0:
+            # WAIT with a timeout of 0 blocks forever.
+            raise ConfigurationError(f"wait_timeout_ms must be > 0, not {wait_timeout_ms!r}")
+        self._waiting: ReplicaWaitingDriver | None = None
+        if wait_replicas:
+            if not isinstance(driver, ReplicaWaitingDriver):
+                raise ConfigurationError(
+                    "wait_replicas needs a redis-py client: WAIT on valkey-glide's one "
+                    "multiplexed connection would hold up every other caller's commands"
+                )
+            self._waiting = driver
+        self._driver = driver
+        self._prefix = f"{key_prefix}:"
+        self._acquire_strategy = acquire
+        self._wait_replicas = wait_replicas
+        self._wait_timeout_ms = wait_timeout_ms
+        self._owns_client = owns_client
+        self._nx_get = True  # cleared for good once the server rejects SET NX GET
+        self._changes = RedisChangeListener(driver.subscription)
+        self._undoing: set[asyncio.Task[None]] = set()
+        # What abandons a write that Redis may still run (see _undo_abandoned).
+        self._abandoning_errors: tuple[type[BaseException], ...] = (
+            asyncio.CancelledError,
+            *driver.timeouts,
+        )
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        acquire: AcquireStrategy = "setnx",
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS,
+        driver: DriverName = "redis-py",
+        **client_options: Any,
+    ) -> RedisStore:
+        """A store with a client of its own for ``url``, closed by :meth:`aclose`.
+
+        ``driver="redis-py"`` (the ``redis`` extra): ``client_options`` go to
+        ``redis.asyncio.from_url`` (timeouts, retry, pool size); ``max_connections`` defaults
+        to 1000 rather than redis-py's 100, past which a burst of concurrent requests would
+        fail with "Too many connections".
+
+        ``driver="glide"`` (the ``glide`` extra): a valkey-glide ``GlideClient``, created on
+        first use; ``url`` is ``redis://[[user]:password@]host[:port][/db]`` (``rediss://``
+        for TLS) and ``client_options`` go to ``glide.GlideClientConfiguration``
+        (``request_timeout`` in milliseconds, ``client_name``, ...).
+        """
+        made: RedisDriver
+        if driver == "redis-py":
+            from starlette_idempotency.stores.redis._redis_py import RedisPyDriver, connect
+
+            made = RedisPyDriver(connect(url, **client_options))
+        elif driver == "glide":
+            from starlette_idempotency.stores.redis._glide import GlideDriver, config_from_url
+
+            made = GlideDriver(config_from_url(url, **client_options))
+        else:
+            raise ConfigurationError(f"driver must be 'redis-py' or 'glide', not {driver!r}")
+        store = cls.__new__(cls)
+        store._init(
+            made,
+            key_prefix=key_prefix,
+            acquire=acquire,
+            wait_replicas=wait_replicas,
+            wait_timeout_ms=wait_timeout_ms,
+            owns_client=True,
+        )
+        return store
+
+    def describe(self) -> str:
+        """Where the store is, for messages: ``redis at 127.0.0.1:6379/0`` (no password)."""
+        return self._driver.describe()
+
+    async def check(self) -> list[StoreFinding]:
+        """Reach Redis and report what weakens idempotency; never raises.
+
+        An ``error`` when Redis does not answer ``PING``. Warnings, read with ``CONFIG GET``
+        from the server or every primary of a cluster: a ``maxmemory`` with a policy that
+        evicts (records vanish, and retries run again), and no append-only file (a restart
+        loses records). When ``CONFIG`` is refused (renamed or not allowed, as on many
+        managed services), one warning says what to check by hand.
+        """
+        return await check_redis(self._driver, self.describe())
+
+    def storage_key(self, key: str) -> str:
+        """The Redis key that holds ``key``'s record."""
+        return self._prefix + key
+
+    @staticmethod
+    def _load(key: str, raw: bytes | str) -> IdempotencyRecord:
+        try:
+            return load_record(raw)
+        except ValueError as exc:
+            raise StoreError(f"redis holds a malformed record for key {key!r}") from exc
+
+    async def try_acquire(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
+    ) -> AcquireResult:
+        """Write ``pending`` for ``lock_ttl`` seconds if the key is free, in one atomic step.
+
+        An expired record is gone from Redis, so ``record`` is ``None`` when a free key was
+        acquired. With ``recover``, an ``InProgress`` record whose lease has passed and whose
+        fingerprint and version equal ``pending``'s is taken over (see the module docs): it
+        keeps its checkpoints and TTL, gets ``pending``'s owner token and a lease of
+        ``lock_ttl``, and comes back as ``record``. An ``InProgress`` record that already has
+        ``pending``'s owner token counts as acquired (``record`` is it if it has checkpoints).
+
+        A call cancelled or timed out after sending is undone in the background (see
+        :meth:`_undo_abandoned`): the caller will not run the handler, so the lock must not
+        outlive it.
+        """
+        skey, value, px = self.storage_key(key), dump_record(pending), _ms(lock_ttl)
+        with _DriverErrors(self._driver, "try_acquire", key):
+            for _ in range(3):  # a takeover lost to another contender reads the key again
+                try:
+                    try:
+                        existing = await self._acquire(skey, value, px)
+                    except Exception as exc:
+                        if not self._fall_back_from_nx_get(exc):
+                            raise
+                        existing = await self._acquire_set_then_get(skey, value, px)
+                except self._abandoning_errors:
+                    self._undo_abandoned(key, "release", [pending.owner_token, skey], lock_ttl)
+                    raise
+                if existing is None:
+                    return AcquireResult(acquired=True)
+                current = self._load(key, existing)
+                if (
+                    current.owner_token == pending.owner_token
+                    and current.status is RecordStatus.IN_PROGRESS
+                ):
+                    # Our own write (an acquire, or a takeover keeping its checkpoints),
+                    # answered as a conflict: the client resent a command whose reply was
+                    # lost (redis-py's retry, glide after a reconnect); or the owner taking
+                    # back a key it still holds.
+                    taken_over = current if current.checkpoints else None
+                    return AcquireResult(acquired=True, record=taken_over)
+                now = time.time()
+                if not (recover and _recoverable(current, pending, now)):
+                    break
+                taken = dump_record(
+                    replace(current, owner_token=pending.owner_token, locked_until=now + lock_ttl)
+                )
+                try:
+                    took_over = await self._take_over(skey, existing, taken)
+                except self._abandoning_errors:
+                    # Swapped back rather than released: deleting would lose the checkpoints.
+                    self._undo_abandoned(key, "takeover", [taken, existing], lock_ttl)
+                    raise
+                if took_over:
+                    return AcquireResult(acquired=True, record=current)
+        return AcquireResult(acquired=False, record=current)
+
+    def _undo_abandoned(self, key: str, script: str, args: list[Arg], lock_ttl: float) -> None:
+        """Undo an acquire (or takeover) whose caller gave up: cancelled by a deadline or a
+        client gone, or timed out; the caller will not run the handler.
+
+        Redis may still run the write and hold the key for ``lock_ttl``, answering retries
+        409: on a stall (a slow command, a fork, a frozen host) the command waits in Redis's
+        socket buffer, and Redis runs it when it wakes even though redis-py closed the
+        connection; glide keeps its connection and may even resend the command after a
+        reconnect. ``script`` undoes it, fenced by the abandoned write's own value or owner
+        token, and writes nothing when the write did not land; see :meth:`_undo_twice`.
+        """
+        task = asyncio.get_running_loop().create_task(self._undo_twice(key, script, args, lock_ttl))
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
+
+    async def _undo_twice(self, key: str, script: str, args: list[Arg], lock_ttl: float) -> None:
+        # The first undo may run before the abandoned write: Redis serves the connections
+        # that became readable during a stall in one event-loop iteration, in no set order
+        # (glide queues it behind the write on their shared connection instead). Its reply
+        # comes back only after that iteration, so a second undo sent then runs after any
+        # write Redis had received; glide may resend a write after a reconnect up to its
+        # late_command_window later still. Sent whole (EVAL): a NOSCRIPT answer would have
+        # the client resend it behind later commands.
+        skey = self.storage_key(key)
+        failure: StoreError | None = None
+
+        async def undo() -> None:
+            nonlocal failure
+            while True:
+                try:
+                    with _DriverErrors(self._driver, f"undo ({script})", key):
+                        await self._driver.eval_script(script, skey, args)
+                    return
+                except StoreError as exc:  # a stall longer than the client's own timeout
+                    failure = exc
+                    await asyncio.sleep(_UNDO_RETRY_SECONDS)
+
+        try:
+            async with asyncio.timeout(lock_ttl):  # by then the abandoned lock has lapsed
+                await undo()
+                await asyncio.sleep(self._driver.late_command_window)
+                await undo()
+        except TimeoutError:
+            logger.warning(
+                "could not undo the abandoned acquire of %r before its lock lapsed: %s",
+                key,
+                failure,
+            )
+
+    def _acquire(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
+        """Resolves to ``None`` when ``value`` was written, else to the value holding ``skey``.
+
+        Returns the driver's own awaitable where it can, so no frame of ours waits on it; a
+        server that rejects ``SET NX GET`` raises, and ``try_acquire`` hands the error to
+        :meth:`_fall_back_from_nx_get`.
+        """
+        if self._waiting is not None:
+            return self._acquire_and_wait(self._waiting, skey, value, px)
+        if self._acquire_strategy == "lua":
+            return self._driver.run_script("acquire", skey, [value, str(px)])
+        if self._nx_get:
+            return self._driver.set_nx_get(skey, value, px)
+        return self._acquire_set_then_get(skey, value, px)
+
+    def _fall_back_from_nx_get(self, exc: BaseException) -> bool:
+        """True (once, for good) when ``exc`` is the server rejecting ``SET NX GET``."""
+        if self._acquire_strategy != "setnx" or not self._nx_get:
+            return False
+        if not self._driver.rejects_nx_get(exc):
+            return False
+        self._nx_get = False
+        logger.info("Redis rejected SET NX GET (%s); acquiring with SET NX, then GET", exc)
+        return True
+
+    async def _acquire_set_then_get(self, skey: str, value: bytes, px: int) -> Any:
+        # Two round trips for Redis < 7. The key may expire between them: then try once more.
+        for _ in range(2):
+            if await self._driver.set_nx(skey, value, px):
+                return None
+            existing = await self._driver.get(skey)
+            if existing is not None:
+                return existing
+        raise StoreError(f"key {skey!r} kept expiring between SET NX and GET")
+
+    async def _acquire_and_wait(
+        self, waiting: ReplicaWaitingDriver, skey: str, value: bytes, px: int
+    ) -> Any:
+        # Retries: the SET NX GET fallback, a key lapsing between SET NX and GET.
+        replicas, timeout_ms = self._wait_replicas, self._wait_timeout_ms
+        for _ in range(3):
+            if self._acquire_strategy == "lua":
+                reply, acknowledged = await waiting.run_script_and_wait(
+                    "acquire", skey, [value, str(px)], replicas=replicas, timeout_ms=timeout_ms
+                )
+            else:
+                nx_get = self._nx_get
+                try:
+                    reply, acknowledged = await waiting.set_nx_and_wait(
+                        skey, value, px, get=nx_get, replicas=replicas, timeout_ms=timeout_ms
+                    )
+                except Exception as exc:
+                    if self._fall_back_from_nx_get(exc):
+                        continue
+                    raise
+                if not nx_get:  # SET NX answers whether it wrote; read the holder if not
+                    if reply:
+                        reply = None
+                    else:
+                        reply = await self._driver.get(skey)
+                        if reply is None:
+                            continue
+                        return reply
+            if reply is None:
+                self._check_replicas(skey, acknowledged)
+            return reply
+        raise StoreError(f"key {skey!r} kept expiring between SET NX and GET")
+
+    async def _take_over(self, skey: str, expected: bytes | str, value: bytes) -> bool:
+        if self._waiting is None:
+            return bool(await self._driver.run_script("takeover", skey, [expected, value]))
+        reply, acknowledged = await self._waiting.run_script_and_wait(
+            "takeover",
+            skey,
+            [expected, value],
+            replicas=self._wait_replicas,
+            timeout_ms=self._wait_timeout_ms,
+        )
+        if reply:
+            self._check_replicas(skey, acknowledged)
+        return bool(reply)
+
+    def _check_replicas(self, skey: str, acknowledged: int) -> None:
+        if acknowledged < self._wait_replicas:
+            logger.warning(
+                "%d of %d Redis replicas acknowledged the lock on %r within %d ms",
+                acknowledged,
+                self._wait_replicas,
+                skey,
+                self._wait_timeout_ms,
+            )
+
+    async def _write_if_owner(
+        self, operation: str, key: str, record: IdempotencyRecord, ttl: float, *, absent_ok: bool
+    ) -> FencedWrite:
+        # A final record wakes waiting duplicates; new recovery points or a lease do not.
+        skey = self.storage_key(key)
+        channel = skey if absent_ok else ""
+        args: list[Arg] = [dump_record(record), record.owner_token, str(_ms(ttl))]
+        args += [str(int(absent_ok)), channel]
+        with _DriverErrors(self._driver, operation, key):
+            written = await self._driver.run_script("finish", skey, args)
+        return FencedWrite(int(written))
+
+    async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        """Store the final record for ``ttl`` seconds unless another owner holds the key
+        (``LOST``); ``RECLAIMED`` when the key had vanished (evicted, deleted, lock expired)."""
+        return await self._write_if_owner("finish", key, record, ttl, absent_ok=True)
+
+    async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+        """Replace the owner's ``InProgress`` record (checkpoints, lease) for ``ttl`` seconds.
+
+        False, writing nothing, unless ``record.owner_token`` holds the key.
+        """
+        saved = await self._write_if_owner("save_progress", key, record, ttl, absent_ok=False)
+        return bool(saved)
+
+    async def release(self, key: str, owner_token: str) -> bool:
+        """Delete the key if ``owner_token`` holds it; false when another owner does."""
+        skey = self.storage_key(key)
+        with _DriverErrors(self._driver, "release", key):
+            released = await self._driver.run_script("release", skey, [owner_token, skey])
+        return bool(released)
+
+    async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
+        """Reset the lock TTL to ``lock_ttl`` if ``owner_token`` holds it ``InProgress``."""
+        with _DriverErrors(self._driver, "renew", key):
+            renewed = await self._driver.run_script(
+                "renew", self.storage_key(key), [owner_token, str(_ms(lock_ttl))]
+            )
+        return bool(renewed)
+
+    async def wait_for_change(self, key: str) -> None:
+        """Return once ``key`` is completed, failed, released or resolved by any process
+        (bounded by the caller): a pub/sub notice on the channel named after the key."""
+        with _DriverErrors(self._driver, "wait_for_change", key):
+            await self._changes.wait(self.storage_key(key))
+
+    async def get(self, key: str) -> IdempotencyRecord | None:
+        """The live record under ``key``, if any."""
+        with _DriverErrors(self._driver, "get", key):
+            raw = await self._driver.get(self.storage_key(key))
+        return None if raw is None else self._load(key, raw)
+
+    async def aclose(self) -> None:
+        """Close the change listener, and the client if :meth:`from_url` created it; a client
+        passed in stays open."""
+        undoing = list(self._undoing)  # undoing abandoned acquires is best effort
+        for task in undoing:
+            task.cancel()
+        await asyncio.gather(*undoing, return_exceptions=True)
+        await self._changes.aclose()
+        if not self._owns_client:
+            return
+        try:
+            await self._driver.aclose()
+        except self._driver.errors as exc:
+            raise StoreError(f"closing the redis client failed: {exc}") from exc

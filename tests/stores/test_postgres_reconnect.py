@@ -1,0 +1,346 @@
+"""Connections the server ended: run again once when the statement certainly had no effect.
+
+The server ends connections on ``pg_terminate_backend``, a clean restart or switchover, and
+``idle_session_timeout``; it sends a FATAL notice first, and asyncpg raises it (as the cause of
+``ConnectionDoesNotExistError``) on the pool's next statement over that connection. Such a
+statement never ran, or was rolled back with its backend, so the store sends it again on a new
+connection. A connection that dies with no such notice after the statement went out (a network
+failure, a crash) is different: the statement may have committed, so it is never sent again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+
+from starlette_idempotency._record import Checkpoint
+from starlette_idempotency.errors import StoreError
+from starlette_idempotency.stores.base import FencedWrite
+from starlette_idempotency.stores.postgres import PostgresStore, _never_ran
+from starlette_idempotency.testing.postgres_server import PostgresServer
+from tests.support.conditions import eventually
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.postgres import (
+    LOCK_TTL,
+    TTL,
+    completed,
+    expire,
+    lock_waiter,
+    pending,
+    rows_locked,
+    terminate_backends,
+    wait_for_no_backends,
+)
+
+pytestmark = pytest.mark.postgres
+
+POOL_SIZE = 3
+STORE_LOGGER = "starlette_idempotency.stores.postgres"
+
+
+@pytest.fixture
+async def store(
+    postgres_dsn: str, postgres_table: str, application_name: str
+) -> AsyncIterator[PostgresStore]:
+    """A store whose connections (all opened up front) carry the test's application name."""
+    opened = await PostgresStore.connect(
+        postgres_dsn,
+        table=postgres_table,
+        min_size=POOL_SIZE,
+        max_size=POOL_SIZE,
+        server_settings={"application_name": application_name},
+    )
+    try:
+        await opened.create_schema()
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+def retries(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.name == STORE_LOGGER and "running it again" in record.getMessage()
+    ]
+
+
+HELD = pending("owner-1", key="k")
+
+
+async def acquire_free(store: PostgresStore) -> bool:
+    return (await store.try_acquire("free", pending("owner-2", key="free"), LOCK_TTL)).acquired
+
+
+async def acquire_held(store: PostgresStore) -> bool:
+    held = await store.try_acquire("k", pending("owner-2"), LOCK_TTL)
+    return not held.acquired and held.record is not None and held.record.owner_token == "owner-1"
+
+
+async def complete(store: PostgresStore) -> bool:
+    return await store.complete("k", completed(HELD), TTL) is FencedWrite.WRITTEN
+
+
+async def fail(store: PostgresStore) -> bool:
+    return await store.fail("k", completed(HELD), TTL) is FencedWrite.WRITTEN
+
+
+async def save_progress(store: PostgresStore) -> bool:
+    saved = replace(HELD, checkpoints=(Checkpoint("step", 1, at=1.0),))
+    return await store.save_progress("k", saved, TTL)
+
+
+async def release(store: PostgresStore) -> bool:
+    return await store.release("k", "owner-1") and await store.get("k") is None
+
+
+async def renew(store: PostgresStore) -> bool:
+    return await store.renew("k", "owner-1", LOCK_TTL)
+
+
+async def get(store: PostgresStore) -> bool:
+    found = await store.get("k")
+    return found is not None and found.owner_token == "owner-1"
+
+
+async def purge_expired(store: PostgresStore) -> bool:
+    return await store.purge_expired() == 1
+
+
+async def check(store: PostgresStore) -> bool:
+    return all(finding.level == "warning" for finding in await store.check())
+
+
+OPERATIONS = [
+    acquire_free,
+    acquire_held,
+    complete,
+    fail,
+    save_progress,
+    release,
+    renew,
+    get,
+    purge_expired,
+    check,
+]
+
+
+@pytest.mark.parametrize("operation", OPERATIONS, ids=[op.__name__ for op in OPERATIONS])
+async def test_each_operation_succeeds_at_once_after_the_server_ended_its_connections(
+    operation: Callable[[PostgresStore], Awaitable[bool]],
+    store: PostgresStore,
+    postgres_dsn: str,
+    postgres_table: str,
+    application_name: str,
+    sql: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert (await store.try_acquire("k", HELD, LOCK_TTL)).acquired
+    assert (await store.try_acquire("old", pending("owner-0", key="old"), LOCK_TTL)).acquired
+    await expire(sql, postgres_table, "old")  # for purge_expired
+
+    assert terminate_backends(postgres_dsn, application_name) == POOL_SIZE
+    with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
+        assert await operation(store)
+    [retry] = retries(caplog)
+    assert "terminating connection due to administrator command" in retry
+
+
+async def test_a_statement_ended_while_it_waits_is_run_again(
+    store: PostgresStore,
+    postgres_dsn: str,
+    postgres_table: str,
+    application_name: str,
+    sql: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The notice can also come while the statement runs: then it was rolled back."""
+    assert (await store.try_acquire("k", HELD, LOCK_TTL)).acquired
+    watcher = await asyncpg.connect(postgres_dsn)
+    try:
+        with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
+            async with rows_locked(sql, postgres_table):
+                finishing = asyncio.create_task(store.complete("k", completed(HELD), TTL))
+                first = await lock_waiter(watcher, application_name)
+                assert terminate_backends(postgres_dsn, application_name) == POOL_SIZE
+                second = await lock_waiter(watcher, application_name)  # run again
+                assert second != first
+            assert await finishing is FencedWrite.WRITTEN
+        assert len(retries(caplog)) == 1
+    finally:
+        await watcher.close()
+
+
+@pytest.mark.parametrize(("cut", "committed"), [("request", False), ("reply", True)])
+async def test_a_connection_lost_without_notice_is_not_run_again(
+    cut: Any,
+    committed: bool,
+    proxy: CuttingProxy,
+    postgres_dsn: str,
+    postgres_table: str,
+    sql: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Whether the statement ran is unknown to the client, so it fails (and the middleware
+    answers 503): sent again, a statement that had committed would run twice."""
+    store = await PostgresStore.connect(
+        proxy.proxied(postgres_dsn), table=postgres_table, min_size=0, max_size=1
+    )
+    try:
+        await store.create_schema()
+        await store.try_acquire("k", HELD, LOCK_TTL)
+        warm = pending("owner-w", key="warm")
+        await store.complete("warm", completed(warm), TTL)  # `finish` is prepared: one exchange
+
+        proxy.arm(cut)
+        with caplog.at_level(logging.WARNING, logger=STORE_LOGGER), pytest.raises(StoreError) as e:
+            await store.complete("k", completed(HELD), TTL)
+        assert proxy.cuts_done == 1
+        lost = e.value.__cause__
+        assert isinstance(lost, asyncpg.ConnectionDoesNotExistError)
+        assert not isinstance(lost.__cause__, asyncpg.PostgresError)  # no word from the server
+        assert proxy.connections == 1  # nothing was sent again
+        assert retries(caplog) == []
+        status = await sql.fetchval(
+            f"SELECT status FROM {postgres_table} WHERE key = 'idempotency:k'"
+        )
+        assert status == ("Completed" if committed else "InProgress")
+
+        assert await store.complete("k", completed(HELD), TTL) is FencedWrite.WRITTEN
+    finally:
+        await store.aclose()
+
+
+# --- the classification, on errors produced by a real server --------------------------------
+
+
+async def raised(statement: Callable[[], Awaitable[Any]]) -> BaseException:
+    try:
+        await statement()
+    except Exception as exc:
+        return exc
+    raise AssertionError("the statement did not fail")
+
+
+async def terminated_while_idle(dsn: str, name: str, _: CuttingProxy) -> BaseException:
+    connection = await asyncpg.connect(dsn, server_settings={"application_name": name})
+    await connection.fetchval("SELECT 1")
+    terminate_backends(dsn, name)
+    return await raised(lambda: connection.fetchval("SELECT 1"))  # the connection is gone
+
+
+async def terminated_while_running(dsn: str, name: str, _: CuttingProxy) -> BaseException:
+    holder = await asyncpg.connect(dsn)
+    victim = await asyncpg.connect(dsn, server_settings={"application_name": name})
+    try:
+        await holder.execute("SELECT pg_advisory_lock(4242)")
+        waiting = asyncio.create_task(victim.execute("SELECT pg_advisory_lock(4242)"))
+        await lock_waiter(holder, name)
+        terminate_backends(dsn, name)
+        return await raised(lambda: waiting)
+    finally:
+        await holder.close()
+
+
+async def idle_session_timeout(dsn: str, name: str, _: CuttingProxy) -> BaseException:
+    connection = await asyncpg.connect(
+        dsn, server_settings={"application_name": name, "idle_session_timeout": "50"}
+    )
+    await connection.fetchval("SELECT 1")
+    wait_for_no_backends(dsn, name)  # blocks this loop: the connection has not read the notice
+    return await raised(lambda: connection.fetchval("SELECT 1"))
+
+
+async def known_closed(dsn: str, name: str, _: CuttingProxy) -> BaseException:
+    connection = await asyncpg.connect(dsn, server_settings={"application_name": name})
+    terminate_backends(dsn, name)
+    await eventually(connection.is_closed, message="the connection to see the termination")
+    return await raised(lambda: connection.fetchval("SELECT 1"))
+
+
+async def released_to_the_pool(dsn: str, name: str, _: CuttingProxy) -> BaseException:
+    pool = await asyncpg.create_pool(
+        dsn, min_size=1, max_size=1, server_settings={"application_name": name}
+    )
+    try:
+        async with pool.acquire() as connection:
+            terminate_backends(dsn, name)
+            await eventually(lambda: pool.get_idle_size() == 1, message="the pool to take it back")
+            return await raised(lambda: connection.fetchval("SELECT 1"))
+    finally:
+        await pool.close()
+
+
+async def reset_after_the_reply(dsn: str, name: str, proxy: CuttingProxy) -> BaseException:
+    connection = await asyncpg.connect(proxy.proxied(dsn))
+    await connection.fetchval("SELECT 1")
+    proxy.arm("reply")
+    return await raised(lambda: connection.fetchval("SELECT 1"))  # the connection is gone
+
+
+async def an_error_of_the_statement(dsn: str, name: str, _: CuttingProxy) -> BaseException:
+    connection = await asyncpg.connect(dsn)
+    try:
+        return await raised(lambda: connection.fetchval("SELECT 1 / 0"))
+    finally:
+        await connection.close()
+
+
+async def a_closed_pool(dsn: str, name: str, _: CuttingProxy) -> BaseException:
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    await pool.close()
+    return await raised(lambda: pool.fetchval("SELECT 1"))
+
+
+SCENARIOS = [
+    (terminated_while_idle, True, "ConnectionDoesNotExistError", "57P01"),
+    (terminated_while_running, True, "ConnectionDoesNotExistError", "57P01"),
+    (idle_session_timeout, True, "ConnectionDoesNotExistError", "57P05"),
+    (known_closed, True, "InterfaceError", None),
+    (released_to_the_pool, True, "InterfaceError", None),
+    (reset_after_the_reply, False, "ConnectionDoesNotExistError", None),
+    (an_error_of_the_statement, False, "DivisionByZeroError", None),
+    (a_closed_pool, False, "InterfaceError", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "never_ran", "error", "notice"), SCENARIOS, ids=[s[0].__name__ for s in SCENARIOS]
+)
+async def test_classification_of_real_failures(
+    scenario: Callable[[str, str, CuttingProxy], Awaitable[BaseException]],
+    never_ran: bool,
+    error: str,
+    notice: str | None,
+    postgres_dsn: str,
+    application_name: str,
+    proxy: CuttingProxy,
+) -> None:
+    exc = await scenario(postgres_dsn, application_name, proxy)
+    assert type(exc).__name__ == error
+    cause = exc.__cause__
+    assert getattr(cause, "sqlstate", None) == notice
+    assert _never_ran(exc) is never_ran
+
+
+async def test_immediate_shutdown_mid_statement_is_not_certain(
+    private_postgres: PostgresServer,
+) -> None:
+    """``pg_ctl stop -m immediate`` says 57P01 too, but as a WARNING the backend can send at
+    any moment, after a commit included; asyncpg raises no server error for it."""
+    holder = await asyncpg.connect(private_postgres.dsn)
+    victim = await asyncpg.connect(private_postgres.dsn, server_settings={"application_name": "v"})
+    await holder.execute("SELECT pg_advisory_lock(4242)")
+    waiting = asyncio.create_task(victim.execute("SELECT pg_advisory_lock(4242)"))
+    await lock_waiter(holder, "v")
+    await asyncio.to_thread(private_postgres.stop, mode="immediate")
+    exc = await raised(lambda: waiting)
+    assert isinstance(exc, asyncpg.ConnectionDoesNotExistError)
+    assert exc.__cause__ is None
+    assert not _never_ran(exc)

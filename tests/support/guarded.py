@@ -1,0 +1,51 @@
+"""An app behind the idempotency middleware, and an HTTP client that calls it in-process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.types import ASGIApp
+
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore
+from starlette_idempotency.testing import FakeClock
+from tests.support.apps import Ledger, build_fastapi_app, build_starlette_app
+
+#: The apps of :mod:`tests.support.apps` by kind: each serves the same guarded endpoints.
+BUILDERS: dict[str, Callable[[Ledger], Any]] = {
+    "fastapi": build_fastapi_app,
+    "starlette": build_starlette_app,
+}
+
+
+@dataclass
+class GuardedApp:
+    """One of the :data:`BUILDERS` apps behind the middleware, with what a test reads or turns:
+    the app's ledger, the middleware's store and fake clock, and a client to call it."""
+
+    ledger: Ledger
+    store: MemoryStore
+    clock: FakeClock
+    client: httpx.AsyncClient
+    app: Any
+
+
+def make_client(app: ASGIApp) -> httpx.AsyncClient:
+    """A client that calls ``app`` in-process; an exception in the app becomes a 500."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://testserver")
+
+
+async def make_guarded_app(
+    kind: str, store: MemoryStore | None = None, **options: Any
+) -> GuardedApp:
+    """The ``kind`` app behind the middleware (``options`` are the middleware's), on a
+    :class:`FakeClock` that the store shares unless ``store`` is given."""
+    ledger = Ledger()
+    clock = FakeClock()
+    store = MemoryStore(clock=clock) if store is None else store
+    app = BUILDERS[kind](ledger)
+    app.add_middleware(IdempotencyMiddleware, store=store, clock=clock, **options)
+    return GuardedApp(ledger, store, clock, make_client(app), app)

@@ -1,0 +1,111 @@
+"""PostgreSQL arrangements shared by the PostgresStore tests: records, row expiry on the
+database clock, lock waiters, and ending connections by name."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette_idempotency.stores import IdempotencyRecord, RecordStatus, StoredResponse
+from starlette_idempotency.stores.postgres import PostgresStore
+from starlette_idempotency.testing.isolation import run_admin
+from tests.support import records
+from tests.support.conditions import eventually, eventually_sync
+
+LOCK_TTL = 30.0
+TTL = 3600.0
+
+
+def pending(
+    owner: str, key: str = "client-key", fingerprint: str = "sha256:aa"
+) -> IdempotencyRecord:
+    return records.pending(key, owner, fingerprint=fingerprint, lock_ttl=LOCK_TTL)
+
+
+def completed(record: IdempotencyRecord, body: bytes = b'{"ok":true}') -> IdempotencyRecord:
+    response = StoredResponse(
+        201, (("content-type", "application/json"),), body, "application/json"
+    )
+    return record.finished(RecordStatus.COMPLETED, response, record.expires_at)
+
+
+async def expire(sql: Any, table: str, key: str) -> None:
+    """Move a row's expiry into the past on the database clock (no sleeping)."""
+    status = await sql.execute(
+        f"UPDATE {table} SET expires_at = now() - interval '1 second' WHERE key = $1",
+        f"idempotency:{key}",
+    )
+    assert status == "UPDATE 1"
+
+
+async def lapsed_lock(
+    store: PostgresStore, sql: Any, table: str, key: str, record: IdempotencyRecord
+) -> None:
+    """``key`` acquired with ``record``, then its row's expiry moved into the past: a lock that
+    lapsed, its row still there."""
+    await store.try_acquire(key, record, LOCK_TTL)
+    await expire(sql, table, key)
+
+
+async def deadline_in(sql: Any, table: str, key: str) -> float:
+    """Seconds until the row's expiry (the database's deadline, not the record's field)."""
+    seconds = await sql.fetchval(
+        f"SELECT extract(epoch FROM expires_at - now())::float8 FROM {table} WHERE key = $1",
+        f"idempotency:{key}",
+    )
+    assert seconds is not None
+    return float(seconds)
+
+
+@asynccontextmanager
+async def rows_locked(sql: Any, table: str) -> AsyncIterator[None]:
+    """Every row of ``table`` locked (``FOR UPDATE``) in a transaction of ``sql``'s while the
+    block runs: a store statement that writes one of them waits until it ends."""
+    async with sql.transaction():
+        await sql.execute(f"SELECT 1 FROM {table} FOR UPDATE")
+        yield
+
+
+async def lock_waiter(watcher: Any, name: str) -> int:
+    """The pid of the connection named ``name``, once it waits for a lock."""
+    query = (
+        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'"
+    )
+    pid: int = await eventually(
+        lambda: watcher.fetchval(query, name),
+        timeout=10,
+        message=f"the connection {name!r} to wait for a lock",
+    )
+    return pid
+
+
+def terminate_backends(dsn: str, application_name: str) -> int:
+    """``pg_terminate_backend`` every connection named ``application_name``, waiting until
+    each backend has exited; returns how many there were.
+
+    It blocks the calling thread, so when called from a test's event loop, that loop's pools
+    have not yet read the termination notices when it returns: their next statement meets the
+    dead connection, as does a request that arrives just as the server ends its connections
+    (a restart, failover or ``idle_session_timeout``).
+    """
+    terminated: int = run_admin(
+        dsn,
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) "
+        "FROM pg_stat_activity WHERE application_name = $1",
+        application_name,
+    )
+    return terminated
+
+
+def wait_for_no_backends(dsn: str, application_name: str, timeout: float = 10.0) -> None:
+    """Block until no connection named ``application_name`` is left (the server ended them,
+    e.g. on ``idle_session_timeout``); like :func:`terminate_backends`, it blocks the caller's
+    event loop, so the client side has not read the termination yet when it returns."""
+    query = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1"
+    eventually_sync(
+        lambda: run_admin(dsn, query, application_name) == 0,
+        timeout=timeout,
+        interval=0.05,
+        message=f"the connections named {application_name!r} to end",
+    )
