@@ -132,7 +132,7 @@ async def test_invalid_body_gets_fastapis_422_without_a_store_call() -> None:
 async def test_records_carry_the_fingerprint_version() -> None:
     app, _, store = build(fingerprint_version="7")
     await make_client(app).post("/orders/1", json={"amount": 1}, headers={"Idempotency-Key": "k"})
-    (record,) = [record for record, _ in store._entries.values()]
+    (record,) = store.records().values()
     assert record.fingerprint_version == f"{FINGERPRINT_SCHEME}.validated.7"
     assert FINGERPRINT_SCHEME == "2"
 

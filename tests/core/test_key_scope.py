@@ -46,7 +46,7 @@ async def test_authenticated_user_scopes_keys() -> None:
     assert bob.json() == {"n": 2, "user": "bob"}
     assert alice_again.json() == alice.json()
     assert alice_again.headers["x-idempotent-replay"] == "true"
-    assert sorted(key.split(":")[1] for key in store._entries) == ["alice", "bob"]
+    assert sorted(key.split(":")[0] for key in store.records()) == ["alice", "bob"]
 
 
 async def test_key_scope_callable_sync_and_async() -> None:

@@ -411,7 +411,7 @@ async def test_lapsed_lock_with_no_successor_still_stores(harness: GuardedApp) -
 
 async def test_record_wire_fields(harness: GuardedApp) -> None:
     await harness.client.post("/payments", json=PAYMENT, headers=key_headers("wire"))
-    (entry,) = [record for record, _ in harness.store._entries.values()]
+    (entry,) = harness.store.records().values()
     assert entry.key == "wire"
     assert entry.status is RecordStatus.COMPLETED
     assert entry.request_fingerprint.startswith("sha256:")
@@ -480,7 +480,7 @@ async def test_record_is_stored_before_the_last_chunk_reaches_the_client(kind: s
     async def send(message: Message) -> None:
         inner_send_messages.append(message)
         if message["type"] == "http.response.body" and not message.get("more_body"):
-            records = [r for r, _ in harness.store._entries.values()]
+            records = list(harness.store.records().values())
             seen_on_last_chunk.append(records[0].status if records else None)
 
     await harness.app(scope, receive, send)

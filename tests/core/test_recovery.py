@@ -104,7 +104,7 @@ async def test_checkpointed_record_outlives_its_lock_ttl() -> None:
     app, store, clock = setup()
     doomed = await app.crash_first_attempt(clock)
     clock.advance(3600)  # long past the lock TTL, well within the retention time
-    (record,) = [record for record, _ in store._entries.values()]
+    (record,) = store.records().values()
     assert record.checkpoints[0].name == "provider_charge_sent"
     assert record.checkpoints[0].data == {"providerRef": "ref-order-1"}
     doomed.cancel()

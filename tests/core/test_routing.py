@@ -17,7 +17,7 @@ from tests.support.routing import Endpoint, Endpoints, assert_behaviour
 
 def stored_templates(store: MemoryStore) -> set[str]:
     """The route template part of each stored key (``...:METHOD:template:key``, escaped)."""
-    return {key.split(":")[-2] for key in store._entries}
+    return {key.split(":")[-2] for key in store.records()}
 
 
 async def test_nested_include_router() -> None:

@@ -244,7 +244,7 @@ async def test_renewal_that_finds_the_lock_gone_is_a_processing_timeout() -> Non
         make_client(middleware).post("/slow", headers={"Idempotency-Key": "k"})
     )
     await eventually(lambda: len(store) == 1)
-    store._entries.clear()  # the lock vanishes (a flush, a failover) while the handler runs
+    await store.aclose()  # the lock vanishes (a flush, a failover) while the handler runs
 
     def counted() -> bool:
         value = registry.get_sample_value(
