@@ -80,6 +80,18 @@ def new_key(label: str) -> str:
     return f"{label}-{uuid.uuid4()}"
 
 
+def assert_replayed_after_one_run(
+    response: httpx.Response, live_server: LiveServer, amount: str
+) -> None:
+    """The payment ran once, its reply was lost, and the retry got the stored answer."""
+    key = response.request.headers[KEY_HEADER]
+    assert response.status_code == 201
+    assert response.headers[REPLAY] == "true"
+    assert response.json() == {"paymentId": f"p_{key}_1", "amount": amount}
+    assert live_server.ledger.requests[key] == 2
+    assert live_server.ledger.executions[key] == 1
+
+
 async def test_503s_before_the_side_effect_are_retried(
     poster: Poster, live_server: LiveServer
 ) -> None:
@@ -120,30 +132,18 @@ async def test_without_the_transport_a_dropped_reply_is_lost(live_server: LiveSe
 async def test_a_reply_dropped_after_the_headers_is_replayed(
     poster: Poster, live_server: LiveServer
 ) -> None:
-    ledger = live_server.ledger
     response = await poster.post("/payments", json={"amount": "5.00"}, headers={"x-fault": "drop"})
-    key = response.request.headers[KEY_HEADER]
-    assert response.status_code == 201
-    assert response.headers[REPLAY] == "true"
-    assert response.json() == {"paymentId": f"p_{key}_1", "amount": "5.00"}
-    assert ledger.requests[key] == 2
-    assert ledger.executions[key] == 1
+    assert_replayed_after_one_run(response, live_server, "5.00")
 
 
 async def test_a_withheld_reply_times_out_and_is_replayed(
     poster: Poster, live_server: LiveServer
 ) -> None:
-    ledger = live_server.ledger
     poster.timeout = httpx.Timeout(5.0, read=0.5)
     response = await poster.post(
         "/payments", json={"amount": "6.00"}, headers={"x-fault": "withhold"}
     )
-    key = response.request.headers[KEY_HEADER]
-    assert response.status_code == 201
-    assert response.headers[REPLAY] == "true"
-    assert response.json() == {"paymentId": f"p_{key}_1", "amount": "6.00"}
-    assert ledger.requests[key] == 2
-    assert ledger.executions[key] == 1
+    assert_replayed_after_one_run(response, live_server, "6.00")
 
 
 async def test_in_progress_is_waited_out(poster: Poster, live_server: LiveServer) -> None:

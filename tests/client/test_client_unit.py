@@ -109,6 +109,17 @@ class Rig:
         self.options.update(options)
         return self
 
+    def stream(self, chunk: bytes) -> Iterator[bytes] | AsyncIterator[bytes]:
+        """A body of one ``chunk`` that can be read only once, sync or async as the rig is."""
+
+        def chunks() -> Iterator[bytes]:
+            yield chunk
+
+        async def async_chunks() -> AsyncIterator[bytes]:
+            yield chunk
+
+        return chunks() if self.mode == "sync" else async_chunks()
+
     def _sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.clock.advance(seconds)
@@ -191,14 +202,8 @@ async def test_other_methods_are_sent_once_untouched(rig: Rig, method: str) -> N
 
 
 async def test_other_methods_may_stream_their_body(rig: Rig) -> None:
-    def chunks() -> Iterator[bytes]:
-        yield b"streamed"
-
-    async def async_chunks() -> AsyncIterator[bytes]:
-        yield b"streamed"
-
     script = Script(status(200))
-    content = chunks() if rig.mode == "sync" else async_chunks()
+    content = rig.stream(b"streamed")
     response = await rig.send(script, "PUT", content=content)
     assert response.status_code == 200
     assert script.bodies == [b"streamed"]
@@ -522,14 +527,8 @@ async def test_a_retry_after_is_waited_up_to_the_deadline_exactly(rig: Rig) -> N
 
 
 async def test_streaming_body_is_refused_up_front(rig: Rig) -> None:
-    def chunks() -> Iterator[bytes]:
-        yield b"once"
-
-    async def async_chunks() -> AsyncIterator[bytes]:
-        yield b"once"
-
     script = Script(status(201))
-    content = chunks() if rig.mode == "sync" else async_chunks()
+    content = rig.stream(b"once")
     with pytest.raises(NonReplayableRequestError, match="pass the body as bytes") as raised:
         await rig.send(script, content=content)
     assert script.attempts == 0

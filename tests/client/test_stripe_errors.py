@@ -42,6 +42,14 @@ def stripe_post(client: stripe.StripeClient, path: str, key: str, **params: str)
     client.raw_request("post", path, idempotency_key=key, **params)
 
 
+async def paid_once(server: LiveServer, label: str, *, amount: str) -> str:
+    """A new key (``label-<uuid>``) whose payment ran, sent without stripe-python."""
+    key = f"{label}-{uuid.uuid4()}"
+    first = await plain_post(server.base_url, "/payments", key, data={"amount": amount})
+    assert first.status_code == 201
+    return key
+
+
 async def test_409_in_progress_is_a_stripe_error(
     stripe_client: stripe.StripeClient, stripe_server: LiveServer
 ) -> None:
@@ -74,9 +82,7 @@ async def test_409_in_progress_is_a_stripe_error(
 async def test_422_key_reused_is_a_stripe_error(
     stripe_client: stripe.StripeClient, stripe_server: LiveServer
 ) -> None:
-    key = f"stripe-reused-{uuid.uuid4()}"
-    first = await plain_post(stripe_server.base_url, "/payments", key, data={"amount": "1"})
-    assert first.status_code == 201
+    key = await paid_once(stripe_server, "stripe-reused", amount="1")
     call = functools.partial(stripe_post, stripe_client, "/payments", key, amount="2")
     with pytest.raises(stripe.StripeError) as raised:
         await anyio.to_thread.run_sync(call)
@@ -91,9 +97,7 @@ async def test_422_key_reused_is_a_stripe_error(
 async def test_a_replay_reaches_stripe_as_the_first_answer(
     stripe_client: stripe.StripeClient, stripe_server: LiveServer
 ) -> None:
-    key = f"stripe-replay-{uuid.uuid4()}"
-    first = await plain_post(stripe_server.base_url, "/payments", key, data={"amount": "3"})
-    assert first.status_code == 201
+    key = await paid_once(stripe_server, "stripe-replay", amount="3")
     call = functools.partial(
         stripe_client.raw_request, "post", "/payments", idempotency_key=key, amount="3"
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,17 @@ async def _bounded(deadlines: CallDeadlines, seconds: float) -> str:
     with deadlines.bound():
         await asyncio.sleep(seconds)
     return "done"
+
+
+async def assert_cancelled_from_outside(
+    call: Coroutine[Any, Any, None], *, once: asyncio.Event
+) -> None:
+    """Run ``call`` as a task, cancel it once ``once`` is set: it ends cancelled."""
+    task = asyncio.create_task(call)
+    await once.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 async def test_a_call_within_its_deadline_returns_its_result() -> None:
@@ -60,11 +73,7 @@ async def test_a_cancellation_from_outside_stays_a_cancellation() -> None:
             entered.set()
             await asyncio.sleep(10)
 
-    task = asyncio.create_task(call())
-    await entered.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await assert_cancelled_from_outside(call(), once=entered)
 
 
 async def test_an_outside_cancellation_after_our_deadline_stays_a_cancellation() -> None:
@@ -79,11 +88,7 @@ async def test_an_outside_cancellation_after_our_deadline_stays_a_cancellation()
                 cancelled_by_us.set()
                 await asyncio.sleep(10)  # still inside the bound: cancelled again from outside
 
-    task = asyncio.create_task(call())
-    await cancelled_by_us.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await assert_cancelled_from_outside(call(), once=cancelled_by_us)
 
 
 async def test_an_operation_that_swallows_the_cancellation_leaves_the_task_clean() -> None:

@@ -38,6 +38,16 @@ def test_every_error_has_a_stable_code() -> None:
     assert {problem: (problem.status, problem.code) for problem in Problem} == CODES
 
 
+PROBLEMS = pytest.mark.parametrize("problem", list(Problem), ids=lambda problem: problem.name)
+
+
+def checked_body(response: httpx.Response, problem: Problem, content_type: str) -> Any:
+    """``response``'s JSON body, once its status and content type are checked."""
+    assert response.status_code == problem.status
+    assert response.headers["content-type"] == content_type
+    return response.json()
+
+
 class DownForOneKey(MemoryStore):
     """A MemoryStore that is unreachable for the key ``down``."""
 
@@ -108,24 +118,18 @@ class App:
         return await requests[problem]()
 
 
-@pytest.mark.parametrize("problem", list(Problem), ids=lambda problem: problem.name)
+@PROBLEMS
 async def test_json_format_keeps_the_message_and_adds_the_code(problem: Problem) -> None:
-    response = await App("json").answer(problem)
-    assert response.status_code == problem.status
-    assert response.headers["content-type"] == "application/json"
-    body = response.json()
+    body = checked_body(await App("json").answer(problem), problem, "application/json")
     assert list(body) == ["error", "code"]
     assert isinstance(body["error"], str)
     assert body["error"]
     assert body["code"] == problem.code
 
 
-@pytest.mark.parametrize("problem", list(Problem), ids=lambda problem: problem.name)
+@PROBLEMS
 async def test_stripe_format(problem: Problem) -> None:
-    response = await App("stripe").answer(problem)
-    assert response.status_code == problem.status
-    assert response.headers["content-type"] == "application/json"
-    body = response.json()
+    body = checked_body(await App("stripe").answer(problem), problem, "application/json")
     assert list(body) == ["error"]
     assert list(body["error"]) == ["type", "code", "message"]
     assert body["error"]["code"] == problem.code
@@ -141,17 +145,14 @@ def test_json_error_types_use_stripes_vocabulary() -> None:
     assert Problem.STORE_UNAVAILABLE.error_type == "api_error"
 
 
-@pytest.mark.parametrize("problem", list(Problem), ids=lambda problem: problem.name)
+@PROBLEMS
 async def test_problem_format_carries_the_code(problem: Problem) -> None:
-    response = await App("problem").answer(problem)
-    assert response.status_code == problem.status
-    assert response.headers["content-type"] == "application/problem+json"
-    body = response.json()
+    body = checked_body(await App("problem").answer(problem), problem, "application/problem+json")
     assert list(body) == ["type", "title", "status", "detail", "code"]
     assert (body["status"], body["code"]) == (problem.status, problem.code)
 
 
-@pytest.mark.parametrize("problem", list(Problem), ids=lambda problem: problem.name)
+@PROBLEMS
 async def test_a_callable_builds_the_body_from_the_problem(problem: Problem) -> None:
     seen: list[IdempotencyProblem] = []
 
@@ -162,12 +163,11 @@ async def test_a_callable_builds_the_body_from_the_problem(problem: Problem) -> 
     app = App(envelope)
     seen.clear()  # the call made at startup to check the callable
     response = await app.answer(problem)
-    assert response.status_code == problem.status
-    assert response.headers["content-type"] == "application/json"
+    body = checked_body(response, problem, "application/json")
     got = seen[-1]
     assert (got.status, got.code) == (problem.status, problem.code)
     assert got.title == problem.title.format(header="Idempotency-Key")
-    assert response.json() == {"ok": False, "reason": problem.code, "text": got.detail}
+    assert body == {"ok": False, "reason": problem.code, "text": got.detail}
     if problem in (Problem.IN_PROGRESS, Problem.STORE_UNAVAILABLE):
         assert response.headers["retry-after"] == "1"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import orjson
@@ -42,6 +43,17 @@ def payments_scope(*headers: tuple[bytes, bytes]) -> Scope:
 async def wait_for(event: asyncio.Event) -> None:
     async with asyncio.timeout(5):
         await event.wait()
+
+
+async def held_in_handler(
+    harness: GuardedApp, path: str, body: Any, *, gate: str
+) -> asyncio.Task[httpx.Response]:
+    """A request with the key ``key-1``, once it is in the handler, which it leaves when the
+    ledger's ``gate`` is set."""
+    request = harness.client.post(path, json=body, headers=key_headers(**{"x-gate": gate}))
+    task = asyncio.create_task(request)
+    await wait_for(harness.ledger.entered_event(gate))
+    return task
 
 
 async def test_first_request_runs_and_retry_replays(harness: GuardedApp) -> None:
@@ -151,10 +163,7 @@ async def test_mismatch_is_422(harness: GuardedApp) -> None:
 
 async def test_in_progress_is_409_and_mismatch_wins_over_it(harness: GuardedApp) -> None:
     client, ledger = harness.client, harness.ledger
-    first = asyncio.create_task(
-        client.post("/payments", json=PAYMENT, headers=key_headers(**{"x-gate": "g"}))
-    )
-    await wait_for(ledger.entered_event("g"))
+    first = await held_in_handler(harness, "/payments", PAYMENT, gate="g")
     duplicate = await client.post("/payments", json=PAYMENT, headers=key_headers())
     assert duplicate.status_code == 409
     assert duplicate.json()["error"] == (
@@ -336,10 +345,7 @@ async def test_problem_details_format(kind: str) -> None:
 
 async def test_problem_title_for_in_progress(kind: str) -> None:
     harness = await make_guarded_app(kind, error_format="problem")
-    first = asyncio.create_task(
-        harness.client.post("/payments", json=PAYMENT, headers=key_headers(**{"x-gate": "g"}))
-    )
-    await wait_for(harness.ledger.entered_event("g"))
+    first = await held_in_handler(harness, "/payments", PAYMENT, gate="g")
     busy = await harness.client.post("/payments", json=PAYMENT, headers=key_headers())
     assert busy.json()["title"] == "A request is outstanding for this Idempotency-Key"
     harness.ledger.gate("g").set()
@@ -360,11 +366,8 @@ async def test_custom_header_name_is_used_everywhere(kind: str) -> None:
 
 async def test_expired_lock_lets_a_retry_run_again(harness: GuardedApp) -> None:
     """Seed scenario: the pod holding the lock dies; after the lock TTL a retry runs."""
-    client, ledger = harness.client, harness.ledger
-    crashed = asyncio.create_task(
-        client.post("/short-lock", json={}, headers=key_headers(**{"x-gate": "dead"}))
-    )
-    await wait_for(ledger.entered_event("dead"))
+    client = harness.client
+    crashed = await held_in_handler(harness, "/short-lock", {}, gate="dead")
     assert (await client.post("/short-lock", json={}, headers=key_headers())).status_code == 409
     harness.clock.advance(5.1)
     retry = await client.post("/short-lock", json={}, headers=key_headers())
@@ -377,15 +380,9 @@ async def test_taken_over_request_answers_its_client_but_does_not_overwrite(
     harness: GuardedApp,
 ) -> None:
     client, ledger = harness.client, harness.ledger
-    first = asyncio.create_task(
-        client.post("/short-lock", json={}, headers=key_headers(**{"x-gate": "a"}))
-    )
-    await wait_for(ledger.entered_event("a"))
+    first = await held_in_handler(harness, "/short-lock", {}, gate="a")
     harness.clock.advance(5.1)
-    second = asyncio.create_task(
-        client.post("/short-lock", json={}, headers=key_headers(**{"x-gate": "b"}))
-    )
-    await wait_for(ledger.entered_event("b"))
+    second = await held_in_handler(harness, "/short-lock", {}, gate="b")
     ledger.gate("a").set()
     assert (await first).json() == {"n": 1}
     ledger.gate("b").set()
@@ -397,10 +394,7 @@ async def test_taken_over_request_answers_its_client_but_does_not_overwrite(
 
 async def test_lapsed_lock_with_no_successor_still_stores(harness: GuardedApp) -> None:
     client, ledger = harness.client, harness.ledger
-    first = asyncio.create_task(
-        client.post("/short-lock", json={}, headers=key_headers(**{"x-gate": "a"}))
-    )
-    await wait_for(ledger.entered_event("a"))
+    first = await held_in_handler(harness, "/short-lock", {}, gate="a")
     harness.clock.advance(5.1)
     ledger.gate("a").set()
     assert (await first).status_code == 200

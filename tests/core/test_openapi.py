@@ -65,6 +65,19 @@ async def served_schema(app: Any, url: str = "/openapi.json") -> Schema:
     return schema
 
 
+async def one_route_schema(path: str, **options: Any) -> Schema:
+    """The schema served by an app whose one route, ``POST path``, is ``idempotent(**options)``."""
+    app = FastAPI()
+
+    @app.post(path)
+    @idempotent(**options)
+    async def endpoint() -> dict[str, str]:
+        return {}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    return await served_schema(app)
+
+
 @asynccontextmanager
 async def lifespan_of(app: Any) -> AsyncIterator[None]:
     """Run the app's lifespan through the ASGI protocol, as a server does."""
@@ -260,15 +273,8 @@ async def test_an_optional_key_is_not_required_and_never_missing() -> None:
 
 
 async def test_replay_reject_documents_already_processed_with_its_location() -> None:
-    app = FastAPI()
-
-    @app.post("/orders")
-    @idempotent(replay="reject")
-    async def order() -> dict[str, str]:
-        return {}
-
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
-    operation = valid(await served_schema(app))["paths"]["/orders"]["post"]
+    schema = valid(await one_route_schema("/orders", replay="reject"))
+    operation = schema["paths"]["/orders"]["post"]
     conflict = operation["responses"]["409"]
     assert "Idempotency-Key was already processed" in conflict["description"]
     assert "A request is outstanding" in conflict["description"]
@@ -296,15 +302,7 @@ async def test_fail_open_routes_have_no_503() -> None:
 
 
 async def test_hold_on_recovery_documents_the_202() -> None:
-    app = FastAPI()
-
-    @app.post("/charges")
-    @idempotent(on_recovery="hold")
-    async def charge() -> dict[str, str]:
-        return {}
-
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
-    schema = valid(await served_schema(app))
+    schema = valid(await one_route_schema("/charges", on_recovery="hold"))
     accepted = schema["paths"]["/charges"]["post"]["responses"]["202"]
     assert accepted["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/IdempotencyRecoveryPending"
@@ -313,15 +311,8 @@ async def test_hold_on_recovery_documents_the_202() -> None:
 
 
 async def test_every_problem_the_middleware_can_send_is_documented() -> None:
-    app = FastAPI()
-
-    @app.post("/all")
-    @idempotent(replay="reject")
-    async def everything() -> dict[str, str]:
-        return {}
-
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
-    responses = (await served_schema(app))["paths"]["/all"]["post"]["responses"]
+    schema = await one_route_schema("/all", replay="reject")
+    responses = schema["paths"]["/all"]["post"]["responses"]
     for problem in Problem:
         described = responses[str(problem.status)]["description"]
         assert problem.title.format(header="Idempotency-Key") in described, problem

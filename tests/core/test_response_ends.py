@@ -91,6 +91,14 @@ class Client:
         return sum(1 for m in self.sent if m["type"] == "http.response.body")
 
 
+def arranged() -> tuple[Counter[str], asyncio.Event, Starlette, Client]:
+    """A fresh app (with its run counter and the event that releases its bodies) and a client
+    connection to it."""
+    executions: Counter[str] = Counter()
+    release = asyncio.Event()
+    return executions, release, build_app(executions, release), Client()
+
+
 async def retry(app: Starlette, release: asyncio.Event, query: str = "") -> httpx.Response:
     """The client's retry, once the first attempt is over (a second run would finish too)."""
     release.set()
@@ -114,10 +122,7 @@ def assert_replayed_without_body(response: httpx.Response, executions: Counter[s
 
 @pytest.mark.parametrize("error", [OSError("connection reset"), ClientDisconnect()])
 async def test_send_raising_mid_stream_keeps_the_outcome(error: Exception) -> None:
-    executions: Counter[str] = Counter()
-    release = asyncio.Event()
-    app = build_app(executions, release)
-    client = Client()
+    executions, release, app, client = arranged()
 
     async def send(message: Message) -> None:
         if message["type"] == "http.response.body":
@@ -130,10 +135,7 @@ async def test_send_raising_mid_stream_keeps_the_outcome(error: Exception) -> No
 
 
 async def test_app_that_stops_on_http_disconnect_keeps_the_outcome() -> None:
-    executions: Counter[str] = Counter()
-    release = asyncio.Event()
-    app = build_app(executions, release)
-    client = Client()
+    executions, release, app, client = arranged()
     # Before ASGI spec 2.4, StreamingResponse listens for http.disconnect and stops its body.
     running = asyncio.create_task(app(scope(spec_version="2.0"), client.receive, client.send))
     await eventually(lambda: client.body_chunks() >= 1, message="the first chunk")
@@ -144,10 +146,7 @@ async def test_app_that_stops_on_http_disconnect_keeps_the_outcome() -> None:
 
 
 async def test_cancelled_request_task_keeps_the_outcome() -> None:
-    executions: Counter[str] = Counter()
-    release = asyncio.Event()
-    app = build_app(executions, release)
-    client = Client()
+    executions, release, app, client = arranged()
     running = asyncio.create_task(app(scope(), client.receive, client.send))
     await eventually(lambda: client.body_chunks() >= 1, message="the first chunk")
     running.cancel()
@@ -157,20 +156,14 @@ async def test_cancelled_request_task_keeps_the_outcome() -> None:
 
 
 async def test_app_raising_after_its_response_started_keeps_the_outcome() -> None:
-    executions: Counter[str] = Counter()
-    release = asyncio.Event()
-    app = build_app(executions, release)
-    client = Client()
+    executions, release, app, client = arranged()
     with pytest.raises(RuntimeError):
         await app(scope("mode=raise"), client.receive, client.send)
     assert_replayed_without_body(await retry(app, release, "?mode=raise"), executions)
 
 
 async def test_a_5xx_cut_short_frees_the_key() -> None:
-    executions: Counter[str] = Counter()
-    release = asyncio.Event()
-    app = build_app(executions, release)
-    client = Client()
+    executions, release, app, client = arranged()
     running = asyncio.create_task(app(scope("status=503"), client.receive, client.send))
     await eventually(lambda: client.body_chunks() >= 1, message="the first chunk")
     running.cancel()

@@ -20,6 +20,15 @@ def stored_templates(store: MemoryStore) -> set[str]:
     return {key.split(":")[-2] for key in store.records()}
 
 
+async def guarded_templates(app: Starlette, url: str, endpoints: Endpoints, name: str) -> set[str]:
+    """Add the middleware to ``app``, check that ``url`` reaches the guarded endpoint ``name``,
+    and return the route templates its keys were stored under."""
+    store = MemoryStore()
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    await assert_behaviour(make_client(app), url, endpoints, name, guarded=True)
+    return stored_templates(store)
+
+
 async def test_nested_include_router() -> None:
     endpoints = Endpoints()
     app = FastAPI()
@@ -28,20 +37,16 @@ async def test_nested_include_router() -> None:
     inner.add_api_route("/items/{item_id}", endpoints.guarded("item"), methods=["POST"])
     outer.include_router(inner)
     app.include_router(outer)
-    store = MemoryStore()
-    app.add_middleware(IdempotencyMiddleware, store=store)
-    await assert_behaviour(make_client(app), "/api/v1/items/7", endpoints, "item", guarded=True)
-    assert stored_templates(store) == {"/api/v1/items/%7Bitem_id%7D"}
+    templates = await guarded_templates(app, "/api/v1/items/7", endpoints, "item")
+    assert templates == {"/api/v1/items/%7Bitem_id%7D"}
 
 
 async def test_mounted_sub_app_joins_the_prefix() -> None:
     endpoints = Endpoints()
     sub = Starlette(routes=[Route("/orders/{id}", endpoints.guarded("order"), methods=["POST"])])
     app = Starlette(routes=[Mount("/shop", app=sub)])
-    store = MemoryStore()
-    app.add_middleware(IdempotencyMiddleware, store=store)
-    await assert_behaviour(make_client(app), "/shop/orders/3", endpoints, "order", guarded=True)
-    assert stored_templates(store) == {"/shop/orders/%7Bid%7D"}
+    templates = await guarded_templates(app, "/shop/orders/3", endpoints, "order")
+    assert templates == {"/shop/orders/%7Bid%7D"}
 
 
 async def test_middleware_wrapping_the_app_directly() -> None:

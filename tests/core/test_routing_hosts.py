@@ -15,7 +15,7 @@ from starlette.types import ASGIApp
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
 from tests.support.guarded import make_client
-from tests.support.routing import Endpoints, assert_behaviour
+from tests.support.routing import Endpoint, Endpoints, assert_behaviour
 
 Placement = Callable[[Starlette], ASGIApp]
 
@@ -38,19 +38,18 @@ def place(request: pytest.FixtureRequest) -> Placement:
 ORDERS = [["api", "admin"], ["admin", "api"]]
 
 
+def orders_host(host: str, endpoint: Endpoint) -> Host:
+    """``POST /orders`` answered by ``endpoint`` on the host (pattern) ``host``."""
+    return Host(host, Router([Route("/orders", endpoint, methods=["POST"])]))
+
+
 @pytest.mark.parametrize("order", ORDERS, ids=["api-first", "admin-first"])
 async def test_two_hosts_serving_one_path(place: Placement, order: list[str]) -> None:
     endpoints = Endpoints()
     app = Starlette(
         routes=[
-            Host(
-                "api.example",
-                Router([Route("/orders", endpoints.guarded("api"), methods=["POST"])]),
-            ),
-            Host(
-                "admin.example",
-                Router([Route("/orders", endpoints.open("admin"), methods=["POST"])]),
-            ),
+            orders_host("api.example", endpoints.guarded("api")),
+            orders_host("admin.example", endpoints.open("admin")),
         ]
     )
     client = make_client(place(app))
@@ -65,10 +64,7 @@ async def test_host_pattern_ahead_of_a_catch_all_host(order: list[str]) -> None:
     endpoints = Endpoints()
     app = Starlette(
         routes=[
-            Host(
-                "{tenant}.api.example",
-                Router([Route("/orders", endpoints.guarded("api"), methods=["POST"])]),
-            ),
+            orders_host("{tenant}.api.example", endpoints.guarded("api")),
             Mount("", routes=[Route("/orders", endpoints.open("admin"), methods=["POST"])]),
         ]
     )

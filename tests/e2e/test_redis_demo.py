@@ -10,7 +10,7 @@ import pytest
 from examples.payments.cluster import Cluster
 
 from tests.support.conditions import eventually
-from tests.support.e2e import new_key, order_rows, payment_body, payment_rows, post
+from tests.support.e2e import first_payment, new_key, order_rows, payment_body, payment_rows, post
 
 pytestmark = pytest.mark.e2e
 
@@ -24,9 +24,7 @@ async def client(redis_cluster: Cluster) -> AsyncIterator[httpx.AsyncClient]:
 async def test_key_replays_after_both_pods_restart(
     redis_cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    body, key = payment_body(), new_key()
-    first = await post(client, "/payments", body, key=key)
-    assert first.status_code == 200
+    body, key, first = await first_payment(client)
     redis_cluster.restart_pods()
     for pod in redis_cluster.pods.values():
         replay = await post(client, f"{pod.url}/payments", body, key=key)

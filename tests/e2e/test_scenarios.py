@@ -13,7 +13,14 @@ import pytest
 from examples.payments.cluster import Cluster
 
 from tests.support.conditions import eventually
-from tests.support.e2e import LOCK_TTL_SECONDS, new_key, payment_body, payment_rows, post
+from tests.support.e2e import (
+    LOCK_TTL_SECONDS,
+    first_payment,
+    new_key,
+    payment_body,
+    payment_rows,
+    post,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -47,9 +54,7 @@ async def test_2_first_request_runs_and_writes_one_row(
 async def test_3_same_key_again_replays_without_running(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    body, key = payment_body(), new_key()
-    first = await post(client, "/payments", body, key=key)
-    assert first.status_code == 200
+    body, key, first = await first_payment(client)
     # Sent to each pod directly: the one that ran it and the one that did not.
     for pod in cluster.pods.values():
         replay = await post(client, f"{pod.url}/payments", body, key=key)

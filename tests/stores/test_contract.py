@@ -23,13 +23,11 @@ from starlette_idempotency.stores.base import (
     FencedWrite,
     IdempotencyStore,
 )
-from tests.support.records import finished
+from tests.support.records import LOCK_TTL, RETENTION_TTL, finished
 from tests.support.stores import ClockedStore
 
 #: A lock or retention TTL short enough to wait out on a real server.
 SHORT_TTL = 0.3
-LOCK_TTL = 30.0
-RETENTION_TTL = 60.0
 
 MakeRecord = Callable[..., IdempotencyRecord]
 
@@ -38,6 +36,15 @@ def assert_same(actual: IdempotencyRecord | None, expected: IdempotencyRecord) -
     """Equal as stored: wire forms compare (times are kept to the millisecond)."""
     assert actual is not None
     assert record_to_dict(actual) == record_to_dict(expected)
+
+
+async def held(
+    store: IdempotencyStore, make_record: MakeRecord, lock_ttl: float = LOCK_TTL
+) -> IdempotencyRecord:
+    """``owner-a``'s record for ``k1``, after ``store`` was asked to acquire it."""
+    record = make_record("k1", "owner-a")
+    await store.try_acquire("k1", record, lock_ttl)
+    return record
 
 
 async def test_store_implements_the_protocol(store: IdempotencyStore) -> None:
@@ -83,8 +90,7 @@ async def test_conflict_returns_the_holder(
 async def test_complete_then_conflict_returns_the_response(
     store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
     done = finished(pending)
 
     assert await store.finish("k1", done, RETENTION_TTL)
@@ -100,8 +106,7 @@ async def test_complete_then_conflict_returns_the_response(
 async def test_fail_stores_a_failed_record(
     store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
     failed = finished(pending, status=RecordStatus.FAILED, body=b'{"error": "card declined"}')
 
     assert await store.finish("k1", failed, RETENTION_TTL)
@@ -130,8 +135,7 @@ async def test_release_of_an_absent_key_succeeds(store: IdempotencyStore) -> Non
 async def test_release_by_another_owner_keeps_the_lock(
     store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
 
     assert not await store.release("k1", "owner-b")
 
@@ -141,8 +145,7 @@ async def test_release_by_another_owner_keeps_the_lock(
 async def test_final_record_expires_after_its_ttl(
     harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
     assert await store.finish("k1", finished(pending), SHORT_TTL)
 
     await harness.expire("k1", SHORT_TTL)
@@ -167,8 +170,7 @@ async def test_expired_lock_is_taken_over(
 async def test_old_owner_is_fenced_off_after_a_takeover(
     harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
-    old = make_record("k1", "owner-a")
-    await store.try_acquire("k1", old, SHORT_TTL)
+    old = await held(store, make_record, SHORT_TTL)
     await harness.expire("k1", SHORT_TTL)
     successor = make_record("k1", "owner-b")
     assert (await store.try_acquire("k1", successor, LOCK_TTL)).acquired
@@ -186,8 +188,7 @@ async def test_old_owner_is_fenced_off_after_a_takeover(
 async def test_complete_after_the_lock_lapsed_with_nobody_else(
     harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, SHORT_TTL)
+    pending = await held(store, make_record, SHORT_TTL)
     await harness.expire("k1", SHORT_TTL)
     done = finished(pending)
 
@@ -200,8 +201,7 @@ async def test_complete_after_the_lock_lapsed_with_nobody_else(
 async def test_a_final_write_by_the_owner_is_written(
     store: IdempotencyStore, make_record: MakeRecord, status: RecordStatus
 ) -> None:
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
     final = finished(pending, status=status)
     write = store.finish
 
@@ -216,8 +216,7 @@ async def test_a_final_write_over_a_vanished_key_is_reclaimed(
 ) -> None:
     """The key is gone while its owner still runs (evicted, deleted by an operator; here it was
     released, as the store cannot tell those apart): the owner writes it back, and says so."""
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
     assert await store.release("k1", "owner-a")
     final = finished(pending, status=status)
     write = store.finish
@@ -233,8 +232,7 @@ async def test_the_holder_acquiring_again_keeps_the_key(
 ) -> None:
     """The owner taking back a key it still holds (after a renewal went wrong, or a resent
     acquire) has acquired it; the record stays as it was."""
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
 
     again = await store.try_acquire("k1", make_record("k1", "owner-a"), LOCK_TTL, recover=False)
 
@@ -248,8 +246,7 @@ async def test_the_holder_acquiring_again_keeps_the_key(
 async def test_the_owner_acquiring_a_vanished_key_takes_it_back(
     store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
     assert await store.release("k1", "owner-a")  # as if evicted
 
     back = await store.try_acquire("k1", pending, LOCK_TTL, recover=False)
@@ -264,8 +261,7 @@ async def test_a_finished_record_is_not_held_by_its_owner(
 ) -> None:
     """Only an ``InProgress`` record is held: the owner acquiring again after it finished gets
     the conflict (and its own response), not a lock."""
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
     done = finished(pending)
     await store.finish("k1", done, RETENTION_TTL)
 
@@ -295,8 +291,7 @@ async def test_renew_needs_an_in_progress_record_of_the_same_owner(
 ) -> None:
     assert not await store.renew("absent", "owner-a", LOCK_TTL)
 
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
     assert not await store.renew("k1", "owner-b", LOCK_TTL)
     assert await store.renew("k1", "owner-a", LOCK_TTL)
 
@@ -308,8 +303,7 @@ async def test_binary_body_round_trips_byte_for_byte(
     store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     body = bytes(range(256)) + b"\xff\xfe\x00 not utf-8 \xc3\x28"
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
     done = finished(pending, body=body)
 
     assert await store.finish("k1", done, RETENTION_TTL)
@@ -387,8 +381,7 @@ def require_recovery(store: IdempotencyStore) -> None:
 async def test_save_progress_by_the_owner(
     harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
-    pending = make_record("k1", "owner-a")
-    await store.try_acquire("k1", pending, LOCK_TTL)
+    pending = await held(store, make_record)
     now = harness.now()
     saved = checkpointed(pending, now, locked_until=now + LOCK_TTL)
 
@@ -418,8 +411,7 @@ async def test_a_dead_handlers_checkpoints_are_taken_over(
     harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     require_recovery(store)
-    dead = make_record("k1", "owner-a")
-    await store.try_acquire("k1", dead, LOCK_TTL)
+    dead = await held(store, make_record)
     now = harness.now()
     saved = checkpointed(dead, now, locked_until=now - 1)  # its lease ran out a second ago
     assert await store.save_progress("k1", saved, RETENTION_TTL)

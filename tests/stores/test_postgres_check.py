@@ -22,6 +22,17 @@ def levels(findings: list[StoreFinding]) -> list[str]:
     return [finding.level for finding in findings]
 
 
+async def errors(store: PostgresStore) -> list[StoreFinding]:
+    """What ``store.check()`` finds at the error level."""
+    return [finding for finding in await store.check() if finding.level == "error"]
+
+
+async def altered(store: PostgresStore, sql: Any, table: str, change: str) -> None:
+    """Create ``store``'s table, then ``ALTER TABLE table change``."""
+    await store.create_schema()
+    await sql.execute(f"ALTER TABLE {table} {change}")
+
+
 @pytest.fixture
 async def fsync_off(sql: Any) -> bool:
     """Whether the test server runs with fsync off (the throwaway ones do)."""
@@ -111,7 +122,7 @@ async def test_a_ready_store_has_no_error(durable_store: PostgresStore, fsync_of
 async def test_missing_table_is_an_error_that_says_how_to_create_it(
     durable_store: PostgresStore, postgres_table: str
 ) -> None:
-    [error] = [finding for finding in await durable_store.check() if finding.level == "error"]
+    [error] = await errors(durable_store)
     assert f"table {postgres_table} in " in error.message
     assert "does not exist" in error.message
     assert "starlette-idempotency migrate" in error.message
@@ -124,9 +135,8 @@ async def test_missing_table_is_an_error_that_says_how_to_create_it(
 async def test_a_table_from_an_older_version_is_an_error_until_migrated(
     durable_store: PostgresStore, postgres_table: str, sql: Any
 ) -> None:
-    await durable_store.create_schema()
-    await sql.execute(f"ALTER TABLE {postgres_table} DROP COLUMN checkpoints")
-    [error] = [finding for finding in await durable_store.check() if finding.level == "error"]
+    await altered(durable_store, sql, postgres_table, "DROP COLUMN checkpoints")
+    [error] = await errors(durable_store)
     assert "lacks column(s) checkpoints" in error.message
     assert "starlette-idempotency migrate" in error.message
 
@@ -137,8 +147,7 @@ async def test_a_table_from_an_older_version_is_an_error_until_migrated(
 async def test_an_unlogged_table_is_a_warning(
     durable_store: PostgresStore, postgres_table: str, sql: Any
 ) -> None:
-    await durable_store.create_schema()
-    await sql.execute(f"ALTER TABLE {postgres_table} SET UNLOGGED")
+    await altered(durable_store, sql, postgres_table, "SET UNLOGGED")
     [unlogged] = [f for f in await durable_store.check() if "UNLOGGED" in f.message]
     assert unlogged.level == "warning"
 
@@ -164,7 +173,7 @@ async def test_a_read_only_server_is_an_error(postgres_dsn: str, postgres_table:
         await writable.aclose()
     store = await open_store(postgres_dsn, postgres_table, default_transaction_read_only="on")
     try:
-        [error] = [finding for finding in await store.check() if finding.level == "error"]
+        [error] = await errors(store)
     finally:
         await store.aclose()
     assert "read-only (transaction_read_only is on)" in error.message

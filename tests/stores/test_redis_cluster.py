@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
-import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -23,7 +21,7 @@ from starlette_idempotency.testing.isolation import delete_prefixed, unique_pref
 from starlette_idempotency.testing.redis_server import RedisClusterServers
 from tests.support.conditions import eventually
 from tests.support.records import finished, pending
-from tests.support.stores import STRATEGIES
+from tests.support.stores import STRATEGIES, replica_waiting_store, timed_acquire
 
 pytestmark = [pytest.mark.redis, pytest.mark.cluster]
 
@@ -76,15 +74,11 @@ async def test_wait_replicas_on_a_cluster_node_without_replicas(
     acquire: AcquireStrategy,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    store = RedisStore(
-        cluster_client, key_prefix=prefix, acquire=acquire, wait_replicas=1, wait_timeout_ms=100
-    )
+    store = replica_waiting_store(cluster_client, prefix, acquire, wait_timeout_ms=100)
 
-    with caplog.at_level(logging.WARNING, logger="starlette_idempotency.stores.redis"):
-        started = time.monotonic()
-        assert (await store.try_acquire("k", pending("k", "owner-a"), LOCK_TTL)).acquired
-        elapsed = time.monotonic() - started
+    result, elapsed = await timed_acquire(store, pending("k", "owner-a"), caplog)
 
+    assert result.acquired
     assert 0.05 < elapsed < 2.0
     assert "0 of 1 Redis replicas acknowledged" in caplog.text
     conflict = await store.try_acquire("k", pending("k", "owner-b"), LOCK_TTL)

@@ -17,15 +17,13 @@ from starlette_idempotency._record import RecordStatus
 from starlette_idempotency.stores.base import FencedWrite
 from starlette_idempotency.stores.redis import DriverName, RedisStore
 from starlette_idempotency.testing.redis_server import RedisServer
-from tests.support.records import finished, pending
+from tests.support.records import LOCK_TTL, RETENTION_TTL, finished, pending
 from tests.support.stores import DRIVERS
 
 pytestmark = pytest.mark.redis
 
 Vanish = Literal["evicted", "deleted"]
 
-LOCK_TTL = 30.0
-RETENTION_TTL = 60.0
 FILLER = b"x" * 100_000
 #: 100 MB of filler at most, 25 times maxmemory: far more than evicting one key takes.
 MAX_FILLERS = 1000

@@ -23,7 +23,7 @@ from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, Redi
 from starlette_idempotency.stores.redis._glide import config_from_url
 from starlette_idempotency.testing.redis_server import RedisServer
 from tests.support.conditions import eventually
-from tests.support.records import finished, pending
+from tests.support.records import LOCK_TTL, RETENTION_TTL, finished, pending
 from tests.support.stores import (
     DRIVERS,
     STRATEGIES,
@@ -34,9 +34,6 @@ from tests.support.stores import (
 )
 
 pytestmark = pytest.mark.redis
-
-LOCK_TTL = 30.0
-RETENTION_TTL = 60.0
 
 
 @pytest.fixture

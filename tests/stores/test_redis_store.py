@@ -7,7 +7,6 @@ under a prefix of their own.
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,7 +34,7 @@ from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.testing.redis_server import RedisServer, encode_command
 from tests.support.conditions import eventually
-from tests.support.records import finished, pending
+from tests.support.records import LOCK_TTL, RETENTION_TTL, finished, pending
 from tests.support.stores import (
     DRIVERS,
     STRATEGIES,
@@ -44,12 +43,11 @@ from tests.support.stores import (
     commands_sent,
     equals,
     glide_client,
+    replica_waiting_store,
+    timed_acquire,
 )
 
 pytestmark = pytest.mark.redis
-
-LOCK_TTL = 30.0
-RETENTION_TTL = 60.0
 
 
 def no_retry() -> Retry:
@@ -444,15 +442,10 @@ async def test_wait_replicas_without_a_replica_returns_within_the_timeout(
     acquire: AcquireStrategy,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    store = RedisStore(
-        client, key_prefix=redis_key_prefix, acquire=acquire, wait_replicas=1, wait_timeout_ms=200
-    )
+    store = replica_waiting_store(client, redis_key_prefix, acquire, wait_timeout_ms=200)
     record = pending("k", "owner-a")
 
-    with caplog.at_level(logging.WARNING, logger="starlette_idempotency.stores.redis"):
-        started = time.monotonic()
-        result = await store.try_acquire("k", record, LOCK_TTL)
-        elapsed = time.monotonic() - started
+    result, elapsed = await timed_acquire(store, record, caplog)
 
     assert result.acquired, "too few replicas is logged, not an error"
     assert 0.15 < elapsed < 2.0

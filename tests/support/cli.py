@@ -34,3 +34,16 @@ def run(*command: str, env: dict[str, str] | None = None) -> Ran:
 def cli(*args: str, env: dict[str, str] | None = None) -> Ran:
     """``python -m starlette_idempotency.cli ARGS``."""
     return run(sys.executable, "-m", "starlette_idempotency.cli", *args, env=env)
+
+
+def assert_unreachable(ran: Ran, where: str, error_start: str, *, secret: str) -> None:
+    """``doctor`` on a store it cannot reach at ``where``: exit 1, one error line beginning with
+    ``error_start``, the summary, and never the password ``secret``."""
+    assert ran.code == 1, ran.out + ran.err
+    assert ran.lines[0] == f"doctor: checking {where}"
+    assert len(ran.lines) == 3, ran.out
+    assert ran.lines[1].startswith(error_start)
+    assert ran.lines[2] == (
+        "doctor: 1 error, 0 warnings: fix the errors before the app uses this store"
+    )
+    assert secret not in ran.out + ran.err

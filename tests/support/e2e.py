@@ -69,6 +69,16 @@ async def post(
     return await client.post(url, json=body, headers=sent)
 
 
+async def first_payment(
+    client: httpx.AsyncClient,
+) -> tuple[dict[str, Any], str, httpx.Response]:
+    """A new payment body and key, and the answer to their first request (a 200)."""
+    body, key = payment_body(), new_key()
+    first = await post(client, "/payments", body, key=key)
+    assert first.status_code == 200
+    return body, key, first
+
+
 async def payment_rows(client: httpx.AsyncClient, base_url: str, reference: str) -> list[Any]:
     response = await client.get(f"{base_url}/payments", params={"merchantReference": reference})
     response.raise_for_status()

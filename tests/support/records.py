@@ -6,13 +6,17 @@ import time
 
 from starlette_idempotency.stores import IdempotencyRecord, RecordStatus, StoredResponse
 
+#: The lock and retention TTLs the store tests arrange and write records with.
+LOCK_TTL = 30.0
+RETENTION_TTL = 60.0
+
 
 def pending(
     key: str,
     owner_token: str = "owner-a",
     *,
     fingerprint: str = "sha256:abc",
-    lock_ttl: float = 30.0,
+    lock_ttl: float = LOCK_TTL,
     now: float | None = None,
 ) -> IdempotencyRecord:
     """An ``InProgress`` record held by ``owner_token`` for ``lock_ttl`` seconds from ``now``
@@ -33,7 +37,7 @@ def finished(
     *,
     status: RecordStatus = RecordStatus.COMPLETED,
     body: bytes = b'{"ok": true}',
-    ttl: float = 60.0,
+    ttl: float = RETENTION_TTL,
 ) -> IdempotencyRecord:
     """``record`` moved to a final state with a small JSON response."""
     response = StoredResponse(

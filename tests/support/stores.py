@@ -8,6 +8,7 @@ context manager yielding a :class:`ClockedStore`. Add a backend by appending one
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from starlette_idempotency.errors import StoreError
-from starlette_idempotency.stores.base import IdempotencyStore
+from starlette_idempotency.stores import IdempotencyRecord
+from starlette_idempotency.stores.base import AcquireResult, IdempotencyStore
 from starlette_idempotency.stores.memory import MemoryStore
 from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
@@ -25,6 +27,7 @@ from starlette_idempotency.testing import FakeClock
 from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
 from starlette_idempotency.testing.redis_server import RedisClusterServers
 from tests.support.conditions import eventually
+from tests.support.records import LOCK_TTL
 
 #: Every Redis acquire strategy, and every Redis driver, for tests that run on each.
 STRATEGIES = pytest.mark.parametrize("acquire", ["setnx", "lua"])
@@ -208,3 +211,24 @@ async def commands_sent(
         for name, calls in after.items()
         if calls != before.get(name, 0)
     }
+
+
+def replica_waiting_store(
+    client: Any, prefix: str, acquire: AcquireStrategy, *, wait_timeout_ms: int
+) -> RedisStore:
+    """A RedisStore that waits up to ``wait_timeout_ms`` for one replica to acknowledge."""
+    return RedisStore(
+        client, key_prefix=prefix, acquire=acquire, wait_replicas=1, wait_timeout_ms=wait_timeout_ms
+    )
+
+
+async def timed_acquire(
+    store: RedisStore, record: IdempotencyRecord, caplog: pytest.LogCaptureFixture
+) -> tuple[AcquireResult, float]:
+    """``store`` acquires ``record``'s key, its warnings captured in ``caplog``: the result, and
+    the seconds it took."""
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency.stores.redis"):
+        started = time.monotonic()
+        result = await store.try_acquire(record.key, record, LOCK_TTL)
+        elapsed = time.monotonic() - started
+    return result, elapsed
