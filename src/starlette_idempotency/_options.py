@@ -1,15 +1,19 @@
-"""The route options: declared once, with their defaults, in :class:`IdempotencyPolicy`.
+"""The route options: declared once, with their types and defaults, in
+:class:`IdempotencyPolicy`; their validation follows from the declared types.
 
 ``@idempotent`` and ``IdempotencyMiddleware`` take them as keywords typed by
-:class:`RouteOptions` (so type checkers and IDEs know each name); the middleware's values are
-the defaults a route's own override. A test holds the two declarations to the same names and
-types.
+:class:`RouteOptions`, so that type checkers and IDEs know each name. A type checker cannot
+derive a keyword signature from a dataclass, so that is the one other place the names stand (no
+defaults there); ``tests/test_architecture.py`` holds the two to the same names and types. The
+middleware's values are the defaults a route's own override.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import numbers
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypedDict
@@ -40,23 +44,39 @@ def unknown_option_error(unknown: Iterable[str], known: Iterable[str], where: st
     )
 
 
-_NUMBER_OPTIONS = {
-    "ttl_hours": "a positive number of hours",
-    "lock_ttl_seconds": "a positive number of seconds",
-    "wait_timeout_seconds": "a positive number of seconds",
-}
-_CHOICES = {
-    "on_store_error": ("fail_closed", "fail_open"),
-    "fingerprint": ("raw", "validated"),
-    "on_fingerprint_change": ("replay", "reject"),
-    "on_in_progress": ("conflict", "wait"),
-    "replay": ("response", "reject"),
-    "on_recovery": ("handler", "hold"),
-}
-
-
 def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_option(name: str, declared: Any, value: object) -> None:
+    """Refuse ``value`` for the option ``name`` unless it fits the type the policy declares:
+    one of a ``Literal``'s values, ``True`` or ``False``, a positive number of the unit its name
+    ends in (``_hours``, ``_seconds``), a whole number of bytes."""
+    if typing.get_origin(declared) is Literal:
+        allowed = typing.get_args(declared)
+        if value not in allowed:
+            raise ConfigurationError(
+                f"{name} must be one of {', '.join(map(repr, allowed))}, not {value!r}"
+            )
+    elif declared is bool:
+        if not isinstance(value, bool):
+            raise ConfigurationError(f"{name} must be True or False, not {value!r}")
+    elif declared is float:
+        if not _is_number(value) or not value > 0:  # type: ignore[operator]
+            unit = name.rsplit("_", 1)[-1]
+            raise ConfigurationError(f"{name} must be a positive number of {unit}, not {value!r}")
+    elif declared is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigurationError(f"{name} must be a whole number of bytes, not {value!r}")
+        if value < 0:
+            raise ConfigurationError(f"{name} must not be negative")
+
+
+@functools.cache
+def _declared_types() -> dict[str, Any]:
+    """Each route option's declared type, in the order the policy declares them."""
+    hints = typing.get_type_hints(IdempotencyPolicy)
+    return {option.name: hints[option.name] for option in fields(IdempotencyPolicy) if option.init}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,35 +103,13 @@ class IdempotencyPolicy:
     fingerprint_header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name, accepted in _NUMBER_OPTIONS.items():
-            value = getattr(self, name)
-            if not _is_number(value) or not value > 0:
-                raise ConfigurationError(f"{name} must be {accepted}, not {value!r}")
+        for name, declared in _declared_types().items():
+            _check_option(name, declared, getattr(self, name))
         if self.lock_ttl_seconds > self.ttl_seconds:
             raise ConfigurationError(
                 f"lock_ttl_seconds ({self.lock_ttl_seconds:g} s) must not exceed ttl_hours "
                 f"({self.ttl_hours:g} h = {self.ttl_seconds:g} s): a record must outlive its lock"
             )
-        if not isinstance(self.max_response_bytes, int) or isinstance(
-            self.max_response_bytes, bool
-        ):
-            raise ConfigurationError(
-                f"max_response_bytes must be a whole number of bytes, not "
-                f"{self.max_response_bytes!r}"
-            )
-        if self.max_response_bytes < 0:
-            raise ConfigurationError("max_response_bytes must not be negative")
-        for name in ("required", "renew_lock"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigurationError(
-                    f"{name} must be True or False, not {getattr(self, name)!r}"
-                )
-        for name, allowed in _CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigurationError(
-                    f"{name} must be one of {', '.join(map(repr, allowed))}, "
-                    f"not {getattr(self, name)!r}"
-                )
         object.__setattr__(self, "fingerprint_version", str(self.fingerprint_version))
         for name in ("exclude_fields", "fingerprint_headers"):
             value = getattr(self, name)
