@@ -108,6 +108,8 @@ class OwnedKey:
             scope.pop(CONTEXT_SCOPE_KEY, None)
             if renewal is not None:
                 renewal.stop()
+                # It holds this object's bound renew(): no reference cycle left to the collector.
+                self.renewal = None
             if not capture.settled:
                 # Shielded, so a cancelled request still settles or frees its key.
                 with anyio.CancelScope(shield=True):

@@ -1,0 +1,109 @@
+"""A guarded request leaves no reference cycles behind: what it allocates is freed by reference
+counting, not by the garbage collector (whose full collections stall every request in flight).
+Measured against the bare app, whose own framework may leave some."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore
+from starlette_idempotency._types import Message
+
+BODY = b'{"accountId":"acc_1","amount":10.5,"currency":"EUR","merchantReference":"r-1"}'
+ROUNDS = 200
+
+
+class Payment(BaseModel):
+    accountId: str
+    amount: float
+    currency: str
+    merchantReference: str
+
+
+def payments_app(guarded: bool) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/payments")
+    async def pay(payment: Payment) -> dict[str, object]:
+        return {"id": "p_1", "amount": payment.amount, "status": "ok"}
+
+    if guarded:
+        app.add_middleware(
+            IdempotencyMiddleware, store=MemoryStore(), protect_all=True, key_scope=lambda _: "u"
+        )
+    return app
+
+
+async def post(app: FastAPI, key: str) -> int:
+    headers = [(b"content-type", b"application/json"), (b"idempotency-key", key.encode())]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/payments",
+        "raw_path": b"/payments",
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+    }
+    messages = iter([{"type": "http.request", "body": BODY, "more_body": False}])
+    status = 0
+
+    async def receive() -> Message:
+        return next(messages, {"type": "http.disconnect"})
+
+    async def send(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    await app(scope, receive, send)
+    return status
+
+
+@pytest.fixture
+def saved_garbage() -> Iterator[list[object]]:
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    gc.garbage.clear()
+    try:
+        yield gc.garbage
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+async def cyclic_objects_per_request(app: FastAPI, keys: list[str]) -> float:
+    for key in keys[:20]:  # warm up: first requests fill caches
+        await post(app, key)
+    gc.collect()
+    gc.garbage.clear()
+    for key in keys:
+        assert await post(app, key) == 200
+    await asyncio.sleep(0)
+    gc.collect()
+    return len(gc.garbage) / len(keys)
+
+
+@pytest.mark.parametrize("path", ["first request", "replay"])
+async def test_a_guarded_request_leaves_no_more_cycles_than_the_bare_app(
+    path: str, saved_garbage: list[object]
+) -> None:
+    keys = [str(uuid.uuid4()) for _ in range(ROUNDS)] if path == "first request" else ["k"] * ROUNDS
+    # Both built first: an app freed meanwhile (apps are cyclic) would count as garbage.
+    bare_app, guarded_app = payments_app(guarded=False), payments_app(guarded=True)
+    bare = await cyclic_objects_per_request(bare_app, keys)
+    guarded = await cyclic_objects_per_request(guarded_app, keys)
+
+    assert guarded <= bare, f"{guarded} cyclic objects per request, the bare app {bare}"
