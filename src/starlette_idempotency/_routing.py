@@ -238,7 +238,7 @@ class RouteResolver:
         cached = self._cache.get(cache_key)
         if cached is not None and cached[0] is leaf.route and cached[1] is leaf.endpoint:
             return cached[2]
-        guarded = self._guard(leaf)
+        guarded = self._guarded_route(leaf)
         if len(self._cache) >= _MAX_CACHED_ROUTES:
             self._cache.clear()
         self._cache[cache_key] = (leaf.route, leaf.endpoint, guarded)
@@ -303,7 +303,7 @@ class RouteResolver:
             )
         return None
 
-    def _guard(self, leaf: _Leaf) -> GuardedRoute | None:
+    def _guarded_route(self, leaf: _Leaf) -> GuardedRoute | None:
         overrides = getattr(leaf.endpoint, POLICY_ATTRIBUTE, None)
         if overrides is None and not self._protect_all:
             return None
