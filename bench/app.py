@@ -1,10 +1,18 @@
 """The benchmarked service: one FastAPI ``POST /payments`` behind each configuration's layer.
 
-The endpoint validates a small pydantic body and answers 201 with a ~300-byte JSON document. It
-counts its executions and the distinct ``Idempotency-Key`` values it saw, served at
-``GET /__executions`` (a GET, outside every layer's guard), so the harness can check that no
-key ran twice. uvicorn serves it with ``bench.app:create_app --factory``, configured by the
-``BENCH_*`` environment variables; the in-process benchmarks call :func:`build_app` directly.
+Two shapes of the service (``BENCH_APP``):
+
+- ``plain``: a snake_case body with an ``int`` amount, answered with a ~300-byte document.
+- ``payments``: the user's app of issue #17, a four-field camelCase model (``accountId``,
+  ``amount: float``, ``currency``, ``merchantReference``) answered with a small dict.
+
+Either validates its pydantic body and answers 201. The endpoint counts its executions and the
+distinct ``Idempotency-Key`` values it saw, served at ``GET /__executions`` (a GET, outside
+every layer's guard), so the harness can check that no key ran twice. ``GET /__gc`` serves the
+garbage collector's pauses (:mod:`bench.gcwatch`, installed by the uvicorn factory) and, for
+the MemoryStore configurations, ``GET /__prefill?n=`` fills the store with ``n`` live records
+(:mod:`bench.prefill`). uvicorn serves it with ``bench.app:create_app --factory``, configured by
+the ``BENCH_*`` environment variables; the in-process benchmarks call :func:`build_app`.
 """
 
 from __future__ import annotations
@@ -19,17 +27,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
 
-from bench.configs import BY_NAME
+from bench.configs import APPS, BY_NAME, AppName
+from bench.gcwatch import GcWatch
+from bench.prefill import prefill_memory_store
+from bench.requests import EXECUTIONS_PATH, GC_PATH, PAYMENT_PATH, PREFILL_PATH, REQUEST_BODIES
 
 Hook = Callable[[], Awaitable[None]]
 PoolInit = Callable[[Any], Awaitable[None]]
 
-PAYMENT_PATH = "/payments"
-EXECUTIONS_PATH = "/__executions"
-REQUEST_BODY = (
-    b'{"account_id":"acct_1MqDcVKZ4aF9xQ2b","amount":1250,"currency":"EUR",'
-    b'"reference":"order-2026-000042"}'
-)
 _DESCRIPTION = "Benchmark payment, fixed-size body"
 
 
@@ -40,11 +45,21 @@ class PaymentIn(BaseModel):
     reference: str = Field(min_length=1, max_length=128)
 
 
+class PaymentRequest(BaseModel):
+    """The ``payments`` app's body: four plain fields, as a user's model would have them."""
+
+    accountId: str  # the wire names of the user's API, camelCase
+    amount: float
+    currency: str
+    merchantReference: str
+
+
 @dataclass
 class AppSettings:
     """How to build the app; round-trips through ``BENCH_*`` environment variables."""
 
     config: str
+    app: AppName = "plain"
     redis_url: str | None = None
     postgres_dsn: str | None = None
     prefix: str = "bench"
@@ -56,8 +71,10 @@ class AppSettings:
     def from_env(cls, env: dict[str, str] | None = None) -> AppSettings:
         env = dict(os.environ) if env is None else env
         lock_ttl = env.get("BENCH_LOCK_TTL_SECONDS")
+        app = env.get("BENCH_APP", "plain")
         return cls(
             config=env.get("BENCH_CONFIG", "bare"),
+            app=next((name for name in APPS if name == app), "plain"),
             redis_url=env.get("BENCH_REDIS_URL") or None,
             postgres_dsn=env.get("BENCH_POSTGRES_DSN") or None,
             prefix=env.get("BENCH_PREFIX", "bench"),
@@ -68,6 +85,7 @@ class AppSettings:
     def to_env(self) -> dict[str, str]:
         env = {
             "BENCH_CONFIG": self.config,
+            "BENCH_APP": self.app,
             "BENCH_PREFIX": self.prefix,
             "BENCH_PG_TABLE": self.pg_table,
             "BENCH_REDIS_URL": self.redis_url or "",
@@ -88,6 +106,21 @@ class AppState:
     gate: asyncio.Event | None = None  # the handler waits for it
     delay: float = 0.0  # the handler sleeps this long
     store: Any = None  # the store or backend, for inspection
+    gc_watch: GcWatch | None = None  # the collector's pauses (the uvicorn factory installs it)
+
+    async def executed(self, request: Request) -> int:
+        """Count one execution of the endpoint (and honour the in-process knobs)."""
+        self.executions += 1
+        key = request.headers.get("idempotency-key")
+        if key is not None:
+            self.keys.add(key)
+        if self.entered is not None:
+            self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return self.executions
 
 
 def payment_response(payment: PaymentIn, number: int) -> dict[str, Any]:
@@ -114,9 +147,11 @@ def _require(value: str | None, what: str, config: str) -> str:
 
 
 def build_app(settings: AppSettings) -> tuple[FastAPI, AppState]:
-    """The app for ``settings.config``, and the state its endpoint updates."""
+    """The app for ``settings.config`` in the ``settings.app`` shape, and its state."""
     if settings.config not in BY_NAME:
         raise ValueError(f"unknown configuration {settings.config!r}")
+    if settings.app not in APPS:
+        raise ValueError(f"unknown app {settings.app!r}")
     state = AppState()
     starters: list[Hook] = []
     closers: list[Hook] = []
@@ -134,24 +169,37 @@ def build_app(settings: AppSettings) -> tuple[FastAPI, AppState]:
     app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
 
     async def create_payment(payment: PaymentIn, request: Request) -> dict[str, Any]:
-        state.executions += 1
-        key = request.headers.get("idempotency-key")
-        if key is not None:
-            state.keys.add(key)
-        if state.entered is not None:
-            state.entered.set()
-        if state.gate is not None:
-            await state.gate.wait()
-        if state.delay:
-            await asyncio.sleep(state.delay)
-        return payment_response(payment, state.executions)
+        return payment_response(payment, await state.executed(request))
+
+    async def create_user_payment(payment: PaymentRequest, request: Request) -> dict[str, Any]:
+        number = await state.executed(request)
+        return {
+            "paymentId": f"pay_{number:020d}",
+            "status": "accepted",
+            "accountId": payment.accountId,
+            "amount": payment.amount,
+            "currency": payment.currency,
+            "merchantReference": payment.merchantReference,
+        }
 
     async def executions() -> dict[str, int]:
         return {"executions": state.executions, "distinct_keys": len(state.keys)}
 
-    endpoint = _wire(app, settings, state, create_payment, starters, closers)
+    async def gc_pauses() -> dict[str, Any]:
+        watch = state.gc_watch or GcWatch()
+        return watch.snapshot().to_json()
+
+    handler = create_user_payment if settings.app == "payments" else create_payment
+    endpoint = _wire(app, settings, state, handler, starters, closers)
     app.post(PAYMENT_PATH, status_code=201)(endpoint)
     app.get(EXECUTIONS_PATH)(executions)
+    app.get(GC_PATH)(gc_pauses)
+    if BY_NAME[settings.config].wiring == "ours-memory":
+
+        async def prefill(n: int) -> dict[str, Any]:
+            return await prefill_memory_store(app, state.store, n, REQUEST_BODIES[settings.app])
+
+        app.get(PREFILL_PATH)(prefill)
     return app, state
 
 
@@ -164,7 +212,7 @@ def _wire(
     closers: list[Hook],
 ) -> Callable[..., Any]:
     """Add the configuration's middleware (or decorate the endpoint, as its README shows)."""
-    name, prefix = settings.config, settings.prefix
+    name, prefix = BY_NAME[settings.config].wiring, settings.prefix
     if name == "bare":
         return endpoint
     if name == "floor-redis":
@@ -219,14 +267,15 @@ def _wire_ours(
 ) -> Callable[..., Any]:
     from starlette_idempotency import IdempotencyMiddleware, IdempotencyStore, idempotent
 
-    name, prefix = settings.config, settings.prefix
+    config = BY_NAME[settings.config]
+    name, prefix = config.wiring, settings.prefix
     store: IdempotencyStore
     if name == "ours-memory":
         from starlette_idempotency import MemoryStore
 
         store = MemoryStore(key_prefix=prefix)
     elif name.startswith("ours-redis-"):  # setnx and lua on redis-py; glide (setnx)
-        from starlette_idempotency.stores.redis import RedisStore
+        from starlette_idempotency import RedisStore
 
         store = RedisStore.from_url(
             _require(settings.redis_url, "a Redis URL", name),
@@ -237,7 +286,7 @@ def _wire_ours(
     elif name == "ours-postgres":
         import asyncpg  # type: ignore[import-untyped]
 
-        from starlette_idempotency.stores.postgres import PostgresStore
+        from starlette_idempotency import PostgresStore
 
         dsn = _require(settings.postgres_dsn, "a PostgreSQL DSN", name)
         # Created here, initialised by the lifespan: the middleware stack is built (on the
@@ -258,10 +307,12 @@ def _wire_ours(
     options: dict[str, Any] = {}
     if settings.lock_ttl_seconds is not None:
         options["lock_ttl_seconds"] = settings.lock_ttl_seconds
+    if config.protect_all:  # every POST guarded, the route left as the user wrote it
+        options["protect_all"] = True
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
     closers.append(store.aclose)
     state.store = store
-    return idempotent()(endpoint)
+    return endpoint if config.protect_all else idempotent()(endpoint)
 
 
 def _wire_aih(app: FastAPI, settings: AppSettings, state: AppState, closers: list[Hook]) -> None:
@@ -291,6 +342,10 @@ def _wire_aih(app: FastAPI, settings: AppSettings, state: AppState, closers: lis
 
 
 def create_app() -> FastAPI:
-    """The uvicorn factory: ``uvicorn bench.app:create_app --factory`` (``BENCH_*`` env)."""
-    app, _ = build_app(AppSettings.from_env())
+    """The uvicorn factory: ``uvicorn bench.app:create_app --factory`` (``BENCH_*`` env).
+
+    Installs the garbage collector's stopwatch (:mod:`bench.gcwatch`), served at ``/__gc``:
+    one callback per collection, the same in every configuration."""
+    app, state = build_app(AppSettings.from_env())
+    state.gc_watch = GcWatch().install()
     return app

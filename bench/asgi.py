@@ -9,12 +9,11 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message
 
-from bench.app import PAYMENT_PATH, REQUEST_BODY
+from bench.requests import PAYMENT_PATH, REQUEST_BODY
 
 _BASE_HEADERS = (
     (b"host", b"127.0.0.1:8000"),
     (b"content-type", b"application/json"),
-    (b"content-length", str(len(REQUEST_BODY)).encode("latin-1")),
 )
 
 
@@ -32,9 +31,13 @@ async def call(
     method: str = "POST",
     path: str = PAYMENT_PATH,
     body: bytes = REQUEST_BODY,
+    query: bytes = b"",
 ) -> Reply:
     """One request through ``app``; the body arrives in one ``http.request`` message."""
-    headers = list(_BASE_HEADERS) if method == "POST" else [(b"host", b"127.0.0.1:8000")]
+    if method == "POST":
+        headers = [*_BASE_HEADERS, (b"content-length", str(len(body)).encode("latin-1"))]
+    else:
+        headers = [(b"host", b"127.0.0.1:8000")]
     if key is not None:
         headers.append((b"idempotency-key", key.encode("latin-1")))
     scope = {
@@ -46,7 +49,7 @@ async def call(
         "path": path,
         "raw_path": path.encode("latin-1"),
         "root_path": "",
-        "query_string": b"",
+        "query_string": query,
         "headers": headers,
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 8000),

@@ -19,16 +19,36 @@ from pathlib import Path
 
 from bench import fingerprint
 from bench.app import AppSettings
-from bench.configs import CONFIGS, Config, select
-from bench.load import LoadSettings, RunResult, measure, wrk_binary, wrk_version
+from bench.configs import (
+    APPS,
+    BY_NAME,
+    CONFIGS,
+    AppName,
+    Config,
+    for_app,
+    select,
+    select_apps,
+)
+from bench.load import (
+    MODES,
+    LoadSettings,
+    Mode,
+    RunResult,
+    measure,
+    wrk_binary,
+    wrk_version,
+)
 from bench.micro import (
-    MICRO_CONFIGS,
+    PROFILED,
+    MicroResult,
+    micro_configs,
     microbench,
     profile_hot_path,
     redis_pool_cost,
     run_async,
 )
-from bench.report import Meta, Report, render
+from bench.report import render
+from bench.report_model import Meta, Report
 from bench.roundtrips import count_all
 from bench.servers import ROOT, Services, UvicornServer, private_services
 
@@ -67,6 +87,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--configs",
         default=None,
         help="comma-separated subset: " + ", ".join(c.name for c in CONFIGS),
+    )
+    parser.add_argument(
+        "--app",
+        default="both",
+        choices=[*APPS, "both"],
+        help="which service: plain (today's: snake_case body, ~300-byte answer), payments "
+        "(issue #17's user app: camelCase four-field model, float amount; with the "
+        "protect_all=True variants and the 500k-record MemoryStore), or both (default)",
+    )
+    parser.add_argument(
+        "--modes",
+        default="unique,replay",
+        help="load modes to run: unique, replay or both (default unique,replay)",
     )
     parser.add_argument("--micro-requests", type=int, default=3000, help="requests per micro trial")
     parser.add_argument("--micro-trials", type=int, default=7, help="microbenchmark trials")
@@ -187,37 +220,77 @@ def _peer_problems(configs: tuple[Config, ...]) -> tuple[tuple[Config, ...], lis
 
 
 def run_load(
-    configs: tuple[Config, ...], services: Services, settings: LoadSettings, rounds: int, logs: Path
+    plan: list[tuple[AppName, Config]],
+    services: Services,
+    settings: LoadSettings,
+    rounds: int,
+    logs: Path,
+    prefills: list[dict[str, object]] | None = None,
+    modes: tuple[Mode, ...] = MODES,
 ) -> list[RunResult]:
+    """Every (app, configuration) of ``plan`` once per round, rounds interleaved."""
     results: list[RunResult] = []
     run_tag = uuid.uuid4().hex[:6]
     for round_number in range(1, rounds + 1):
-        for config in configs:
+        for app, config in plan:
             services.flush_redis()
             services.truncate_postgres(PG_TABLE)
-            run_id = f"{run_tag}r{round_number}{config.name}"
+            run_id = f"{run_tag}r{round_number}{app[:2]}{config.name}"
             app_settings = AppSettings(
                 config=config.name,
+                app=app,
                 redis_url=services.redis_url,
                 postgres_dsn=services.postgres_dsn,
                 prefix=f"bench-{run_id}",
                 pg_table=PG_TABLE,
             )
             started = time.monotonic()
-            with UvicornServer(app_settings, logs / f"{config.name}.log") as server:
-                runs = measure(server, services, config.name, round_number, run_id, settings)
+            with UvicornServer(app_settings, logs / f"{app}-{config.name}.log") as server:
+                if config.prefill:
+                    filled = server.prefill(config.prefill)
+                    print(
+                        f"round {round_number}/{rounds} {app}/{config.name}: "
+                        f"{filled['records']:,} records in {filled['seconds']:.1f} s",
+                        flush=True,
+                    )
+                    if prefills is not None:
+                        prefills.append({"app": app, "config": config.name, **filled})
+                runs = measure(
+                    server,
+                    services,
+                    config.name,
+                    round_number,
+                    run_id,
+                    settings,
+                    prefilled=config.prefill,
+                    modes=modes,
+                )
             results += runs
             summary = ", ".join(
                 f"{r.mode} {r.wrk.rps:,.0f} req/s {r.server_cpu_us:.0f} µs cpu/req "
-                f"(foreign {r.foreign_cpu_pct:.0f}%)"
+                f"p99 {r.wrk.p99_ms:.1f} ms (foreign {r.foreign_cpu_pct:.0f}%)"
                 for r in runs
             )
             print(
-                f"round {round_number}/{rounds} {config.name:18} {summary} "
+                f"round {round_number}/{rounds} {app:8} {config.name:20} {summary} "
                 f"({time.monotonic() - started:.0f} s)",
                 flush=True,
             )
     return results
+
+
+def _modes(names: str) -> tuple[Mode, ...]:
+    wanted = {name.strip() for name in names.split(",") if name.strip()}
+    unknown = wanted - set(MODES)
+    if unknown or not wanted:
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; known: {', '.join(MODES)}")
+    return tuple(mode for mode in MODES if mode in wanted)
+
+
+def _micro(
+    app: AppName, names: tuple[str, ...], requests: int, trials: int, redis_url: str | None
+) -> dict[tuple[str, Mode], MicroResult]:
+    return run_async(lambda: microbench(names, requests, trials, app_name=app, redis_url=redis_url))
 
 
 def _raw_json(report: Report) -> str:
@@ -247,7 +320,12 @@ def _raw_json(report: Report) -> str:
             }
             for result in report.counts
         ],
-        "micro": [dataclasses.asdict(result) for result in report.micro.values()],
+        "micro": [
+            dataclasses.asdict(result)
+            for results in report.micro.values()
+            for result in results.values()
+        ],
+        "prefills": report.prefills,
         "profiles": [
             {k: v for k, v in dataclasses.asdict(p).items() if k != "text"} for p in report.profiles
         ],
@@ -261,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configs = select(args.configs)
     configs, skipped = _peer_problems(configs)
+    apps = select_apps(args.app)
+    plan = [(app, config) for app in apps for config in for_app(configs, app)]
+    if not plan:
+        raise SystemExit(f"no configuration of {args.configs!r} runs in the {args.app} app(s)")
+    # Round trips and the profile run once, on the user's app when it is measured.
+    main_app: AppName = "payments" if "payments" in apps else apps[0]
+    configs = tuple(dict.fromkeys(config for _, config in plan))
     if not args.skip_load:
         wrk_binary()  # fail early with the install hint
     load_before = wait_for_quiet(args.max_load, args.wait_quiet) if args.wait_quiet else _load()
@@ -290,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             date=now.strftime("%Y-%m-%d %H:%M UTC"),
             command=command,
             settings=(
+                f"app(s) {', '.join(apps)}; modes {args.modes}; "
                 f"{args.rounds} round(s), {args.duration:g} s per run after {args.warmup:g} s "
                 f"warm-up, wrk -t{args.threads} -c{args.connections}; micro "
                 f"{args.micro_trials} × {args.micro_requests} requests; profiles "
@@ -310,34 +396,50 @@ def main(argv: list[str] | None = None) -> int:
                 "its own timeout.",
             ],
         )
-        report = Report(meta=meta, skipped=skipped)
+        report = Report(meta=meta, skipped=skipped, apps=list(apps), counts_app=main_app)
         if not args.skip_load:
-            report.runs = run_load(configs, services, settings, args.rounds, logs)
+            report.runs = run_load(
+                plan,
+                services,
+                settings,
+                args.rounds,
+                logs,
+                prefills=report.prefills,
+                modes=_modes(args.modes),
+            )
         if not args.skip_counts:
-            print("counting store round trips", flush=True)
+            print(f"counting store round trips ({main_app} app)", flush=True)
             report.counts = asyncio.run(
                 count_all(
-                    [c.name for c in configs],
+                    [c.name for c in for_app(configs, main_app)],
                     services.redis_url,
                     services.redis_port,
                     services.postgres_dsn,
+                    main_app,
                 )
             )
         if not args.skip_micro:
-            print("in-process microbenchmark", flush=True)
-            micro_configs = tuple(c for c in MICRO_CONFIGS if c in {x.name for x in configs})
-            report.micro = run_async(
-                lambda: microbench(micro_configs, args.micro_requests, args.micro_trials)
-            )
+            for app in apps:
+                print(f"in-process microbenchmark ({app} app)", flush=True)
+                names = micro_configs(for_app(configs, app), services.redis_url is not None)
+                report.micro[app] = _micro(
+                    app, names, args.micro_requests, args.micro_trials, services.redis_url
+                )
         if not args.skip_profile:
-            print("profiling the hot path", flush=True)
+            print(f"profiling the hot path ({main_app} app)", flush=True)
             profile_settings = LoadSettings(
                 duration=args.profile_duration,
                 connections=args.connections,
                 threads=args.threads,
                 warmup=1,
             )
-            report.profiles = profile_hot_path(services.redis_url, profile_settings)
+            profiled, _ = _peer_problems(tuple(BY_NAME[name] for name in PROFILED))
+            report.profiles = profile_hot_path(
+                services.redis_url,
+                profile_settings,
+                main_app,
+                tuple(config.name for config in profiled),
+            )
             if services.redis_url:
                 redis_url = services.redis_url
                 report.pool_cost = run_async(lambda: redis_pool_cost(redis_url))

@@ -7,16 +7,34 @@ from typing import Literal
 
 Kind = Literal["bare", "floor", "ours", "peer"]
 Service = Literal["redis", "postgres"]
+AppName = Literal["plain", "payments"]
+# ``plain``: today's service (snake_case body, int amount, ~300-byte answer). ``payments``: the
+# shape of a user's app in issue #17 (camelCase four-field model, float amount, a small dict).
+APPS: tuple[AppName, ...] = ("plain", "payments")
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """One server setup: the same FastAPI endpoint behind a different idempotency layer."""
+    """One server setup: the same FastAPI endpoint behind a different idempotency layer.
+
+    A *variant* (``variant_of``) is wired as the configuration it names, with
+    ``protect_all=True`` instead of ``@idempotent`` on the route, or with ``prefill`` live
+    records put in the store before the load starts.
+    """
 
     name: str
     kind: Kind
     description: str
     needs: tuple[Service, ...] = ()
+    variant_of: str | None = None
+    protect_all: bool = False
+    prefill: int = 0
+    apps: tuple[AppName, ...] = APPS
+
+    @property
+    def wiring(self) -> str:
+        """The configuration whose layer this one builds (itself unless a variant)."""
+        return self.variant_of or self.name
 
 
 CONFIGS: tuple[Config, ...] = (
@@ -34,10 +52,35 @@ CONFIGS: tuple[Config, ...] = (
     ),
     Config("ours-memory", "ours", "IdempotencyMiddleware + MemoryStore"),
     Config(
+        "ours-memory-all",
+        "ours",
+        "IdempotencyMiddleware(protect_all=True) + MemoryStore, no decorator",
+        variant_of="ours-memory",
+        protect_all=True,
+        apps=("payments",),
+    ),
+    Config(
+        "ours-memory-500k",
+        "ours",
+        "IdempotencyMiddleware + MemoryStore holding 500,000 live records when the load starts",
+        variant_of="ours-memory",
+        prefill=500_000,
+        apps=("payments",),
+    ),
+    Config(
         "ours-redis-setnx",
         "ours",
         "IdempotencyMiddleware + RedisStore(acquire='setnx')",
         ("redis",),
+    ),
+    Config(
+        "ours-redis-setnx-all",
+        "ours",
+        "IdempotencyMiddleware(protect_all=True) + RedisStore(acquire='setnx'), no decorator",
+        ("redis",),
+        variant_of="ours-redis-setnx",
+        protect_all=True,
+        apps=("payments",),
     ),
     Config(
         "ours-redis-lua", "ours", "IdempotencyMiddleware + RedisStore(acquire='lua')", ("redis",)
@@ -47,6 +90,15 @@ CONFIGS: tuple[Config, ...] = (
         "ours",
         "IdempotencyMiddleware + RedisStore(driver='glide'), valkey-glide instead of redis-py",
         ("redis",),
+    ),
+    Config(
+        "ours-redis-glide-all",
+        "ours",
+        "IdempotencyMiddleware(protect_all=True) + RedisStore(driver='glide'), no decorator",
+        ("redis",),
+        variant_of="ours-redis-glide",
+        protect_all=True,
+        apps=("payments",),
     ),
     Config("ours-postgres", "ours", "IdempotencyMiddleware + PostgresStore", ("postgres",)),
     Config("aih-memory", "peer", "asgi-idempotency-header + MemoryBackend"),
@@ -69,6 +121,8 @@ FLOOR_FOR: dict[str, str] = {
     "ours-redis-setnx": "floor-redis",
     "ours-redis-lua": "floor-redis",
     "ours-redis-glide": "floor-redis",
+    "ours-redis-setnx-all": "floor-redis",
+    "ours-redis-glide-all": "floor-redis",
 }
 
 
@@ -81,3 +135,18 @@ def select(names: str | None) -> tuple[Config, ...]:
     if unknown:
         raise ValueError(f"unknown configuration(s) {unknown}; known: {', '.join(BY_NAME)}")
     return tuple(config for config in CONFIGS if config.name in wanted)
+
+
+def for_app(configs: tuple[Config, ...], app: AppName) -> tuple[Config, ...]:
+    """The configurations of ``configs`` that run in ``app`` (variants run in one app only)."""
+    return tuple(config for config in configs if app in config.apps)
+
+
+def select_apps(name: str) -> tuple[AppName, ...]:
+    """``plain``, ``payments`` or ``both`` (both apps, ``plain`` first)."""
+    if name == "both":
+        return APPS
+    for app in APPS:
+        if app == name:
+            return (app,)
+    raise ValueError(f"unknown app {name!r}; known: {', '.join(APPS)}, both")

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from starlette_idempotency.fingerprint import raw_body_form, request_fingerprint
+from starlette_idempotency._fingerprint import raw_body_form, request_fingerprint
 
 CASES: dict[str, frozenset[str]] = {
     "plain": frozenset(),

@@ -8,10 +8,13 @@ import resource
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from bench.configs import AppName
+from bench.gcwatch import GcSnapshot
+from bench.requests import REQUEST_BODIES
 from bench.servers import Services, UvicornServer, machine_cpu, process_cpu
 
 Mode = Literal["unique", "replay"]
@@ -39,6 +42,7 @@ class WrkResult:
     errors_socket: int  # connect + read + write + timeout
     errors_status: int  # responses with status > 399 (wrk's "Non-2xx or 3xx")
     keys_issued: int
+    max_ms: float = 0.0
 
     @property
     def rps(self) -> float:
@@ -60,6 +64,9 @@ class RunResult:
     store_cpu_us: float  # Redis / PostgreSQL processes' CPU time per answered request
     wrk_cpu_pct: float  # wrk's CPU use, in % of the whole machine
     foreign_cpu_pct: float  # CPU used by processes outside this benchmark, % of the machine
+    app: AppName = "plain"
+    gc: GcSnapshot = field(default_factory=GcSnapshot)  # the server's collections in the run
+    prefilled: int = 0  # live records put in the store before the load (bench.prefill)
 
     @property
     def duplicates(self) -> int:
@@ -82,9 +89,16 @@ def wrk_version() -> str:
 
 
 def run_wrk(
-    port: int, mode: Mode, argument: str, *, duration: float, settings: LoadSettings
+    port: int,
+    mode: Mode,
+    argument: str,
+    *,
+    duration: float,
+    settings: LoadSettings,
+    body: bytes | None = None,
 ) -> tuple[WrkResult, str]:
-    """Run wrk once; the parsed result and wrk's full output."""
+    """Run wrk once (``body``: the POST body, else the ``plain`` app's); the parsed result and
+    wrk's full output."""
     command = [
         wrk_binary(),
         f"-t{settings.threads}",
@@ -97,6 +111,7 @@ def run_wrk(
         f"http://127.0.0.1:{port}/payments",
         "--",
         argument,
+        *([body.decode()] if body is not None else []),
     ]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=duration + 60, check=False
@@ -116,6 +131,7 @@ def run_wrk(
         errors_socket=sum(int(errors[name]) for name in ("connect", "read", "write", "timeout")),
         errors_status=int(errors["status"]),
         keys_issued=int(data["keys_issued"]),
+        max_ms=int(data.get("max_us", 0)) / 1000,
     )
     return result, output
 
@@ -142,7 +158,10 @@ def measured_wrk(
     busy_before, total_before = machine_cpu()
     wrk_before = _children_cpu()
     started = time.monotonic()
-    wrk, _ = run_wrk(server.port, mode, argument, duration=settings.duration, settings=settings)
+    body = REQUEST_BODIES[server.settings.app]
+    wrk, _ = run_wrk(
+        server.port, mode, argument, duration=settings.duration, settings=settings, body=body
+    )
     elapsed = time.monotonic() - started
     wrk_cpu = _children_cpu() - wrk_before
     busy_after, total_after = machine_cpu()
@@ -159,7 +178,12 @@ def warm_up(server: UvicornServer, run_id: str, settings: LoadSettings) -> None:
     """Fresh keys through wrk for ``settings.warmup`` seconds (none when it is 0)."""
     if settings.warmup > 0:
         run_wrk(
-            server.port, "unique", f"{run_id}-warm", duration=settings.warmup, settings=settings
+            server.port,
+            "unique",
+            f"{run_id}-warm",
+            duration=settings.warmup,
+            settings=settings,
+            body=REQUEST_BODIES[server.settings.app],
         )
 
 
@@ -183,14 +207,19 @@ def measure(
     round_number: int,
     run_id: str,
     settings: LoadSettings,
+    *,
+    prefilled: int = 0,
+    modes: tuple[Mode, ...] = MODES,
 ) -> list[RunResult]:
     """Warm the server up, then measure the unique-key mode and the replay mode on it."""
     results: list[RunResult] = []
     warm_up(server, run_id, settings)
-    for mode in MODES:
+    for mode in modes:
         argument = replayed_key(server, run_id) if mode == "replay" else f"{run_id}-u"
         before = server.settled_executions()
+        gc_before = server.gc_snapshot()
         wrk, cpu = measured_wrk(server, services, mode, argument, settings)
+        gc_after = server.gc_snapshot()
         after = server.settled_executions()
         answered = max(1, wrk.requests)
         results.append(
@@ -206,6 +235,9 @@ def measure(
                 store_cpu_us=cpu.store_s / answered * 1e6,
                 wrk_cpu_pct=100 * cpu.wrk_s / cpu.capacity_s,
                 foreign_cpu_pct=100 * cpu.foreign_s / cpu.capacity_s,
+                app=server.settings.app,
+                gc=gc_after.since(gc_before),
+                prefilled=prefilled,
             )
         )
     return results

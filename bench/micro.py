@@ -1,7 +1,10 @@
 """In-process microbenchmark and hot-path profile: the ASGI app called directly, no network.
 
 Each request builds its scope by hand and awaits the app; requests run one after another on
-uvloop, so the numbers are CPU time per request with nothing else in the way. The profile runs
+uvloop, so the numbers are CPU time per request with nothing else in the way. Both the wall
+time and the process's CPU time (``time.process_time``: every thread, so valkey-glide's Rust
+threads count) are kept: with a Redis store the wall time also holds the waits for Redis, the
+CPU time does not. The profile runs
 the same loop under cProfile and attributes time to ``starlette_idempotency``: its functions'
 own time plus everything they call outside the package, except the wrapped app itself.
 """
@@ -16,6 +19,7 @@ import io
 import pstats
 import statistics
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +27,23 @@ from typing import Any, TypeVar
 
 from bench.app import AppSettings, build_app
 from bench.asgi import call, running
+from bench.configs import AppName, Config
 from bench.load import MODES, LoadSettings, Mode
+from bench.requests import REQUEST_BODIES
 
 MICRO_CONFIGS = ("bare", "floor-memory", "ours-memory", "aih-memory", "mobius-memory")
+
+
+def micro_configs(configs: tuple[Config, ...], redis: bool) -> tuple[str, ...]:
+    """The configurations the microbenchmark can call in-process: those that need no server,
+    and the Redis ones when a Redis server is up (no PostgreSQL, no prefilled store)."""
+    return tuple(
+        config.name
+        for config in configs
+        if not config.prefill and all(need == "redis" and redis for need in config.needs)
+    )
+
+
 PACKAGE_MARK = "/starlette_idempotency/"
 _T = TypeVar("_T")
 
@@ -47,14 +65,24 @@ class MicroResult:
     config: str
     mode: Mode
     us_per_request: list[float] = field(default_factory=list)
+    cpu_us_per_request: list[float] = field(default_factory=list)  # process CPU, all threads
+    app: AppName = "plain"
     gc_us_per_request: list[float] = field(default_factory=list)
     gc_collections_per_1k: list[float] = field(default_factory=list)
     garbage_per_request: float = 0.0  # objects only the cycle collector frees
     garbage_types: list[tuple[str, float]] = field(default_factory=list)
+    # Python-level calls per request by area (deterministic, unlike times), and the share of
+    # the profiled time each area took (cProfile inflates small calls: read as shares)
+    calls_by_area: dict[str, float] = field(default_factory=dict)
+    profiled_share_by_area: dict[str, float] = field(default_factory=dict)
 
     @property
     def median(self) -> float:
         return statistics.median(self.us_per_request)
+
+    @property
+    def cpu_median(self) -> float:
+        return statistics.median(self.cpu_us_per_request) if self.cpu_us_per_request else 0.0
 
 
 class GcClock:
@@ -81,27 +109,43 @@ class GcClock:
             gc.callbacks.remove(self)
 
 
-async def _timed(app: Any, keys: list[str]) -> float:
-    started = time.perf_counter_ns()
+async def _timed(app: Any, keys: list[str], body: bytes) -> tuple[float, float]:
+    """Wall and CPU µs per request over ``keys``, one request after another."""
+    started, cpu_started = time.perf_counter_ns(), time.process_time_ns()
     for key in keys:
-        reply = await call(app, key=key)
+        reply = await call(app, key=key, body=body)
         if reply.status != 201:
             raise RuntimeError(f"micro request answered {reply.status}: {reply.body[:200]!r}")
-    return (time.perf_counter_ns() - started) / 1000 / len(keys)
+    cpu = (time.process_time_ns() - cpu_started) / 1000 / len(keys)
+    return (time.perf_counter_ns() - started) / 1000 / len(keys), cpu
 
 
 async def microbench(
-    configs: tuple[str, ...], requests: int, trials: int
+    configs: tuple[str, ...],
+    requests: int,
+    trials: int,
+    *,
+    app_name: AppName = "plain",
+    redis_url: str | None = None,
 ) -> dict[tuple[str, Mode], MicroResult]:
     """Trials interleaved across configurations and modes; the apps stay up between them."""
-    results = {(c, m): MicroResult(c, m) for c in configs for m in MODES}
+    results = {(c, m): MicroResult(c, m, app=app_name) for c in configs for m in MODES}
+    body = REQUEST_BODIES[app_name]
+    tag = uuid.uuid4().hex[:6]
     async with contextlib.AsyncExitStack() as stack:
         apps = {}
         for config in configs:
-            app, _ = build_app(AppSettings(config=config, prefix=f"micro-{config}"))
+            app, _ = build_app(
+                AppSettings(
+                    config=config,
+                    app=app_name,
+                    redis_url=redis_url,
+                    prefix=f"micro-{tag}-{app_name}-{config}",
+                )
+            )
             apps[config] = await stack.enter_async_context(running(app))
-            await call(app, key="micro-replayed")  # completes the replayed key
-            await _timed(app, [f"micro-warm-{i}" for i in range(200)])
+            await call(app, key="micro-replayed", body=body)  # completes the replayed key
+            await _timed(app, [f"micro-warm-{i}" for i in range(200)], body)
         for trial in range(trials):
             for config in configs:
                 for mode in MODES:
@@ -109,26 +153,81 @@ async def microbench(
                         keys = [f"micro-{trial}-{i}" for i in range(requests)]
                     else:
                         keys = ["micro-replayed"] * requests
+                    # Each trial's collections walk only what it allocates: not the records
+                    # and apps the other configurations keep alive in this process (the walk
+                    # over a store's own records is measured under load, in the tail section).
+                    gc.collect()
+                    gc.freeze()
                     with GcClock().installed() as clock:
-                        us = await _timed(apps[config], keys)
+                        us, cpu_us = await _timed(apps[config], keys, body)
+                    gc.unfreeze()
                     result = results[config, mode]
                     result.us_per_request.append(us)
+                    result.cpu_us_per_request.append(cpu_us)
                     result.gc_us_per_request.append(clock.seconds * 1e6 / requests)
                     result.gc_collections_per_1k.append(clock.collections * 1000 / requests)
         for config in configs:
             for mode in MODES:
-                await _garbage_census(apps[config], results[config, mode], mode)
+                await _garbage_census(apps[config], results[config, mode], mode, body)
+                await _call_census(apps[config], results[config, mode], mode, body)
     return results
 
 
-async def _garbage_census(app: Any, result: MicroResult, mode: Mode, requests: int = 500) -> None:
+# Where a function's file lies decides its area; the first fragment found wins.
+AREAS: tuple[tuple[str, str], ...] = (
+    ("/starlette_idempotency/", "starlette_idempotency"),
+    ("/mobius_idempotence/", "mobius"),
+    ("/idempotency_header_middleware/", "asgi-idempotency-header"),
+    ("/bench/", "bench app, floor"),
+    ("/fastapi/", "fastapi"),
+    ("/starlette/", "starlette"),
+    ("/pydantic", "pydantic"),
+    ("/redis/", "redis-py"),
+    ("/glide", "valkey-glide"),
+    ("/asyncio/", "asyncio"),
+    ("/json/", "json (stdlib)"),
+)
+
+
+def area_of(filename: str) -> str:
+    if filename == "~":
+        return "C functions"
+    return next((area for mark, area in AREAS if mark in filename), "other Python")
+
+
+async def _call_census(
+    app: Any, result: MicroResult, mode: Mode, body: bytes, requests: int = 300
+) -> None:
+    """Python calls per request by area (cProfile's counts), and each area's profiled share."""
+    keys = [f"calls-{i}" for i in range(requests)] if mode == "unique" else None
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        await _timed(app, keys or ["micro-replayed"] * requests, body)
+    finally:
+        profiler.disable()
+    raw: dict[Any, Any] = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    calls: dict[str, float] = {}
+    own: dict[str, float] = {}
+    for (filename, _, _), (_, total_calls, own_time, _, _) in raw.items():
+        area = area_of(filename)
+        calls[area] = calls.get(area, 0.0) + total_calls / requests
+        own[area] = own.get(area, 0.0) + own_time
+    spent = sum(own.values()) or 1.0
+    result.calls_by_area = dict(sorted(calls.items(), key=lambda item: -item[1]))
+    result.profiled_share_by_area = {area: own[area] / spent for area in result.calls_by_area}
+
+
+async def _garbage_census(
+    app: Any, result: MicroResult, mode: Mode, body: bytes, requests: int = 500
+) -> None:
     """What reference cycles a request leaves behind: objects only ``gc.collect`` frees."""
     keys = [f"census-{i}" for i in range(requests)] if mode == "unique" else None
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
-        await _timed(app, keys or ["micro-replayed"] * requests)
+        await _timed(app, keys or ["micro-replayed"] * requests, body)
         gc.collect()
         kinds: dict[str, int] = {}
         for obj in gc.garbage:
@@ -172,6 +271,9 @@ class ProfileResult:
     top_package: list[Cost]  # package functions by own time
     top_callees: list[Cost]  # outside functions the package calls, by time spent in them
     text: str  # the pstats report, for the results folder
+    app: AppName = "plain"
+    us_by_area: dict[str, float] = field(default_factory=dict)  # own time, µs/req (profiled)
+    calls_by_area: dict[str, float] = field(default_factory=dict)  # calls per request
 
 
 def _label(key: tuple[str, int, str]) -> str:
@@ -222,7 +324,11 @@ def analyse(stats: pstats.Stats, requests: int) -> tuple[float, float, list[Cost
 
 
 def profile_server(
-    config: str, mode: Mode, redis_url: str | None, settings: LoadSettings
+    config: str,
+    mode: Mode,
+    redis_url: str | None,
+    settings: LoadSettings,
+    app_name: AppName = "plain",
 ) -> ProfileResult:
     """cProfile a uvicorn server run in this process while wrk loads it (the measured window
     only: the profiler is switched on and off from inside the server's event loop)."""
@@ -233,11 +339,17 @@ def profile_server(
 
     from bench.load import run_wrk
     from bench.servers import http_request
-    from starlette_idempotency.testing._process import free_port, wait_until
+    from starlette_idempotency.testing.processes import free_port, wait_until
 
     app, _ = build_app(
-        AppSettings(config=config, redis_url=redis_url, prefix=f"profile-{config}-{mode}")
+        AppSettings(
+            config=config,
+            app=app_name,
+            redis_url=redis_url,
+            prefix=f"profile-{app_name}-{config}-{mode}",
+        )
     )
+    body = REQUEST_BODIES[app_name]
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(
@@ -268,11 +380,13 @@ def profile_server(
         try:
             wait_until(lambda: server.started, timeout=30, what="the profiled server")
             for _ in range(2):
-                http_request(port, "POST", "/payments", key="profile-replayed")
-            run_wrk(port, "unique", "profile-warm", duration=1, settings=settings)
+                http_request(port, "POST", "/payments", key="profile-replayed", body=body)
+            run_wrk(port, "unique", "profile-warm", duration=1, settings=settings, body=body)
             argument = "profile-replayed" if mode == "replay" else "profile-u"
             on_loop(profiler.enable)
-            wrk, _ = run_wrk(port, mode, argument, duration=settings.duration, settings=settings)
+            wrk, _ = run_wrk(
+                port, mode, argument, duration=settings.duration, settings=settings, body=body
+            )
             on_loop(profiler.disable)
             outcome["wrk"] = wrk
         except BaseException as exc:
@@ -293,6 +407,13 @@ def profile_server(
     requests = max(1, wrk.requests)
     stats = pstats.Stats(profiler)
     attributed, own, package, callees = analyse(stats, requests)
+    us_by_area: dict[str, float] = {}
+    calls_by_area: dict[str, float] = {}
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    for (filename, _, _), (_, total_calls, own_time, _, _) in raw.items():
+        area = area_of(filename)
+        us_by_area[area] = us_by_area.get(area, 0.0) + own_time * 1e6 / requests
+        calls_by_area[area] = calls_by_area.get(area, 0.0) + total_calls / requests
     buffer = io.StringIO()
     report = pstats.Stats(profiler, stream=buffer)
     report.sort_stats("tottime").print_stats(40)
@@ -307,25 +428,54 @@ def profile_server(
         top_package=package[:12],
         top_callees=callees[:12],
         text=buffer.getvalue(),
+        app=app_name,
+        us_by_area=dict(sorted(us_by_area.items(), key=lambda item: -item[1])),
+        calls_by_area=calls_by_area,
     )
 
 
-def profile_hot_path(redis_url: str | None, settings: LoadSettings) -> list[ProfileResult]:
-    configs = ["ours-memory"] + (["ours-redis-setnx"] if redis_url else [])
+PROFILED = ("ours-memory", "ours-redis-setnx", "mobius-memory", "mobius-redis")
+
+
+def profile_hot_path(
+    redis_url: str | None,
+    settings: LoadSettings,
+    app_name: AppName = "plain",
+    configs: tuple[str, ...] = PROFILED,
+) -> list[ProfileResult]:
+    """Ours on both stores (its costs, with suggestions), and mobius beside it (the same
+    profile by area, for the comparison)."""
+    configs = tuple(c for c in configs if redis_url or "redis" not in c)
     return [
-        profile_server(config, mode, redis_url, settings) for config in configs for mode in MODES
+        profile_server(config, mode, redis_url, settings, app_name)
+        for config in configs
+        for mode in MODES
     ]
 
 
-async def _pool_cpu(redis_url: str, blocking: bool, commands: int, concurrency: int = 32) -> float:
+POOLS = ("ConnectionPool", "BlockingConnectionPool", "mobius-redis's ConnectionPool")
+
+
+async def _pool_cpu(redis_url: str, pool_name: str, commands: int, concurrency: int = 32) -> float:
     import redis.asyncio as aioredis
 
     client: Any
-    if blocking:
+    if pool_name == "BlockingConnectionPool":
         pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=100)
         client = aioredis.Redis.from_pool(pool)
+    elif pool_name == "mobius-redis's ConnectionPool":  # as its RedisBackend builds it
+        mobius_pool = aioredis.ConnectionPool.from_url(
+            redis_url,
+            decode_responses=True,
+            socket_timeout=2.0,
+            socket_connect_timeout=2.0,
+            max_connections=50,
+            health_check_interval=30,
+            retry_on_timeout=True,
+        )
+        client = aioredis.Redis(connection_pool=mobius_pool)
     else:
-        client = aioredis.from_url(redis_url)
+        client = aioredis.from_url(redis_url, max_connections=1000)
     try:
         await client.set("bench-pool-probe", b"x" * 300)
 
@@ -344,9 +494,9 @@ async def _pool_cpu(redis_url: str, blocking: bool, commands: int, concurrency: 
 async def redis_pool_cost(
     redis_url: str, commands: int = 8000, trials: int = 3
 ) -> dict[str, float]:
-    """CPU µs per ``SET NX PX GET`` with redis-py's two pools, 32 concurrent callers."""
-    samples: dict[str, list[float]] = {"ConnectionPool": [], "BlockingConnectionPool": []}
+    """CPU µs per ``SET NX PX GET`` through each of :data:`POOLS`, 32 concurrent callers."""
+    samples: dict[str, list[float]] = {name: [] for name in POOLS}
     for _ in range(trials):
-        samples["ConnectionPool"].append(await _pool_cpu(redis_url, False, commands))
-        samples["BlockingConnectionPool"].append(await _pool_cpu(redis_url, True, commands))
+        for name in POOLS:
+            samples[name].append(await _pool_cpu(redis_url, name, commands))
     return {name: statistics.median(values) for name, values in samples.items()}

@@ -12,9 +12,8 @@ import statistics
 import time
 import uuid
 
-from starlette_idempotency.record import IdempotencyRecord, RecordStatus
-from starlette_idempotency.stores.redis import RedisStore
-from starlette_idempotency.testing._process import wait_until
+from starlette_idempotency import IdempotencyRecord, RecordStatus, RedisStore
+from starlette_idempotency.testing.processes import wait_until
 from starlette_idempotency.testing.redis_server import RedisServer
 
 ROUNDS = 5

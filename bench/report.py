@@ -3,119 +3,35 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from bench.configs import BY_NAME, FLOOR_FOR
-from bench.load import MODES, Mode, RunResult
+from bench.configs import BY_NAME, FLOOR_FOR, AppName
+from bench.load import MODES, Mode
 from bench.micro import Cost, MicroResult, ProfileResult
+from bench.report_model import Report, Runs, Spread, ratio_cell, table
+from bench.report_payments import payments_sections
 from bench.roundtrips import ConfigCounts
 
 RATIO_UNIQUE_VS_FLOOR = 0.9
 RATIO_REPLAY_VS_FLOOR = 0.9
 RATIO_MEMORY_UNIQUE_VS_BARE = 0.85
 RATIO_MEMORY_REPLAY_VS_BARE = 2.0
+APP_DESCRIPTIONS: dict[AppName, str] = {
+    "plain": "today's service (snake_case body with an `int` amount, ~300-byte answer); "
+    "`ours-*` is `IdempotencyMiddleware` + `@idempotent()` on the route",
+    "payments": "issue #17's user app: a four-field camelCase pydantic model (`accountId`, "
+    "`amount: float`, `currency`, `merchantReference`) answered with a small dict; "
+    "`ours-*` decorates the route with `@idempotent()`, `ours-*-all` leaves it bare and "
+    "passes `protect_all=True` (every POST guarded)",
+}
 PEERS_LIKE_FOR_LIKE = {
     "redis": ("aih-redis", "mobius-redis"),
     "memory": ("aih-memory", "mobius-memory"),
 }
 
 
-@dataclass
-class Meta:
-    date: str
-    command: str
-    settings: str
-    versions: dict[str, str]
-    machine: dict[str, str]
-    notes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Report:
-    meta: Meta
-    runs: list[RunResult] = field(default_factory=list)
-    counts: list[ConfigCounts] = field(default_factory=list)
-    micro: dict[tuple[str, Mode], MicroResult] = field(default_factory=dict)
-    profiles: list[ProfileResult] = field(default_factory=list)
-    pool_cost: dict[str, float] = field(default_factory=dict)  # redis-py pool, CPU µs/command
-    fingerprint: str = ""  # bench.fingerprint's table: what exclude_fields costs
-    skipped: list[str] = field(default_factory=list)
-
-
-# --- numbers ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Spread:
-    median: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Spread | None:
-        if not values:
-            return None
-        return cls(statistics.median(values), min(values), max(values))
-
-    def show(self, digits: int = 0, suffix: str = "") -> str:
-        def fmt(value: float) -> str:
-            return f"{value:,.{digits}f}{suffix}"
-
-        if len(set((self.low, self.high))) == 1:
-            return fmt(self.median)
-        return f"{fmt(self.median)} ({fmt(self.low)}–{fmt(self.high)})"
-
-
-def _metric(run: RunResult, name: str) -> float:
-    if name == "cpu-rate":  # requests per CPU second of the server: higher is better
-        return 1e6 / run.server_cpu_us if run.server_cpu_us else 0.0
-    return {
-        "rps": run.wrk.rps,
-        "p50": run.wrk.p50_ms,
-        "p99": run.wrk.p99_ms,
-        "cpu": run.server_cpu_us,
-        "store-cpu": run.store_cpu_us,
-        "foreign": run.foreign_cpu_pct,
-    }[name]
-
-
-class Runs:
-    """Per-round lookups over the load runs."""
-
-    def __init__(self, runs: Iterable[RunResult]) -> None:
-        self._by_key = {(r.config, r.mode, r.round): r for r in runs}
-        self.configs = list(dict.fromkeys(r.config for r in self._by_key.values()))
-        self.rounds = sorted({r.round for r in self._by_key.values()})
-
-    def of(self, config: str, mode: Mode) -> list[RunResult]:
-        return [self._by_key[k] for k in sorted(self._by_key) if k[0] == config and k[1] == mode]
-
-    def values(self, config: str, mode: Mode, metric: str) -> Spread | None:
-        return Spread.of([_metric(run, metric) for run in self.of(config, mode)])
-
-    def ratio(self, config: str, other: str, mode: Mode, metric: str) -> Spread | None:
-        """``config``'s metric over ``other``'s, round by round (same round only)."""
-        ratios = []
-        for round_number in self.rounds:
-            mine = self._by_key.get((config, mode, round_number))
-            theirs = self._by_key.get((other, mode, round_number))
-            if mine is not None and theirs is not None and _metric(theirs, metric):
-                ratios.append(_metric(mine, metric) / _metric(theirs, metric))
-        return Spread.of(ratios)
-
-
-def _ratio_cell(spread: Spread | None) -> str:
-    return "–" if spread is None else spread.show(2, "x")
-
-
 # --- sections -----------------------------------------------------------------------------
-
-
-def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
 
 
 def _floor_of(config: str) -> str | None:
@@ -130,12 +46,12 @@ def _floor_of(config: str) -> str | None:
     return None if needs else "floor-memory"
 
 
-def load_section(runs: Runs, mode: Mode) -> list[str]:
+def load_section(runs: Runs, mode: Mode, heading: str = "###") -> list[str]:
     title = {
         "unique": "Unique key per request (every request acquires, runs, completes)",
         "replay": "One key replayed (every request is answered from the store)",
     }[mode]
-    lines = [f"### {title}", ""]
+    lines = [f"{heading} {title}", ""]
     speed, cost = [], []
     for config in runs.configs:
         results = runs.of(config, mode)
@@ -150,7 +66,7 @@ def load_section(runs: Runs, mode: Mode) -> list[str]:
         def ratio(other: str | None, metric: str) -> str:
             if other is None:
                 return "–"
-            return _ratio_cell(runs.ratio(config, other, mode, metric))  # noqa: B023
+            return ratio_cell(runs.ratio(config, other, mode, metric))  # noqa: B023
 
         speed.append(
             [
@@ -187,7 +103,9 @@ def load_section(runs: Runs, mode: Mode) -> list[str]:
                 cell("foreign"),
             ]
         )
-    lines += _table(
+    if not speed:
+        return []
+    lines += table(
         [
             "config",
             "req/s median (min–max)",
@@ -202,7 +120,7 @@ def load_section(runs: Runs, mode: Mode) -> list[str]:
         speed,
     )
     lines.append("")
-    lines += _table(
+    lines += table(
         [
             "config",
             "server CPU µs/req",
@@ -220,9 +138,9 @@ def load_section(runs: Runs, mode: Mode) -> list[str]:
     return lines
 
 
-def counts_section(counts: Sequence[ConfigCounts]) -> list[str]:
+def counts_section(counts: Sequence[ConfigCounts], app: AppName = "plain") -> list[str]:
     lines = [
-        "## Store round trips per request (counted by the servers)",
+        f"## Store round trips per request (counted by the servers; `{app}` app)",
         "",
         "Redis: commands the app's connections sent, from `MONITOR` on the private server "
         "(commands a Lua script ran are not round trips); the last column is the "
@@ -247,7 +165,7 @@ def counts_section(counts: Sequence[ConfigCounts]) -> list[str]:
                     count.describe_all(),
                 ]
             )
-    lines += _table(
+    lines += table(
         ["config", "case", "status", "round trips", "pool resets", "server-side commands"], rows
     )
     resets = sum(
@@ -282,20 +200,23 @@ def counts_section(counts: Sequence[ConfigCounts]) -> list[str]:
                     "–" if value is None else f"{value:,}",
                 ]
             )
-    lines += _table(["config", "key", "bytes", "stored value / body bytes"], rows)
+    lines += table(["config", "key", "bytes", "stored value / body bytes"], rows)
     lines.append("")
     return lines
 
 
-def micro_section(micro: dict[tuple[str, Mode], MicroResult]) -> list[str]:
+def micro_section(micro: dict[tuple[str, Mode], MicroResult], app: AppName = "plain") -> list[str]:
     if not micro:
         return []
     lines = [
-        "## In-process microbenchmark (no network, one request at a time)",
+        f"## In-process microbenchmark (no network, one request at a time; `{app}` app)",
         "",
         "The ASGI app awaited directly with a hand-built scope, on uvloop; median of the "
-        "trials (min–max). Overhead is the difference to `bare` in the same mode; the "
-        "throughput ratio is bare's time over the configuration's. *GC* is the time the "
+        "trials (min–max). *µs/req* is wall time (with a Redis store it includes the waits "
+        "for Redis), *CPU µs/req* the process's CPU time (`time.process_time`, all threads: "
+        "valkey-glide's Rust threads count). Overhead is the difference of CPU time to `bare` "
+        "in the same mode; the throughput ratio is bare's CPU time over the configuration's. "
+        "*GC* is the time the "
         "cyclic garbage collector ran during the trials (`gc.callbacks`), already inside the "
         "µs/req; *cyclic garbage* counts the objects per request that only the collector "
         "frees (reference cycles, `gc.DEBUG_SAVEALL`).",
@@ -310,15 +231,18 @@ def micro_section(micro: dict[tuple[str, Mode], MicroResult]) -> list[str]:
             if result is None or bare is None:
                 continue
             spread = Spread.of(result.us_per_request)
+            cpu_spread = Spread.of(result.cpu_us_per_request)
             gc_spread = Spread.of(result.gc_us_per_request)
             assert spread is not None
+            cpu, bare_cpu = result.cpu_median, bare.cpu_median
             rows.append(
                 [
                     f"`{config}`",
                     mode,
                     spread.show(1),
-                    f"{result.median - bare.median:+.1f}",
-                    f"{bare.median / result.median:.2f}x",
+                    cpu_spread.show(1) if cpu_spread else "–",
+                    f"{cpu - bare_cpu:+.1f}",
+                    f"{bare_cpu / cpu:.2f}x" if cpu else "–",
                     gc_spread.show(1) if gc_spread else "–",
                     f"{statistics.median(result.gc_collections_per_1k):.0f}"
                     if result.gc_collections_per_1k
@@ -326,13 +250,14 @@ def micro_section(micro: dict[tuple[str, Mode], MicroResult]) -> list[str]:
                     f"{result.garbage_per_request:.1f}",
                 ]
             )
-    lines += _table(
+    lines += table(
         [
             "config",
             "mode",
-            "µs/req",
-            "overhead µs",
-            "throughput × bare",
+            "µs/req (wall)",
+            "CPU µs/req",
+            "CPU overhead µs",
+            "CPU-implied × bare",
             "GC µs/req",
             "GC runs per 1k req",
             "cyclic garbage objects/req",
@@ -350,7 +275,7 @@ def micro_section(micro: dict[tuple[str, Mode], MicroResult]) -> list[str]:
     if ours is not None and any("_GuardedRequest" in name for name, _ in ours.garbage_types):
         lines += [
             "**Finding:** every request that owns its key leaves a reference cycle: "
-            "`_GuardedRequest` → its `scope` → `scope['starlette_idempotency.context']` "
+            "`_GuardedRequest` → its `scope` → `scope['starlette_idempotency._context']` "
             "(`IdempotencyContext`) → the bound method `_GuardedRequest._checkpoint` → "
             "`_GuardedRequest`. The cycle keeps the whole scope alive (FastAPI's "
             "`AsyncExitStack`s, the send/receive closures) until the cyclic collector runs, "
@@ -359,6 +284,18 @@ def micro_section(micro: dict[tuple[str, Mode], MicroResult]) -> list[str]:
             "the context (and the marks) from the scope in `_run_owned`'s `finally`, or give "
             "`IdempotencyContext` a callback that does not reference the request (a weak "
             "reference, or a small object holding only store, key and token).",
+            "",
+        ]
+    elif ours is not None and ours.garbage_per_request >= 1:
+        kinds = ", ".join(name for name, _ in ours.garbage_types)
+        runs = statistics.median(ours.gc_collections_per_1k) if ours.gc_collections_per_1k else 0
+        lines += [
+            f"**Finding:** every request that owns its key still leaves "
+            f"{ours.garbage_per_request:.0f} objects in reference cycles ({kinds}). Only the "
+            f"cyclic collector frees them, so it runs {runs:.0f} times per 1,000 requests "
+            "where bare needs none, and under load each of its full collections pauses the "
+            "requests in flight (see the collector under load). Breaking the cycle when the "
+            "request settles (the lock renewal's bound method, the context) removes them.",
             "",
         ]
     return lines
@@ -384,7 +321,7 @@ SUGGESTIONS: dict[str, str] = {
         "`GuardedRoute` per (router, method, path) in a bounded dict, so a hit costs one "
         "dict lookup."
     ),
-    "routing:find_leaf": (
+    ":find_leaf": (
         "`RouteResolver.resolve` re-runs the router's matching (`find_leaf` → "
         "`route.matches`, regex and scope copies) on every guarded request: cache the "
         "`GuardedRoute` per (router, method, path) in a bounded dict, so a hit costs one "
@@ -420,6 +357,12 @@ SUGGESTIONS: dict[str, str] = {
         "`stored_response` decodes and lower-cases every response header, then copies the "
         "result with `replace()`: filter the raw header list once and construct directly."
     ),
+    "redis/utils.py": (
+        "redis-py 8 wraps `Redis.set()` in `experimental_args`, which builds a dict of the "
+        "call's arguments on every call, and `set()` then checks each of its options: send the "
+        "acquire as `execute_command('SET', key, value, 'PX', ms, 'NX', 'GET')` (the floor "
+        "pays the same wrapper; mobius, all scripts, does not)."
+    ),
     "execute_command": (
         "Most of the Redis path is redis-py itself (`execute_command`: pool checkout, "
         "observability hooks, packing, parsing). The round trips are already minimal; what "
@@ -439,10 +382,12 @@ def _cost_rows(costs: Sequence[Cost], total: float, inclusive: bool) -> list[lis
 
 
 def profile_section(profiles: Sequence[ProfileResult]) -> list[str]:
+    profiles = [p for p in profiles if p.config.startswith("ours-")]  # peers: the mobius section
     if not profiles:
         return []
     lines = [
-        "## Hot-path profile (cProfile, uvicorn in this process under wrk load)",
+        "## Hot-path profile (cProfile, uvicorn in this process under wrk load; "
+        f"`{profiles[0].app}` app)",
         "",
         "uvicorn (uvloop, httptools) runs in the profiling process and wrk loads it; the "
         "profiler is on only during the measured wrk run. Times are µs per request *under "
@@ -463,7 +408,7 @@ def profile_section(profiles: Sequence[ProfileResult]) -> list[str]:
         ]
         for p in profiles
     ]
-    lines += _table(
+    lines += table(
         ["config", "mode", "µs/req (profiled)", "attributed to the package", "package own time"],
         rows,
     )
@@ -471,12 +416,12 @@ def profile_section(profiles: Sequence[ProfileResult]) -> list[str]:
     shown: set[str] = set()
     for p in profiles:
         lines += [f"### `{p.config}`, {p.mode}: top costs inside `starlette_idempotency`", ""]
-        lines += _table(
+        lines += table(
             ["function (own time)", "µs/req", "share of request", "calls/req"],
             _cost_rows(p.top_package, p.total_us, inclusive=False),
         )
         lines.append("")
-        lines += _table(
+        lines += table(
             ["called from the package (inclusive)", "µs/req", "share of request", "calls/req"],
             _cost_rows(p.top_callees, p.total_us, inclusive=True),
         )
@@ -496,15 +441,19 @@ def pool_section(pool_cost: dict[str, float]) -> list[str]:
         return []
     plain = pool_cost.get("ConnectionPool", 0.0)
     blocking = pool_cost.get("BlockingConnectionPool", 0.0)
+    mobius = pool_cost.get("mobius-redis's ConnectionPool", 0.0)
     lines = [
         "### redis-py connection pools (CPU per command)",
         "",
         "32 concurrent `SET NX PX GET` callers on one client, CPU µs per command (median of "
-        "3 trials). `RedisStore.from_url` builds a `BlockingConnectionPool`; the floor and the "
-        "peers use redis-py's default `ConnectionPool`.",
+        "3 trials): redis-py's default `ConnectionPool` (`redis.asyncio.from_url`, "
+        "`max_connections=1000`), its `BlockingConnectionPool`, and the pool "
+        "mobius-idempotence-library's `RedisBackend` builds (`decode_responses=True`, "
+        "`max_connections=50`, `health_check_interval=30`, `retry_on_timeout=True`, 2 s "
+        "socket timeouts). The floor and asgi-idempotency-header use the default pool.",
         "",
     ]
-    lines += _table(
+    lines += table(
         ["pool", "CPU µs/command"], [[name, f"{value:.1f}"] for name, value in pool_cost.items()]
     )
     lines.append("")
@@ -512,12 +461,14 @@ def pool_section(pool_cost: dict[str, float]) -> list[str]:
         lines += [
             f"- The blocking pool costs {blocking - plain:.0f} µs more per command "
             f"({100 * (blocking / plain - 1):.0f}%): its `get_connection` takes an "
-            "`asyncio.Condition`, an `async_timeout` and `wait_for` on every checkout. If "
-            'the store keeps it (for the "Too many connections" protection), consider '
-            "a plain `ConnectionPool` with a `max_connections` sized above the worker's "
-            "concurrency, or pipelining the rare bursts instead.",
-            "",
+            "`asyncio.Condition`, an `async_timeout` and `wait_for` on every checkout.",
         ]
+    if plain and mobius:
+        lines += [
+            f"- mobius's pool settings cost {mobius - plain:+.1f} µs per command against the "
+            f"default pool ({100 * (mobius / plain - 1):+.0f}%).",
+        ]
+    lines.append("")
     return lines
 
 
@@ -565,7 +516,7 @@ def _peers_target(runs: Runs, config: str, mode: Mode, peers: Sequence[str], lab
     measured = {peer: spread for peer, spread in theirs.items() if spread is not None}
     if mine is None or not measured:
         return Target(label, "not measured", None)
-    parts = [f"{peer} {_ratio_cell(runs.ratio(config, peer, mode, 'rps'))}" for peer in measured]
+    parts = [f"{peer} {ratio_cell(runs.ratio(config, peer, mode, 'rps'))}" for peer in measured]
     met = all(mine.median > spread.median for spread in measured.values())
     implied = [
         f"{peer} {spread.median:.2f}x"
@@ -589,9 +540,12 @@ def _count_target(
 
 
 def targets(report: Report) -> list[Target]:
-    runs = Runs(report.runs)
+    """Today's targets: load ratios in the ``plain`` app, round trips in any."""
+    runs = Runs(report.runs, "plain")
     found: list[Target] = []
-    for config in FLOOR_FOR:
+    for config in FLOOR_FOR if "plain" in report.apps else ():
+        if "plain" not in BY_NAME[config].apps:
+            continue
         for mode, minimum in (("unique", RATIO_UNIQUE_VS_FLOOR), ("replay", RATIO_REPLAY_VS_FLOOR)):
             mode_: Mode = "unique" if mode == "unique" else "replay"
             found.append(
@@ -613,6 +567,33 @@ def targets(report: Report) -> list[Target]:
                     f"`{config}` {mode} ahead of every peer (Redis backends)",
                 )
             )
+    found += _memory_targets(runs) if "plain" in report.apps else []
+    for config in FLOOR_FOR:
+        found.append(
+            _count_target(
+                report.counts,
+                config,
+                "first request",
+                lambda n: n == 2,
+                f"`{config}`: exactly 2 round trips for a first request",
+            )
+        )
+        found.append(
+            _count_target(
+                report.counts,
+                config,
+                "replay",
+                lambda n: n == 1,
+                f"`{config}`: exactly 1 round trip for a replay",
+            )
+        )
+    found = [t for t in found if t.met is not None or "round trip" not in t.name]
+    found += _postgres_targets(report)
+    return found
+
+
+def _memory_targets(runs: Runs) -> list[Target]:
+    found: list[Target] = []
     found.append(
         _ratio_target(
             runs,
@@ -644,25 +625,11 @@ def targets(report: Report) -> list[Target]:
                 f"`ours-memory` {mode_name} ahead of every peer (memory backends; extra)",
             )
         )
-    for config in FLOOR_FOR:
-        found.append(
-            _count_target(
-                report.counts,
-                config,
-                "first request",
-                lambda n: n == 2,
-                f"`{config}`: exactly 2 round trips for a first request",
-            )
-        )
-        found.append(
-            _count_target(
-                report.counts,
-                config,
-                "replay",
-                lambda n: n == 1,
-                f"`{config}`: exactly 1 round trip for a replay",
-            )
-        )
+    return found
+
+
+def _postgres_targets(report: Report) -> list[Target]:
+    found: list[Target] = []
     found.append(
         _count_target(
             report.counts,
@@ -721,7 +688,8 @@ def _overhead_lines(report: Report) -> list[str]:
     """Where the unique and replay paths of ours-memory spend beyond bare, in-process."""
     lines = []
     for mode in MODES:
-        ours, bare = report.micro.get(("ours-memory", mode)), report.micro.get(("bare", mode))
+        micro = report.micro.get("plain", {})
+        ours, bare = micro.get(("ours-memory", mode)), micro.get(("bare", mode))
         if ours is None or bare is None:
             continue
         gc_us = statistics.median(ours.gc_us_per_request) if ours.gc_us_per_request else 0.0
@@ -731,6 +699,8 @@ def _overhead_lines(report: Report) -> list[str]:
             f"which {gc_us:.0f} µs is the cyclic garbage collector."
         )
     for profile in report.profiles:
+        if not profile.config.startswith("ours-"):
+            continue
         top = [*profile.top_package[:3], *profile.top_callees[:3]]
         names = ", ".join(f"`{cost.function.split(':')[-1]}`" for cost in top)
         lines.append(
@@ -760,16 +730,16 @@ def render(report: Report) -> str:
         "## Machine and versions",
         "",
     ]
-    lines += _table(["", ""], [[k, v] for k, v in meta.machine.items()])
+    lines += table(["", ""], [[k, v] for k, v in meta.machine.items()])
     lines.append("")
-    lines += _table(["component", "version"], [[k, v] for k, v in meta.versions.items()])
+    lines += table(["component", "version"], [[k, v] for k, v in meta.versions.items()])
     lines.append("")
     if meta.notes or report.skipped:
         lines += ["## Notes", ""]
         lines += [f"- {note}" for note in [*meta.notes, *report.skipped]]
         lines.append("")
     lines += ["## Configurations", ""]
-    lines += _table(
+    lines += table(
         ["config", "what"],
         [[f"`{name}`", BY_NAME[name].description] for name in runs.configs or BY_NAME],
     )
@@ -793,11 +763,16 @@ def render(report: Report) -> str:
             "work), in % of all cores: high values mean the req/s of that run are disturbed.",
             "",
         ]
-        for mode in MODES:
-            lines += load_section(runs, mode)
-    lines += ["## Targets", ""]
+        for app in report.apps:
+            app_runs = Runs(report.runs, app)
+            if not app_runs.configs:
+                continue
+            lines += [f"### The `{app}` app: {APP_DESCRIPTIONS[app]}", ""]
+            for mode in MODES:
+                lines += load_section(app_runs, mode, "####")
+    lines += ["## Targets" + (" (`plain` app; round trips)" if report.runs else ""), ""]
     found = targets(report)
-    lines += _table(
+    lines += table(
         ["target", "measured", "result"], [[t.name, t.measured, _met(t.met)] for t in found]
     )
     lines.append("")
@@ -815,9 +790,11 @@ def render(report: Report) -> str:
         lines += [f"- {why}" for why in missed]
         lines.append("")
         lines += _overhead_lines(report)
+    lines += payments_sections(report)
     if report.counts:
-        lines += counts_section(report.counts)
-    lines += micro_section(report.micro)
+        lines += counts_section(report.counts, report.counts_app)
+    for app, micro in report.micro.items():
+        lines += micro_section(micro, app)
     lines += profile_section(report.profiles)
     lines += pool_section(report.pool_cost)
     if report.fingerprint:

@@ -24,7 +24,8 @@ from typing import Any
 
 from bench.app import AppSettings, AppState, build_app
 from bench.asgi import Reply, call, running
-from bench.configs import FLOOR_FOR
+from bench.configs import FLOOR_FOR, AppName
+from bench.requests import REQUEST_BODIES
 
 RENEWAL_LOCK_TTL = 1.5  # seconds; renewal starts at a third of it (0.5 s)
 SHORT_HANDLER = 0.2  # < TTL / 3: must cost no renewal
@@ -142,17 +143,19 @@ async def commandstats(port: int) -> dict[str, int]:
 Phase = Callable[[Count], contextlib.AbstractAsyncContextManager[None]]
 
 
-async def _cases(app: Any, state: AppState, phase: Phase, tag: str) -> dict[str, Count]:
+async def _cases(
+    app: Any, state: AppState, phase: Phase, tag: str, body: bytes
+) -> dict[str, Count]:
     """First request (acquire, then complete), replay, conflict; warm-up excluded."""
     warm = f"{tag}-warm"
     for _ in range(2):
-        await call(app, key=warm)
+        await call(app, body=body, key=warm)
     cases: dict[str, Count] = {}
     key = f"{tag}-first"
     acquire, complete, replay, conflict = Count(), Count(), Count(), Count()
     state.entered, state.gate = asyncio.Event(), asyncio.Event()
     async with phase(acquire):
-        first = asyncio.create_task(call(app, key=key))
+        first = asyncio.create_task(call(app, body=body, key=key))
         await asyncio.wait_for(state.entered.wait(), timeout=10)
     async with phase(complete):
         state.gate.set()
@@ -160,12 +163,12 @@ async def _cases(app: Any, state: AppState, phase: Phase, tag: str) -> dict[str,
     acquire.status = complete.status = reply.status
     state.entered = state.gate = None
     async with phase(replay):
-        replay.status = (await call(app, key=key)).status
+        replay.status = (await call(app, body=body, key=key)).status
     state.entered, state.gate = asyncio.Event(), asyncio.Event()
-    holder = asyncio.create_task(call(app, key=f"{tag}-conflict"))
+    holder = asyncio.create_task(call(app, body=body, key=f"{tag}-conflict"))
     await asyncio.wait_for(state.entered.wait(), timeout=10)
     async with phase(conflict):
-        conflict.status = (await call(app, key=f"{tag}-conflict")).status
+        conflict.status = (await call(app, body=body, key=f"{tag}-conflict")).status
     state.gate.set()
     await holder
     state.entered = state.gate = None
@@ -188,42 +191,50 @@ async def _cases(app: Any, state: AppState, phase: Phase, tag: str) -> dict[str,
     return cases
 
 
-async def _renewal(app: Any, state: AppState, phase: Phase, tag: str) -> dict[str, Count]:
+async def _renewal(
+    app: Any, state: AppState, phase: Phase, tag: str, body: bytes
+) -> dict[str, Count]:
     state.delay = LONG_HANDLER  # warm up the renewal path too (its script gets loaded)
-    await call(app, key=f"{tag}-renew-warm")
+    await call(app, body=body, key=f"{tag}-renew-warm")
     cases: dict[str, Count] = {}
     for label, delay in (("short", SHORT_HANDLER), ("long", LONG_HANDLER)):
         count = Count()
         state.delay = delay
         async with phase(count):
-            count.status = (await call(app, key=f"{tag}-renew-{label}")).status
+            count.status = (await call(app, body=body, key=f"{tag}-renew-{label}")).status
         state.delay = 0.0
         cases[f"handler {delay:g} s, lock TTL {RENEWAL_LOCK_TTL:g} s"] = count
     return cases
 
 
-async def count_redis(config: str, redis_url: str, port: int) -> ConfigCounts:
+async def count_redis(
+    config: str, redis_url: str, port: int, app_name: AppName = "plain"
+) -> ConfigCounts:
     """Round trips of one Redis-backed configuration (private server only: MONITOR)."""
     import redis.asyncio as aioredis
 
     result = ConfigCounts(config)
     prefix = f"rt-{config}"
     tag = f"rt{uuid.uuid4().hex[:8]}"
+    body = REQUEST_BODIES[app_name]
     async with RedisMonitor(port) as monitor:
-        app, state = build_app(AppSettings(config=config, redis_url=redis_url, prefix=prefix))
+        app, state = build_app(
+            AppSettings(config=config, app=app_name, redis_url=redis_url, prefix=prefix)
+        )
         async with running(app):
-            result.cases.update(await _cases(app, state, monitor.phase, tag))
+            result.cases.update(await _cases(app, state, monitor.phase, tag, body))
         if config.startswith("ours-redis"):
             app, state = build_app(
                 AppSettings(
                     config=config,
+                    app=app_name,
                     redis_url=redis_url,
                     prefix=f"{prefix}-renew",
                     lock_ttl_seconds=RENEWAL_LOCK_TTL,
                 )
             )
             async with running(app):
-                result.cases.update(await _renewal(app, state, monitor.phase, tag))
+                result.cases.update(await _renewal(app, state, monitor.phase, tag, body))
     client: Any = aioredis.from_url(redis_url)
     try:
         async for raw_key in client.scan_iter(match=f"{prefix}:*{tag}-first*"):
@@ -299,7 +310,7 @@ class QueryLog:
         self.records.clear()
 
 
-async def count_postgres(dsn: str) -> ConfigCounts:
+async def count_postgres(dsn: str, app_name: AppName = "plain") -> ConfigCounts:
     import asyncpg  # type: ignore[import-untyped]
 
     result = ConfigCounts("ours-postgres")
@@ -309,6 +320,7 @@ async def count_postgres(dsn: str) -> ConfigCounts:
     for lock_ttl, runner in ((None, _cases), (RENEWAL_LOCK_TTL, _renewal)):
         settings = AppSettings(
             config="ours-postgres",
+            app=app_name,
             postgres_dsn=dsn,
             prefix="rt-ours-postgres",
             pg_table=table,
@@ -317,7 +329,7 @@ async def count_postgres(dsn: str) -> ConfigCounts:
         )
         app, state = build_app(settings)
         async with running(app):
-            result.cases.update(await runner(app, state, log.phase, tag))
+            result.cases.update(await runner(app, state, log.phase, tag, REQUEST_BODIES[app_name]))
     connection: Any = await asyncpg.connect(dsn)
     try:
         rows = await connection.fetch(
@@ -334,15 +346,19 @@ async def count_postgres(dsn: str) -> ConfigCounts:
 
 
 async def count_all(
-    configs: list[str], redis_url: str | None, redis_port: int | None, postgres_dsn: str | None
+    configs: list[str],
+    redis_url: str | None,
+    redis_port: int | None,
+    postgres_dsn: str | None,
+    app_name: AppName = "plain",
 ) -> list[ConfigCounts]:
     results: list[ConfigCounts] = []
     for config in configs:
         job: Awaitable[ConfigCounts] | None = None
         if config == "ours-postgres" and postgres_dsn:
-            job = count_postgres(postgres_dsn)
+            job = count_postgres(postgres_dsn, app_name)
         elif redis_url and redis_port and config in _REDIS_COUNTED:
-            job = count_redis(config, redis_url, redis_port)
+            job = count_redis(config, redis_url, redis_port, app_name)
         if job is None:
             continue
         try:

@@ -20,8 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.app import EXECUTIONS_PATH, PAYMENT_PATH, REQUEST_BODY, AppSettings
-from starlette_idempotency.testing._process import free_port, wait_until
+from bench.app import AppSettings
+from bench.gcwatch import GcSnapshot
+from bench.requests import (
+    EXECUTIONS_PATH,
+    GC_PATH,
+    PAYMENT_PATH,
+    PREFILL_PATH,
+    REQUEST_BODIES,
+    REQUEST_BODY,
+)
+from starlette_idempotency.testing.processes import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 _START_TIMEOUT = 30.0
@@ -64,7 +73,13 @@ def machine_cpu() -> tuple[float, float]:
 
 
 def http_request(
-    port: int, method: str, path: str, *, key: str | None = None, timeout: float = 5.0
+    port: int,
+    method: str,
+    path: str,
+    *,
+    key: str | None = None,
+    timeout: float = 5.0,
+    body: bytes = REQUEST_BODY,
 ) -> tuple[int, bytes]:
     """One request to ``127.0.0.1:port`` on a fresh connection: (status, body)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -72,8 +87,7 @@ def http_request(
         headers = {"Content-Type": "application/json"} if method == "POST" else {}
         if key is not None:
             headers["Idempotency-Key"] = key
-        body = REQUEST_BODY if method == "POST" else None
-        connection.request(method, path, body=body, headers=headers)
+        connection.request(method, path, body=body if method == "POST" else None, headers=headers)
         response = connection.getresponse()
         return response.status, response.read()
     finally:
@@ -166,7 +180,23 @@ class UvicornServer:
         return last
 
     def post(self, key: str) -> tuple[int, bytes]:
-        return http_request(self.port, "POST", PAYMENT_PATH, key=key)
+        body = REQUEST_BODIES[self.settings.app]
+        return http_request(self.port, "POST", PAYMENT_PATH, key=key, body=body)
+
+    def gc_snapshot(self) -> GcSnapshot:
+        """The server's garbage-collector counters so far (:mod:`bench.gcwatch`)."""
+        status, body = http_request(self.port, "GET", GC_PATH)
+        if status != 200:
+            raise RuntimeError(f"GET {GC_PATH} answered {status}")
+        return GcSnapshot.from_json(json.loads(body))
+
+    def prefill(self, records: int) -> dict[str, Any]:
+        """Fill the server's MemoryStore with ``records`` live records (:mod:`bench.prefill`)."""
+        status, body = http_request(self.port, "GET", f"{PREFILL_PATH}?n={records}", timeout=600)
+        if status != 200:
+            raise RuntimeError(f"GET {PREFILL_PATH} answered {status}: {body[:300]!r}")
+        result: dict[str, Any] = json.loads(body)
+        return result
 
     def rss_kib(self) -> int:
         """The server's resident set size (VmRSS) in KiB."""

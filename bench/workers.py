@@ -18,7 +18,9 @@ import uuid
 from pathlib import Path
 
 from bench.app import AppSettings
+from bench.configs import APPS, AppName
 from bench.load import MODES, LoadSettings, Mode, replayed_key, run_wrk, warm_up
+from bench.requests import REQUEST_BODIES
 from bench.servers import UvicornServer, private_services
 
 CONFIGS = ("bare", "floor-redis", "ours-redis-setnx", "ours-redis-glide")
@@ -33,7 +35,14 @@ def _measure(server: UvicornServer, run_id: str, settings: LoadSettings) -> dict
     rates: dict[Mode, float] = {}
     for mode in MODES:
         argument = replayed if mode == "replay" else f"{run_id}-u"
-        wrk, _ = run_wrk(server.port, mode, argument, duration=settings.duration, settings=settings)
+        wrk, _ = run_wrk(
+            server.port,
+            mode,
+            argument,
+            duration=settings.duration,
+            settings=settings,
+            body=REQUEST_BODIES[server.settings.app],
+        )
         if wrk.errors_socket or wrk.errors_status:
             raise RuntimeError(f"{server.settings.config} {mode}: wrk saw errors: {wrk}")
         rates[mode] = wrk.rps
@@ -41,7 +50,7 @@ def _measure(server: UvicornServer, run_id: str, settings: LoadSettings) -> dict
 
 
 def measure(
-    workers: int, rounds: int, settings: LoadSettings
+    workers: int, rounds: int, settings: LoadSettings, app: AppName = "plain"
 ) -> dict[str, list[dict[Mode, float]]]:
     """Per configuration, one {mode: req/s} sample per round, rounds interleaved."""
     samples: dict[str, list[dict[Mode, float]]] = {config: [] for config in CONFIGS}
@@ -55,7 +64,7 @@ def measure(
                 services.flush_redis()
                 run_id = f"{tag}r{round_number}{config}"
                 app_settings = AppSettings(
-                    config=config, redis_url=services.redis_url, prefix=f"bench-{run_id}"
+                    config=config, app=app, redis_url=services.redis_url, prefix=f"bench-{run_id}"
                 )
                 log = Path(logs) / f"{config}.log"
                 with UvicornServer(app_settings, log, workers=workers) as server:
@@ -95,9 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run")
+    parser.add_argument("--app", choices=APPS, default="plain", help="which service (bench.app)")
     args = parser.parse_args(argv)
     settings = LoadSettings(duration=args.duration, connections=32, threads=2, warmup=2.0)
-    samples = measure(args.workers, args.rounds, settings)
+    samples = measure(args.workers, args.rounds, settings, args.app)
     print(report(samples, args.workers, args.rounds))
 
 

@@ -1,5 +1,5 @@
 -- A unique Idempotency-Key on every request: "<run id>-<thread>-<counter>".
--- Usage: wrk ... -s unique.lua URL -- <run id>
+-- Usage: wrk ... -s unique.lua URL -- <run id> [<body>]  (the body defaults to common.lua's)
 dofile(string.gsub(debug.getinfo(1, "S").source, "^@(.*/)[^/]*$", "%1") .. "common.lua")
 
 counter = 0
@@ -8,6 +8,7 @@ local run_id = "run"
 
 function init(args)
     run_id = args[1] or run_id
+    wrk.body = args[2] or wrk.body
 end
 
 function request()
