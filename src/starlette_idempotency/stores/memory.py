@@ -61,18 +61,22 @@ def _pack(record: IdempotencyRecord, deadline: float) -> _Entry:
 def _unpack(packed: bytes) -> IdempotencyRecord:
     fields: tuple[Any, ...] = marshal.loads(packed)
     key, status, fingerprint, owner, created, expires, version, response, lease, points = fields
+    # Positional, and the status by lookup: a replay unpacks on every request.
     return IdempotencyRecord(
-        key=key,
-        status=RecordStatus(status),
-        request_fingerprint=fingerprint,
-        owner_token=owner,
-        created_at=created,
-        expires_at=expires,
-        fingerprint_version=version,
-        response=None if response is None else StoredResponse(*response),
-        locked_until=lease,
-        checkpoints=tuple(Checkpoint(*point) for point in points),
+        key,
+        _STATUSES[status],
+        fingerprint,
+        owner,
+        created,
+        expires,
+        version,
+        None if response is None else StoredResponse(*response),
+        lease,
+        tuple(Checkpoint(*point) for point in points) if points else (),
     )
+
+
+_STATUSES = {status.value: status for status in RecordStatus}
 
 
 class MemoryStore(StoreBase):
