@@ -13,6 +13,7 @@ import pytest
 from starlette.types import Message, Receive, Scope, Send
 
 from starlette_idempotency.stores import RecordStatus
+from tests.support.asgi import payments_scope
 from tests.support.guarded import GuardedApp, make_guarded_app
 
 PAYMENT = {"amount": "10.00", "currency": "EUR"}
@@ -20,24 +21,6 @@ PAYMENT = {"amount": "10.00", "currency": "EUR"}
 
 def key_headers(key: str = "key-1", **extra: str) -> dict[str, str]:
     return {"Idempotency-Key": key, **extra}
-
-
-def payments_scope(*headers: tuple[bytes, bytes]) -> Scope:
-    """A JSON POST to /payments as a server hands it to the app, with ``headers`` added."""
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/payments",
-        "raw_path": b"/payments",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"t"), (b"content-type", b"application/json"), *headers],
-        "server": ("t", 80),
-        "client": ("c", 1),
-    }
 
 
 async def wait_for(event: asyncio.Event) -> None:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
 from starlette_idempotency._types import Message
+from tests.support.asgi import payments_scope
 
 BODY = b'{"accountId":"acc_1","amount":10.5,"currency":"EUR","merchantReference":"r-1"}'
 ROUNDS = 200
@@ -42,21 +43,7 @@ def payments_app(guarded: bool) -> FastAPI:
 
 
 async def post(app: FastAPI, key: str) -> int:
-    headers = [(b"content-type", b"application/json"), (b"idempotency-key", key.encode())]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/payments",
-        "raw_path": b"/payments",
-        "root_path": "",
-        "query_string": b"",
-        "headers": headers,
-        "client": ("127.0.0.1", 1),
-        "server": ("testserver", 80),
-    }
+    scope = payments_scope((b"idempotency-key", key.encode()))
     messages = iter([{"type": "http.request", "body": BODY, "more_body": False}])
     status = 0
 
