@@ -67,7 +67,7 @@ def test_unknown_operations_and_counts_are_refused(store: FaultyStore) -> None:
         store.fail_next("try_aquire")
     with pytest.raises(ValueError, match="times must be at least 1, not 0"):
         store.fail_next("get", times=0)
-    assert {"try_acquire", "complete", "wait_for_change", "check", "resolve"} <= store.operations
+    assert {"try_acquire", "finish", "wait_for_change", "check"} <= store.operations
 
 
 async def test_stall_holds_calls_until_the_block_ends(store: FaultyStore) -> None:
@@ -101,12 +101,20 @@ async def test_a_stalled_call_can_be_cancelled_by_its_caller(store: FaultyStore)
 
 
 async def test_a_stall_then_a_failure(store: FaultyStore) -> None:
-    store.fail_next("complete")
-    async with store.stall("complete") as stall:
+    store.fail_next("finish")
+    async with store.stall("finish") as stall:
         completing = asyncio.create_task(store.complete("k", pending("k"), 60))
         await stall.wait_for_calls()
     with pytest.raises(StoreError):
         await completing
+
+
+@pytest.mark.parametrize("spelling", ["complete", "fail", "resolve"])
+def test_the_spellings_built_on_finish_are_refused_with_the_name_to_fault(
+    store: FaultyStore, spelling: str
+) -> None:
+    with pytest.raises(ValueError, match="fault 'finish'"):
+        store.fail_next(spelling)
 
 
 async def test_other_methods_and_attributes_are_the_wrapped_stores() -> None:

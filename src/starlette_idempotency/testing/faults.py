@@ -8,7 +8,7 @@ or wait until a block ends (:meth:`~FaultyStore.stall`)::
     app.add_middleware(IdempotencyMiddleware, store=store, store_timeout_seconds=0.1)
 
     store.fail_next("try_acquire")            # the next request gets a 503
-    async with store.stall("complete"):      # requests meanwhile hit the store timeout
+    async with store.stall("finish"):        # storing responses meanwhile hits the timeout
         ...
 """
 
@@ -30,9 +30,12 @@ from starlette_idempotency.stores.base import (
     AcquireResult,
     FencedWrite,
     IdempotencyStore,
+    StoreBase,
 )
 
 _T = TypeVar("_T")
+# StoreBase's methods, which reach the store through finish (and get).
+_BUILT_ON_FINISH = frozenset({"complete", "fail", "resolve"})
 
 
 class Stall:
@@ -70,15 +73,17 @@ class _Failure:
     remaining: int | None  # None: until healed
 
 
-class FaultyStore:
+class FaultyStore(StoreBase):
     """A store that passes every call to ``store`` until told to fail or stall some.
 
     An operation is one of the store's async methods, by name: the protocol's ``try_acquire``,
     ``finish``, ``save_progress``, ``release``, ``renew``, ``get`` and ``aclose``,
-    and those the wrapped store adds (``wait_for_change``, ``check``, ``resolve``, ``complete``,
-    ``create_schema`` ...). Its other methods and attributes are the wrapped store's, so the
-    wrapper has the same capabilities: ``supports_recovery``, change notifications, the startup
-    check. ``calls`` counts the calls of each operation.
+    and those the wrapped store adds (``wait_for_change``, ``check``, ``create_schema`` ...).
+    ``resolve``, ``complete`` and ``fail`` are built on ``get`` and ``finish`` here, so their
+    faults are those of ``finish`` (the call that stores a response). Its other methods and
+    attributes are the wrapped store's, so the wrapper has the same capabilities:
+    ``supports_recovery``, change notifications, the startup check. ``calls`` counts the calls
+    of each operation.
     """
 
     #: A stalled call waits: the middleware must bound every call with its store timeout
@@ -151,6 +156,11 @@ class FaultyStore:
             stall._release()
 
     def _checked(self, operation: str) -> str:
+        if operation in _BUILT_ON_FINISH:
+            raise ValueError(
+                f"{operation!r} is not an operation of its own: it stores through 'finish', "
+                "which is what the middleware calls to store a response; fault 'finish'"
+            )
         if operation not in self.operations:
             raise ValueError(
                 f"{type(self.inner).__name__} has no operation {operation!r}; "
