@@ -18,15 +18,30 @@ from starlette_idempotency._deadlines import CallDeadlines
 from starlette_idempotency._record import IdempotencyRecord, RecordStatus
 from starlette_idempotency.errors import StoreError, StoreTimeoutError
 from starlette_idempotency.observability import MetricsSink, StoreCallTracer
-from starlette_idempotency.stores.base import AcquireResult, FencedWrite, IdempotencyStore
+from starlette_idempotency.stores.base import (
+    AcquireResult,
+    FencedWrite,
+    IdempotencyStore,
+    StoreBase,
+)
 
 _T = TypeVar("_T")
+# What metrics and spans call finish() for each final status: the protocol's first spelling.
+_SPELLINGS = {RecordStatus.COMPLETED: "complete", RecordStatus.FAILED: "fail"}
 
 
 class BoundedStore:
     """The store's primitives, each bounded to ``timeout`` seconds, timed and traced."""
 
-    __slots__ = ("_deadlines", "_metrics", "_never_blocks", "_tracer", "name", "store")
+    __slots__ = (
+        "_deadlines",
+        "_finishers",
+        "_metrics",
+        "_never_blocks",
+        "_tracer",
+        "name",
+        "store",
+    )
 
     def __init__(
         self,
@@ -44,6 +59,13 @@ class BoundedStore:
         self._never_blocks = store.never_blocks
         self._metrics = metrics
         self._tracer = tracer
+        # A store written for the protocol's first spelling overrides complete() or fail()
+        # rather than finish(): it gets those calls, as it did.
+        self._finishers = {
+            status: getattr(store, spelling)
+            for status, spelling in _SPELLINGS.items()
+            if getattr(type(store), spelling, None) not in (None, getattr(StoreBase, spelling))
+        }
 
     def try_acquire(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
@@ -52,9 +74,9 @@ class BoundedStore:
         return self._call("try_acquire", call)
 
     def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[FencedWrite]:
+        finish = self._finishers.get(record.status, self.store.finish)
         # Metrics and spans name the outcome, as dashboards built on them expect.
-        operation = "complete" if record.status is RecordStatus.COMPLETED else "fail"
-        return self._call(operation, self.store.finish(key, record, ttl))
+        return self._call(_SPELLINGS[record.status], finish(key, record, ttl))
 
     def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[bool]:
         return self._call("save_progress", self.store.save_progress(key, record, ttl))

@@ -10,6 +10,8 @@ import logging
 
 import pytest
 
+from starlette_idempotency import MemoryStore
+from starlette_idempotency.stores import FencedWrite, IdempotencyRecord
 from tests.support.broken_store import BrokenStore
 from tests.support.guarded import make_guarded_app
 
@@ -54,6 +56,24 @@ async def test_save_failure_still_answers_the_client(kind: str) -> None:
     assert response.json()["paymentId"] == "p_1"
     retry = await harness.client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": "k"})
     assert retry.status_code == 409  # the lock still holds until its TTL
+    assert harness.ledger.executions["payments"] == 1
+
+
+class FirstSpellingStore(MemoryStore):
+    """A store written for the protocol's first spelling: it overrides complete(), not finish()."""
+
+    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        raise ConnectionError("complete failed")
+
+
+async def test_a_store_overriding_the_first_spelling_complete_is_still_called(kind: str) -> None:
+    harness = await make_guarded_app(kind, FirstSpellingStore())
+    response = await harness.client.post(
+        "/payments", json=PAYMENT, headers={"Idempotency-Key": "k"}
+    )
+    assert response.status_code == 201
+    retry = await harness.client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": "k"})
+    assert retry.status_code == 409  # its complete() failed: the lock still holds
     assert harness.ledger.executions["payments"] == 1
 
 

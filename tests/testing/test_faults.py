@@ -9,13 +9,14 @@ import inspect
 import pytest
 
 from starlette_idempotency import MemoryStore, StoreError
+from starlette_idempotency.stores import RecordStatus
 from starlette_idempotency.stores.base import (
     ChangeNotifyingStore,
     CheckableStore,
     IdempotencyStore,
 )
 from starlette_idempotency.testing import FaultyStore
-from tests.support.records import pending
+from tests.support.records import finished, pending
 
 
 @pytest.fixture
@@ -109,12 +110,20 @@ async def test_a_stall_then_a_failure(store: FaultyStore) -> None:
         await completing
 
 
-@pytest.mark.parametrize("spelling", ["complete", "fail", "resolve"])
-def test_the_spellings_built_on_finish_are_refused_with_the_name_to_fault(
-    store: FaultyStore, spelling: str
+async def test_complete_and_fail_fault_finish_for_records_of_their_status(
+    store: FaultyStore,
 ) -> None:
-    with pytest.raises(ValueError, match="fault 'finish'"):
-        store.fail_next(spelling)
+    store.fail_always("complete")
+    with pytest.raises(StoreError):
+        await store.finish("k", finished(pending("k")), 60)
+    assert await store.finish("k", finished(pending("k"), status=RecordStatus.FAILED), 60)
+    assert store.calls["finish"] == 2
+    assert store.calls["complete"] == store.calls["fail"] == 1
+
+
+def test_resolve_is_refused_with_the_operations_it_is_built_on(store: FaultyStore) -> None:
+    with pytest.raises(ValueError, match="fault one of those"):
+        store.fail_next("resolve")
 
 
 async def test_other_methods_and_attributes_are_the_wrapped_stores() -> None:

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from starlette_idempotency._record import IdempotencyRecord
+from starlette_idempotency._record import IdempotencyRecord, RecordStatus
 from starlette_idempotency.errors import StoreError
 from starlette_idempotency.stores.base import (
     STORE_OPERATIONS,
@@ -34,8 +34,8 @@ from starlette_idempotency.stores.base import (
 )
 
 _T = TypeVar("_T")
-# StoreBase's methods, which reach the store through finish (and get).
-_BUILT_ON_FINISH = frozenset({"complete", "fail", "resolve"})
+# The protocol's first spelling of finish: faulting one faults finish for records of its status.
+_FINISH_SPELLINGS = {RecordStatus.COMPLETED: "complete", RecordStatus.FAILED: "fail"}
 
 
 class Stall:
@@ -79,9 +79,9 @@ class FaultyStore(StoreBase):
     An operation is one of the store's async methods, by name: the protocol's ``try_acquire``,
     ``finish``, ``save_progress``, ``release``, ``renew``, ``get`` and ``aclose``,
     and those the wrapped store adds (``wait_for_change``, ``check``, ``create_schema`` ...).
-    ``resolve``, ``complete`` and ``fail`` are built on ``get`` and ``finish`` here, so their
-    faults are those of ``finish`` (the call that stores a response). Its other methods and
-    attributes are the wrapped store's, so the wrapper has the same capabilities:
+    ``complete`` and ``fail`` name ``finish`` for a ``Completed`` or a ``Failed`` record (the
+    protocol's first spelling), and ``resolve`` is built on ``get`` and ``finish``. Its other
+    methods and attributes are the wrapped store's, so the wrapper has the same capabilities:
     ``supports_recovery``, change notifications, the startup check. ``calls`` counts the calls
     of each operation.
     """
@@ -97,7 +97,7 @@ class FaultyStore(StoreBase):
         self.calls: Counter[str] = Counter()
         self._failures: dict[str, _Failure] = {}
         self._stalls: list[Stall] = []
-        operations = set(STORE_OPERATIONS)
+        operations = {*STORE_OPERATIONS, *_FINISH_SPELLINGS.values()}
         # Instance attributes, not __getattr__: isinstance() against a runtime-checkable
         # protocol looks attributes up statically on Python 3.12+.
         for name in dir(type(store)):
@@ -156,11 +156,8 @@ class FaultyStore(StoreBase):
             stall._release()
 
     def _checked(self, operation: str) -> str:
-        if operation in _BUILT_ON_FINISH:
-            raise ValueError(
-                f"{operation!r} is not an operation of its own: it stores through 'finish', "
-                "which is what the middleware calls to store a response; fault 'finish'"
-            )
+        if operation == "resolve":
+            raise ValueError("'resolve' is built on 'get' and 'finish': fault one of those")
         if operation not in self.operations:
             raise ValueError(
                 f"{type(self.inner).__name__} has no operation {operation!r}; "
@@ -176,17 +173,21 @@ class FaultyStore(StoreBase):
 
     # --- calls --------------------------------------------------------------------------------
 
-    async def _call(self, operation: str, call: Callable[[], Awaitable[_T]]) -> _T:
-        self.calls[operation] += 1
-        for stall in [stall for stall in self._stalls if stall.holds(operation)]:
+    async def _call(
+        self, operation: str, call: Callable[[], Awaitable[_T]], spelling: str | None = None
+    ) -> _T:
+        names = (operation,) if spelling is None else (operation, spelling)
+        self.calls.update(names)
+        for stall in [stall for stall in self._stalls if any(map(stall.holds, names))]:
             await stall._hold()
-        failure = self._failures.get(operation)
-        if failure is not None:
-            if failure.remaining is not None:
-                failure.remaining -= 1
-                if failure.remaining == 0:
-                    del self._failures[operation]
-            raise failure.error
+        for name in names:
+            failure = self._failures.get(name)
+            if failure is not None:
+                if failure.remaining is not None:
+                    failure.remaining -= 1
+                    if failure.remaining == 0:
+                        del self._failures[name]
+                raise failure.error
         return await call()
 
     def _faulty(self, operation: str, method: Callable[..., Awaitable[Any]]) -> Any:
@@ -204,7 +205,8 @@ class FaultyStore(StoreBase):
         )
 
     async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        return await self._call("finish", lambda: self.inner.finish(key, record, ttl))
+        call = lambda: self.inner.finish(key, record, ttl)  # noqa: E731
+        return await self._call("finish", call, _FINISH_SPELLINGS.get(record.status))
 
     async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         return await self._call("save_progress", lambda: self.inner.save_progress(key, record, ttl))
