@@ -16,7 +16,7 @@ import numbers
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, TypeGuard
 
 from starlette_idempotency.errors import ConfigurationError
 
@@ -44,7 +44,7 @@ def unknown_option_error(unknown: Iterable[str], known: Iterable[str], where: st
     )
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -62,7 +62,7 @@ def _check_option(name: str, declared: Any, value: object) -> None:
         if not isinstance(value, bool):
             raise ConfigurationError(f"{name} must be True or False, not {value!r}")
     elif declared is float:
-        if not _is_number(value) or not value > 0:  # type: ignore[operator]
+        if not _is_number(value) or not value > 0:
             unit = name.rsplit("_", 1)[-1]
             raise ConfigurationError(f"{name} must be a positive number of {unit}, not {value!r}")
     elif declared is int:

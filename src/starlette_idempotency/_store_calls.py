@@ -15,10 +15,11 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from starlette_idempotency._deadlines import CallDeadlines
-from starlette_idempotency._record import IdempotencyRecord, RecordStatus
+from starlette_idempotency._record import IdempotencyRecord
 from starlette_idempotency.errors import StoreError, StoreTimeoutError
 from starlette_idempotency.observability import MetricsSink, StoreCallTracer
 from starlette_idempotency.stores.base import (
+    FINISH_SPELLINGS,
     AcquireResult,
     FencedWrite,
     IdempotencyStore,
@@ -26,8 +27,6 @@ from starlette_idempotency.stores.base import (
 )
 
 _T = TypeVar("_T")
-# What metrics and spans call finish() for each final status: the protocol's first spelling.
-_SPELLINGS = {RecordStatus.COMPLETED: "complete", RecordStatus.FAILED: "fail"}
 
 
 class BoundedStore:
@@ -63,7 +62,7 @@ class BoundedStore:
         # rather than finish(): it gets those calls, as it did.
         self._finishers = {
             status: getattr(store, spelling)
-            for status, spelling in _SPELLINGS.items()
+            for status, spelling in FINISH_SPELLINGS.items()
             if getattr(type(store), spelling, None) not in (None, getattr(StoreBase, spelling))
         }
 
@@ -76,7 +75,7 @@ class BoundedStore:
     def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[FencedWrite]:
         finish = self._finishers.get(record.status, self.store.finish)
         # Metrics and spans name the outcome, as dashboards built on them expect.
-        return self._call(_SPELLINGS[record.status], finish(key, record, ttl))
+        return self._call(FINISH_SPELLINGS[record.status], finish(key, record, ttl))
 
     def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[bool]:
         return self._call("save_progress", self.store.save_progress(key, record, ttl))

@@ -60,6 +60,9 @@ def _option_names() -> frozenset[str]:
     return ROUTE_OPTIONS | {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
 
 
+_CAPABILITIES = ("name", "supports_recovery", "never_blocks")
+
+
 def _check_store_object(store: object) -> None:
     """Refuse, when the middleware is built, what is not a store instance."""
     if isinstance(store, type):
@@ -96,9 +99,6 @@ def _compressing_layer_inside(app: ASGIApp) -> str | None:
         if layer is None:
             break
     return None
-
-
-_CAPABILITIES = ("name", "supports_recovery", "never_blocks")
 
 
 class IdempotencyMiddleware:

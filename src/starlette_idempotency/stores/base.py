@@ -155,6 +155,11 @@ STORE_OPERATIONS = (
 )
 
 
+#: The protocol's first spelling of ``finish`` for each final status (``complete``, ``fail``):
+#: what metrics and spans call it, and what :class:`StoreBase` still answers to.
+FINISH_SPELLINGS = {RecordStatus.COMPLETED: "complete", RecordStatus.FAILED: "fail"}
+
+
 class StoreBase(IdempotencyStore):
     """What every store builds on the protocol's primitives; subclass it to write a store.
 

@@ -23,9 +23,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from starlette_idempotency._record import IdempotencyRecord, RecordStatus
+from starlette_idempotency._record import IdempotencyRecord
 from starlette_idempotency.errors import StoreError
 from starlette_idempotency.stores.base import (
+    FINISH_SPELLINGS,
     STORE_OPERATIONS,
     AcquireResult,
     FencedWrite,
@@ -34,8 +35,6 @@ from starlette_idempotency.stores.base import (
 )
 
 _T = TypeVar("_T")
-# The protocol's first spelling of finish: faulting one faults finish for records of its status.
-_FINISH_SPELLINGS = {RecordStatus.COMPLETED: "complete", RecordStatus.FAILED: "fail"}
 
 
 class Stall:
@@ -97,7 +96,7 @@ class FaultyStore(StoreBase):
         self.calls: Counter[str] = Counter()
         self._failures: dict[str, _Failure] = {}
         self._stalls: list[Stall] = []
-        operations = {*STORE_OPERATIONS, *_FINISH_SPELLINGS.values()}
+        operations = {*STORE_OPERATIONS, *FINISH_SPELLINGS.values()}
         # Instance attributes, not __getattr__: isinstance() against a runtime-checkable
         # protocol looks attributes up statically on Python 3.12+.
         for name in dir(type(store)):
@@ -206,7 +205,7 @@ class FaultyStore(StoreBase):
 
     async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         call = lambda: self.inner.finish(key, record, ttl)  # noqa: E731
-        return await self._call("finish", call, _FINISH_SPELLINGS.get(record.status))
+        return await self._call("finish", call, FINISH_SPELLINGS.get(record.status))
 
     async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         return await self._call("save_progress", lambda: self.inner.save_progress(key, record, ttl))
