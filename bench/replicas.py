@@ -12,7 +12,8 @@ import statistics
 import time
 import uuid
 
-from starlette_idempotency import IdempotencyRecord, RecordStatus, RedisStore
+from starlette_idempotency import RedisStore
+from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
 from starlette_idempotency.testing.processes import wait_until
 from starlette_idempotency.testing.redis_server import RedisServer
 

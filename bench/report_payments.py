@@ -65,6 +65,7 @@ def payments_sections(report: Report) -> list[str]:
     lines: list[str] = []
     if "payments" in report.apps and (report.runs or report.micro.get("payments")):
         lines += targets_section(report)
+        lines += allowance_section(report)
     lines += cpu_section(report)
     lines += tail_section(report)
     lines += gc_section(report)
@@ -184,6 +185,73 @@ def targets_section(report: Report) -> list[str]:
     lines += table(["target", "`@idempotent`", "`protect_all=True`"], rows)
     lines.append("")
     return lines
+
+
+# --- what the throughput targets allow ---------------------------------------------------
+
+# The targets set against a baseline's throughput: (ours, baseline, mode, least ratio).
+_CPU_TARGETS: tuple[tuple[str, str, Mode, float], ...] = (
+    ("ours-redis-setnx", "floor-redis", "unique", UNIQUE_REDIS_VS_FLOOR),
+    ("ours-redis-setnx", "floor-redis", "replay", REPLAY_REDIS_VS_FLOOR),
+    ("ours-memory", "bare", "unique", MEMORY_UNIQUE_VS_BARE),
+    ("ours-redis-glide", "floor-redis", "unique", GLIDE_VS_FLOOR),
+    ("ours-redis-glide", "floor-redis", "replay", GLIDE_VS_FLOOR),
+)
+
+
+def allowance_section(report: Report) -> list[str]:
+    """Server CPU per request under load that each target leaves for our work over its
+    baseline, against what we spend (both round by round, from this run)."""
+    runs = Runs(report.runs, "payments")
+    rows = []
+    for config, baseline, mode, least in _CPU_TARGETS:
+        for name in (config, _VARIANTS[config]):
+            pairs = [
+                (theirs.server_cpu_us, ours.server_cpu_us)
+                for ours in runs.of(name, mode)
+                for theirs in runs.of(baseline, mode)
+                if theirs.round == ours.round and theirs.server_cpu_us and ours.server_cpu_us
+            ]
+            if not pairs:
+                continue
+            base = Spread.of([theirs for theirs, _ in pairs])
+            allowed = Spread.of([theirs * (1 / least - 1) for theirs, _ in pairs])
+            spent = Spread.of([ours - theirs for theirs, ours in pairs])
+            assert base is not None
+            assert allowed is not None
+            assert spent is not None
+            rows.append(
+                [
+                    f"`{name}` {mode} ≥ {least}x `{baseline}`",
+                    base.show(0),
+                    allowed.show(0),
+                    spent.show(0),
+                    f"{spent.median / allowed.median:.1f}x" if allowed.median else "–",
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        "### What the throughput targets leave for our own work",
+        "",
+        "A server bound by its CPU answers at r times its baseline's rate when it spends 1/r "
+        "of the baseline's CPU per request, so a target of r leaves the baseline's CPU × "
+        "(1/r − 1) µs per request for everything the middleware adds over the baseline. Both "
+        "columns are uvicorn's CPU per request under wrk in this run, round by round "
+        "(medians, min–max). `python -m bench.ablation` splits what we spend into its steps.",
+        "",
+        *table(
+            [
+                "target",
+                "baseline CPU µs/req",
+                "allowed over it",
+                "we spend over it",
+                "× the allowance",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
 
 # --- in-process CPU ----------------------------------------------------------------------

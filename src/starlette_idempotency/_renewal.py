@@ -7,13 +7,9 @@ import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from starlette_idempotency._loop_timers import PerLoop
 from starlette_idempotency.errors import StoreError
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
