@@ -12,10 +12,12 @@ time replaced by the cheapest stand-in that keeps the request answered alike:
 - ``record decode``: each stored record parsed once (a replay finds it parsed);
 - ``all``: all of them together.
 
-The saving of a step is the full middleware's CPU minus the CPU without it; what is left with
-``all`` is the journey itself (buffering the body, the store call, capturing and storing the
-response, the coroutines in between). Trials are interleaved; medians are reported. It prints
-a markdown table; nothing here is part of the library, and the stand-ins are unsafe on purpose.
+The saving of a step is the full middleware's CPU minus the CPU without it. The floors
+(``floor-memory``, ``floor-redis``: :mod:`bench.floor`) run in the same trials; what ``all``
+leaves over its floor is the journey itself: the record and its encoding, the key and body
+checks, wrapping ``receive`` and ``send``, storing the response, the coroutines in between.
+Trials are interleaved; medians are reported. It prints a markdown table; nothing here is part
+of the library, and the stand-ins are unsafe on purpose.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from starlette_idempotency.stores import memory
 from starlette_idempotency.stores.redis import _store as redis_store
 
 CONFIGS = ("ours-memory", "ours-redis-setnx")
+# Each configuration's floor (bench.floor), measured in the same trials as the ``floor`` row.
+FLOORS = {"ours-memory": "floor-memory", "ours-redis-setnx": "floor-redis"}
 Patch = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
@@ -126,7 +130,7 @@ async def measure(
     tag = uuid.uuid4().hex[:6]
     async with contextlib.AsyncExitStack() as stack:
         apps = {}
-        for config in CONFIGS:
+        for config in (*CONFIGS, *FLOORS.values()):
             settings = AppSettings(
                 config=config, app="payments", redis_url=redis_url, prefix=f"ablation-{tag}"
             )
@@ -137,6 +141,8 @@ async def measure(
         for trial in range(trials):
             for variant, steps in variants.items():
                 for config, app in apps.items():
+                    if config in FLOORS.values() and variant != "full":
+                        continue
                     for mode in MODES:
                         if mode == "unique":
                             prefix = variant.replace(" ", "_")
@@ -170,6 +176,10 @@ def report(samples: dict[tuple[str, str, Mode], list[float]]) -> str:
             saving = median["full", config, mode] - value
             cells.append(f"{value:.1f}" if variant == "full" else f"{value:.1f} ({saving:+.1f})")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    floors = [median["full", FLOORS[config], mode] for config, mode in columns]
+    lines.append("| the floor | " + " | ".join(f"{value:.1f}" for value in floors) + " |")
+    over = [median["all", c, m] - floor for (c, m), floor in zip(columns, floors, strict=True)]
+    lines.append("| `all` over the floor | " + " | ".join(f"{v:+.1f}" for v in over) + " |")
     return "\n".join(lines)
 
 
