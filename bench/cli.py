@@ -17,7 +17,7 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import fingerprint
+from bench import ablation, fingerprint
 from bench.app import AppSettings
 from bench.configs import (
     APPS,
@@ -424,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
                 names = micro_configs(for_app(configs, app), services.redis_url is not None)
                 report.micro[app] = _micro(
                     app, names, args.micro_requests, args.micro_trials, services.redis_url
+                )
+            if "payments" in apps and services.redis_url:
+                print("what each step costs (bench.ablation, payments app)", flush=True)
+                url = services.redis_url
+                report.ablation = ablation.report(
+                    run_async(lambda: ablation.measure(url, args.micro_requests, args.micro_trials))
                 )
         if not args.skip_profile:
             print(f"profiling the hot path ({main_app} app)", flush=True)

@@ -272,21 +272,7 @@ def micro_section(micro: dict[tuple[str, Mode], MicroResult], app: AppName = "pl
     if leaking:
         lines.append("")
     ours = micro.get(("ours-memory", "unique"))
-    if ours is not None and any("_GuardedRequest" in name for name, _ in ours.garbage_types):
-        lines += [
-            "**Finding:** every request that owns its key leaves a reference cycle: "
-            "`_GuardedRequest` → its `scope` → `scope['starlette_idempotency._context']` "
-            "(`IdempotencyContext`) → the bound method `_GuardedRequest._checkpoint` → "
-            "`_GuardedRequest`. The cycle keeps the whole scope alive (FastAPI's "
-            "`AsyncExitStack`s, the send/receive closures) until the cyclic collector runs, "
-            "so that path triggers collections that the bare app and the replay path never "
-            "need, and each one also walks every record a MemoryStore holds. Suggestion: pop "
-            "the context (and the marks) from the scope in `_run_owned`'s `finally`, or give "
-            "`IdempotencyContext` a callback that does not reference the request (a weak "
-            "reference, or a small object holding only store, key and token).",
-            "",
-        ]
-    elif ours is not None and ours.garbage_per_request >= 1:
+    if ours is not None and ours.garbage_per_request >= 1:
         kinds = ", ".join(name for name, _ in ours.garbage_types)
         runs = statistics.median(ours.gc_collections_per_1k) if ours.gc_collections_per_1k else 0
         lines += [
@@ -301,73 +287,57 @@ def micro_section(micro: dict[tuple[str, Mode], MicroResult], app: AppName = "pl
     return lines
 
 
-# Suggestions for the costs the profile shows, keyed by a fragment of the function's label.
-# A suggestion is printed only when its function is among the measured top costs.
-SUGGESTIONS: dict[str, str] = {
+# What the profile's top costs are and what is known about them, keyed by a fragment of the
+# function's label; a note is printed only when its function is among the measured top costs.
+_ROUTE_MATCHING = (
+    "The middleware matches the route before the router does (`find_leaf` → "
+    "`route.matches`: a regex and a scope copy per route tried), so every guarded request "
+    "matches twice. A cache by method and path would save it, but a `Host` or `Mount` can "
+    "route one path to two endpoints (issue #13): not done. `python -m bench.ablation` "
+    "prices it (`route`)."
+)
+_WIRE_FORM = (
+    "The Redis and PostgreSQL wire form (JSON, ISO-8601 times to the millisecond, the body "
+    "inside a JSON string) is what every pod reads during a rolling deploy: a cheaper form "
+    "needs a new format version read by both sides first. Times are already formatted and "
+    "parsed once per second of the clock."
+)
+NOTES: dict[str, str] = {
     "asyncio/timeouts.py": (
-        "`call_store` wraps every store call in `asyncio.timeout()` (a timer scheduled and "
-        "cancelled per call, two per first request). Skip it for stores that cannot block "
-        "(MemoryStore could declare it), or keep one deadline per request and let the "
-        "drivers' own socket timeouts bound each call."
+        "`asyncio.timeout` here is redis-py's own, around each socket read (`socket_timeout`). "
+        "The middleware's deadlines do not schedule a timer per call (`_deadlines.py`: one "
+        "loop timer checks them all), and a store that never blocks gets none."
     ),
     "dataclasses.py": (
-        "`dataclasses.replace()` (in `IdempotencyRecord.finished` and `stored_response`) goes "
-        "through the generic field-copying path: build the final record and the "
-        "`StoredResponse` with their constructors directly."
+        "`dataclasses.replace()` runs only on the recovery paths (a checkpoint, a takeover); "
+        "the records of an ordinary request are built with their constructors."
     ),
-    "fastapi/routing.py": (
-        "`RouteResolver.resolve` re-runs the router's matching (`find_leaf` → "
-        "`route.matches`, regex and scope copies) on every guarded request: cache the "
-        "`GuardedRoute` per (router, method, path) in a bounded dict, so a hit costs one "
-        "dict lookup."
-    ),
-    ":find_leaf": (
-        "`RouteResolver.resolve` re-runs the router's matching (`find_leaf` → "
-        "`route.matches`, regex and scope copies) on every guarded request: cache the "
-        "`GuardedRoute` per (router, method, path) in a bounded dict, so a hit costs one "
-        "dict lookup."
-    ),
+    "fastapi/routing.py": _ROUTE_MATCHING,
+    ":find_leaf": _ROUTE_MATCHING,
     "secrets.py": (
-        "`secrets.token_hex(16)` (an `os.urandom` syscall) runs on every guarded request, "
-        "replays and conflicts included, which never own the key: derive owner tokens from "
-        "a per-process random prefix plus a counter, or create the token only when needed."
+        "`secrets.token_hex(16)` (an `os.urandom` call) runs on every guarded request, replays "
+        "included: the acquire sends the pending record, owner token inside, in the same round "
+        "trip that finds a stored answer. `python -m bench.ablation` prices it (`owner token`)."
     ),
-    "parse_qsl": (
-        "`request_fingerprint` calls `parse_qsl` and `orjson.dumps` for the head even when "
-        "the query string is empty: short-circuit the empty case."
-    ),
-    "record_to_dict": (
-        "The Redis wire form is a JSON object with ISO-8601 times (`datetime.isoformat` per "
-        "write, `fromisoformat` per read) and the response body escaped inside a JSON string: "
-        "epoch-millisecond integers and a raw body after a small JSON header would make "
-        "both dumping and loading cheaper (and the record ~2x smaller, see the record sizes)."
-    ),
+    "record_to_dict": _WIRE_FORM,
     "record_from_dict": (
-        "A replay parses the whole record (`record_from_dict`: times, headers, checkpoints) "
-        "though it needs only status, fingerprint, headers and body: parse lazily, or keep "
-        "those first in a format that needs no per-field conversion."
-    ),
-    "isoformat": (
-        "The Redis wire form is a JSON object with ISO-8601 times (`datetime.isoformat` per "
-        "write, `fromisoformat` per read) and the response body escaped inside a JSON string: "
-        "epoch-millisecond integers and a raw body after a small JSON header would make "
-        "both dumping and loading cheaper (and the record ~2x smaller, see the record sizes)."
+        "A replay parses the whole stored record though it needs only its status, fingerprint, "
+        "lease and response. `python -m bench.ablation` prices parsing each record once "
+        "(`record decode`)."
     ),
     "stored_response": (
-        "`stored_response` decodes and lower-cases every response header, then copies the "
-        "result with `replace()`: filter the raw header list once and construct directly."
+        "`stored_response` decodes and lower-cases each response header once, to drop the "
+        "ones a replay must not repeat (hop-by-hop, Date, Server, Set-Cookie)."
     ),
     "redis/utils.py": (
         "redis-py 8 wraps `Redis.set()` in `experimental_args`, which builds a dict of the "
-        "call's arguments on every call, and `set()` then checks each of its options: send the "
-        "acquire as `execute_command('SET', key, value, 'PX', ms, 'NX', 'GET')` (the floor "
-        "pays the same wrapper; mobius, all scripts, does not)."
+        "call's arguments on every call: the store sends its acquire through "
+        "`execute_command` instead (the floor pays the wrapper; mobius, all scripts, does not)."
     ),
     "execute_command": (
         "Most of the Redis path is redis-py itself (`execute_command`: pool checkout, "
-        "observability hooks, packing, parsing). The round trips are already minimal; what "
-        "is left is the pool (see the redis-py pool measurement below) and what the store "
-        "does around each command."
+        "observability hooks, packing, parsing). The round trips are already minimal: one per "
+        "replay, two per first request, as the floor's."
     ),
 }
 
@@ -427,10 +397,10 @@ def profile_section(profiles: Sequence[ProfileResult]) -> list[str]:
         )
         lines.append("")
         for cost in [*p.top_package[:8], *p.top_callees[:8]]:
-            shown.update(fragment for fragment in SUGGESTIONS if fragment in cost.function)
+            shown.update(fragment for fragment in NOTES if fragment in cost.function)
     if shown:
-        lines += ["### Suggestions (for the costs above)", ""]
-        texts = [SUGGESTIONS[fragment] for fragment in SUGGESTIONS if fragment in shown]
+        lines += ["### What is known about the costs above", ""]
+        texts = [NOTES[fragment] for fragment in NOTES if fragment in shown]
         lines += [f"- {text}" for text in dict.fromkeys(texts)]
         lines.append("")
     return lines
@@ -795,6 +765,9 @@ def render(report: Report) -> str:
         lines += counts_section(report.counts, report.counts_app)
     for app, micro in report.micro.items():
         lines += micro_section(micro, app)
+    if report.ablation:
+        lines += ["## What each step of a guarded request costs (`bench.ablation`)", ""]
+        lines += [report.ablation, ""]
     lines += profile_section(report.profiles)
     lines += pool_section(report.pool_cost)
     if report.fingerprint:

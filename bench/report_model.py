@@ -36,6 +36,7 @@ class Report:
     profiles: list[ProfileResult] = field(default_factory=list)
     pool_cost: dict[str, float] = field(default_factory=dict)  # redis-py pool, CPU µs/command
     fingerprint: str = ""  # bench.fingerprint's table: what exclude_fields costs
+    ablation: str = ""  # bench.ablation's table: what each step of a guarded request costs
     skipped: list[str] = field(default_factory=list)
     apps: list[AppName] = field(default_factory=lambda: ["plain"])
     counts_app: AppName = "plain"  # the app the round trips and the profile ran on
