@@ -1,7 +1,8 @@
 """Request fingerprints and storage keys.
 
-The fingerprint is SHA-256 over a canonical form of the request: method, actual path, sorted
-query parameters, the chosen headers and the body, whose form is named by its kind:
+The fingerprint is SHA-256 over a canonical form of the request: method, actual path, query
+parameters and the chosen headers (each stably sorted by name, so a repeated one keeps the
+order of its values), and the body, whose form is named by its kind:
 
 ``json``
     A JSON body (``application/json``, ``application/*+json``), parsed by orjson and written
@@ -298,6 +299,10 @@ def raw_body_form(body: bytes, *, content_type: str, excluded: frozenset[str]) -
     return f"bytes;{_media_type(content_type)}", body
 
 
+def _name(pair: tuple[str, str]) -> str:
+    return pair[0]
+
+
 def request_fingerprint(
     *,
     method: str,
@@ -313,13 +318,15 @@ def request_fingerprint(
     in canonical form, and ``body_kind`` names that form ("json", "json-exact", "form",
     "bytes;<media type>" or "command").
     """
+    # Sorted by name only: a repeated parameter or header keeps the order of its values, which
+    # the app sees (Starlette's ``get`` takes the last query value and the first header value).
     query = (
-        sorted(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
+        sorted(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True), key=_name)
         if query_string
         else []
     )
     # The head is one JSON array, so it ends unambiguously before the body bytes begin.
-    head = orjson.dumps([method, path, query, sorted(headers), body_kind])
+    head = orjson.dumps([method, path, query, sorted(headers, key=_name), body_kind])
     digest = hashlib.sha256(head)
     digest.update(body)
     return FINGERPRINT_PREFIX + digest.hexdigest()

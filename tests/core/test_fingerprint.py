@@ -5,6 +5,7 @@ import email.message
 import orjson
 from hypothesis import given
 from hypothesis import strategies as st
+from starlette.datastructures import Headers, QueryParams
 
 from starlette_idempotency._fingerprint import (
     canonical_json,
@@ -169,3 +170,64 @@ def test_changing_an_excluded_value_never_changes_the_fingerprint(
     assert fingerprint(orjson.dumps(value), excluded=excluded) == fingerprint(
         orjson.dumps(changed), excluded=excluded
     )
+
+
+def test_repeated_query_parameters_and_headers_keep_their_order() -> None:
+    # Starlette's query_params.get() takes the last value and getlist() keeps the order, so
+    # "?id=1&id=2" and "?id=2&id=1" are two requests to the app; other names may move.
+    assert fingerprint(b"{}", query=b"id=1&id=2") != fingerprint(b"{}", query=b"id=2&id=1")
+    assert fingerprint(b"{}", query=b"id=1&x=0&id=2") == fingerprint(b"{}", query=b"x=0&id=1&id=2")
+    first, second = ("x-api-version", "1"), ("x-api-version", "2")
+    other = ("x-tenant", "t")
+    assert fingerprint(b"{}", headers=(first, second)) != fingerprint(
+        b"{}", headers=(second, first)
+    )
+    assert fingerprint(b"{}", headers=(first, other, second)) == fingerprint(
+        b"{}", headers=(other, first, second)
+    )
+
+
+_names = st.sampled_from(["a", "b", "A", "%61", "a b", "é"])
+_values = st.sampled_from(["", "1", "2", "x y", "%2B", "+"])
+_pairs = st.lists(st.tuples(_names, _values), max_size=6)
+
+
+@given(pairs=_pairs, data=st.data())
+def test_query_fingerprints_follow_what_starlette_reads(
+    pairs: list[tuple[str, str]], data: st.DataObject
+) -> None:
+    """Two orders of the same query parameters share a fingerprint exactly when Starlette's
+    ``QueryParams`` gives every name the same list of values in both."""
+    other = data.draw(st.permutations(pairs))
+
+    def raw(items: list[tuple[str, str]]) -> bytes:
+        return "&".join(f"{name}={value}" for name, value in items).encode()
+
+    def seen(items: list[tuple[str, str]]) -> dict[str, list[str]]:
+        params = QueryParams(raw(items))
+        return {name: params.getlist(name) for name in params}
+
+    same = fingerprint(b"{}", query=raw(pairs)) == fingerprint(b"{}", query=raw(other))
+    assert same == (seen(pairs) == seen(other))
+
+
+@given(
+    headers=st.lists(
+        st.tuples(st.sampled_from(["x-api-version", "x-tenant"]), st.sampled_from("123")),
+        max_size=5,
+    ),
+    data=st.data(),
+)
+def test_header_fingerprints_follow_what_starlette_reads(
+    headers: list[tuple[str, str]], data: st.DataObject
+) -> None:
+    """Two orders of the chosen headers share a fingerprint exactly when Starlette's
+    ``Headers.getlist`` gives every name the same values in both."""
+    other = data.draw(st.permutations(headers))
+
+    def seen(items: list[tuple[str, str]]) -> dict[str, list[str]]:
+        view = Headers(raw=[(name.encode(), value.encode()) for name, value in items])
+        return {name: view.getlist(name) for name, _ in items}
+
+    same = fingerprint(b"{}", headers=tuple(headers)) == fingerprint(b"{}", headers=tuple(other))
+    assert same == (seen(headers) == seen(other))

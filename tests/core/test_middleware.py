@@ -66,6 +66,27 @@ async def test_equivalent_json_is_the_same_request(harness: GuardedApp) -> None:
     assert harness.ledger.executions["payments"] == 1
 
 
+@pytest.mark.parametrize("kind", ["fastapi", "starlette"])
+async def test_repeated_query_values_and_chosen_headers_in_another_order_are_422(
+    kind: str,
+) -> None:
+    # The app reads query_params.get() (the last value) and headers.get() (the first): the
+    # same values in another order are another request.
+    harness = await make_guarded_app(kind, fingerprint_headers=["X-Api-Version"])
+
+    def post(query: str, versions: list[str], **extra: str) -> Any:
+        headers = [("Idempotency-Key", "key-1"), *extra.items()]
+        headers += [("X-Api-Version", version) for version in versions]
+        return harness.client.post(f"/payments{query}", json=PAYMENT, headers=headers)
+
+    assert (await post("?id=1&id=2&x=0", ["1", "2"])).status_code == 201
+    replay = await post("?x=0&id=1&id=2", ["1", "2"], **{"X-Other": "ignored"})
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert (await post("?id=2&id=1&x=0", ["1", "2"])).status_code == 422
+    assert (await post("?id=1&id=2&x=0", ["2", "1"])).status_code == 422
+    assert harness.ledger.executions["payments"] == 1
+
+
 async def test_missing_key_is_400(harness: GuardedApp) -> None:
     response = await harness.client.post("/payments", json=PAYMENT)
     assert response.status_code == 400
