@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from starlette_idempotency._types import ASGIApp, Message, Receive, Scope, Send
-from starlette_idempotency.errors import ConfigurationError
+from starlette_idempotency.errors import ConfigurationError, IdempotencyError, StoreError
 from starlette_idempotency.stores.base import CheckableStore, StoreFinding
 
 logger = logging.getLogger(__name__)
@@ -72,28 +72,49 @@ class StartupCheck:
         self._check_routes = check_routes
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app's lifespan, checking before its ``startup.complete`` goes out.
+
+        A refused startup goes out as ``lifespan.startup.failed``; then the app is told to shut
+        down (closing what its startup opened), and the refusal is raised, as Starlette raises
+        a failed startup: a server exits, and a ``TestClient`` raises it instead of waiting.
+        """
+        refusal: IdempotencyError | None = None
+
         async def send_after_check(message: Message) -> None:
+            nonlocal refusal
+            if refusal is not None:
+                return  # the shutdown we asked for: the server did not ask for it
             if message["type"] == "lifespan.startup.complete":
-                message = await self._checked(scope, message)
+                try:
+                    await self._check(scope)
+                except IdempotencyError as exc:
+                    refusal = exc
+                    message = {"type": "lifespan.startup.failed", "message": str(exc)}
             await send(message)
 
-        await app(scope, receive, send_after_check)
+        async def receive_after_refusal() -> Message:
+            if refusal is not None:
+                return {"type": "lifespan.shutdown"}
+            return await receive()
 
-    async def _checked(self, scope: Scope, complete: Message) -> Message:
+        await app(scope, receive_after_refusal, send_after_check)
+        if refusal is not None:
+            raise refusal
+
+    async def _check(self, scope: Scope) -> None:
+        """Raise what refuses the startup: a route that would not work as written, or an
+        unreachable store with ``check_store="fail"``."""
         try:
             self._check_routes(scope)
         except ConfigurationError as exc:
             logger.error("idempotency configuration: %s", exc)
-            return {"type": "lifespan.startup.failed", "message": str(exc)}
+            raise
         if self.policy == "off":
-            return complete
+            return
         findings = await check_store(self._store)
         log_findings(findings)
         errors = [finding.message for finding in findings if finding.level == "error"]
         if errors and self.policy == "fail":
-            return {
-                "type": "lifespan.startup.failed",
-                "message": "idempotency store check failed (check_store='fail'): "
-                + "; ".join(errors),
-            }
-        return complete
+            raise StoreError(
+                "idempotency store check failed (check_store='fail'): " + "; ".join(errors)
+            )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -12,7 +13,14 @@ from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
 from starlette.types import Message
 
-from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency import (
+    ConfigurationError,
+    IdempotencyError,
+    IdempotencyMiddleware,
+    MemoryStore,
+    StoreError,
+    idempotent,
+)
 from starlette_idempotency import _store_check as store_check_module
 from starlette_idempotency.stores.base import StoreFinding
 
@@ -43,8 +51,12 @@ def app_with(store: MemoryStore, **options: Any) -> Starlette:
 
 
 def run_startup(app: Starlette) -> Message:
-    """Run the app's lifespan startup (and shutdown) as a server would; the startup's answer."""
+    """Run the app's lifespan startup (and shutdown) as a server would; the startup's answer.
+
+    A refused startup also ends the app with the refusal raised (as Starlette ends a failed
+    startup), and that error carries the same message."""
     sent: list[Message] = []
+    raised: list[IdempotencyError] = []
 
     async def main() -> None:
         messages: Iterator[Message] = iter(
@@ -57,9 +69,18 @@ def run_startup(app: Starlette) -> Message:
         async def send(message: Message) -> None:
             sent.append(message)
 
-        await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+        try:
+            await app(scope, receive, send)
+        except IdempotencyError as exc:
+            raised.append(exc)
 
     asyncio.run(main())
+    if sent[0]["type"] == "lifespan.startup.failed":
+        assert [str(exc) for exc in raised] == [sent[0]["message"]]
+        assert len(sent) == 1, sent  # the shutdown the middleware asked for is not sent on
+    else:
+        assert not raised
     return sent[0]
 
 
@@ -172,3 +193,39 @@ def test_well_placed_routes_start() -> None:
         return {}
 
     assert start(app) == "lifespan.startup.complete"
+
+
+async def test_a_refused_startup_ends_the_app_and_runs_its_shutdown() -> None:
+    """A server that waits for the app to end after a failed startup, as Starlette's
+    TestClient does, gets the refusal raised instead of waiting for ever; the app's own
+    shutdown closes what its startup opened."""
+    events: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        events.append("opened")
+        yield
+        events.append("closed")
+
+    app = Starlette(lifespan=lifespan)
+    app.add_middleware(
+        IdempotencyMiddleware, store=SelfCheckingStore([UNREACHABLE]), check_store="fail"
+    )
+    sent: list[Message] = []
+    asked = asyncio.Event()
+
+    async def receive() -> Message:
+        if not asked.is_set():
+            asked.set()
+            return {"type": "lifespan.startup"}
+        await asyncio.Event().wait()  # the server asks nothing more of a failed app
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    with pytest.raises(StoreError, match="check_store='fail'"):
+        await asyncio.wait_for(app(scope, receive, send), timeout=5)
+    assert [message["type"] for message in sent] == ["lifespan.startup.failed"]
+    assert events == ["opened", "closed"]
