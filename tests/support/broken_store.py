@@ -12,8 +12,6 @@ from starlette_idempotency.stores import AcquireResult, FencedWrite, Idempotency
 class BrokenStore(MemoryStore):
     """A MemoryStore whose chosen operations fail or hang."""
 
-    never_blocks = False  # it may hang: the middleware must bound its calls
-
     def __init__(self, *, failing: set[str], hang: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.failing = failing
