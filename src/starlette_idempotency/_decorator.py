@@ -29,6 +29,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 POLICY_ATTRIBUTE = "__idempotency_overrides__"
 MARKS_START_ATTRIBUTE = "__idempotency_marks_start__"
 
+# What a route's options are checked against when the decorator runs (see idempotent()).
+_LOOSEST = IdempotencyPolicy(ttl_hours=1e9, lock_ttl_seconds=1e-9)
+
 
 def _wrap_marking_start(func: _F) -> _F:
     if inspect.iscoroutinefunction(func):
@@ -78,9 +81,10 @@ def idempotent(func: Any = None, /, **options: Any) -> Any:
     if unknown:
         raise unknown_option_error(unknown, ROUTE_OPTIONS, "@idempotent")
     given = {name: value for name, value in options.items() if value is not None}
-    # Validate now, at import time, and keep the normalised values. The lock may outlive the
-    # default retention here: the middleware's ttl_hours is what it will be merged with.
-    validated = IdempotencyPolicy(ttl_hours=float("inf")).merged(given)
+    # Validate now, at import time, and keep the normalised values. Whether the lock outlives
+    # the retention depends on the middleware's values too: merged with the loosest ones here,
+    # it is checked with the real ones at startup.
+    validated = _LOOSEST.merged(given)
     overrides = {name: getattr(validated, name) for name in given}
 
     def decorate(func: _F) -> _F:

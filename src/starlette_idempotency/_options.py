@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 import numbers
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -48,10 +49,11 @@ def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _check_option(name: str, declared: Any, value: object) -> None:
-    """Refuse ``value`` for the option ``name`` unless it fits the type the policy declares:
-    one of a ``Literal``'s values, ``True`` or ``False``, a positive number of the unit its name
-    ends in (``_hours``, ``_seconds``), a whole number of bytes."""
+def check_option(name: str, declared: Any, value: object) -> None:
+    """Refuse ``value`` for the option ``name`` unless it fits its declared type: one of a
+    ``Literal``'s values, ``True`` or ``False``, a positive finite number (of the unit its name
+    ends in: ``_hours``, ``_seconds``), a whole number that is not negative (of bytes, for a
+    name ending in ``_bytes``). Other types are not checked here."""
     if typing.get_origin(declared) is Literal:
         allowed = typing.get_args(declared)
         if value not in allowed:
@@ -62,14 +64,15 @@ def _check_option(name: str, declared: Any, value: object) -> None:
         if not isinstance(value, bool):
             raise ConfigurationError(f"{name} must be True or False, not {value!r}")
     elif declared is float:
-        if not _is_number(value) or not value > 0:
+        if not _is_number(value) or not 0 < value < math.inf:
             unit = name.rsplit("_", 1)[-1]
             raise ConfigurationError(f"{name} must be a positive number of {unit}, not {value!r}")
     elif declared is int:
+        unit = " of bytes" if name.endswith("_bytes") else ""
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigurationError(f"{name} must be a whole number of bytes, not {value!r}")
+            raise ConfigurationError(f"{name} must be a whole number{unit}, not {value!r}")
         if value < 0:
-            raise ConfigurationError(f"{name} must not be negative")
+            raise ConfigurationError(f"{name} must not be negative, not {value!r}")
 
 
 @functools.cache
@@ -104,7 +107,7 @@ class IdempotencyPolicy:
 
     def __post_init__(self) -> None:
         for name, declared in _declared_types().items():
-            _check_option(name, declared, getattr(self, name))
+            check_option(name, declared, getattr(self, name))
         if self.lock_ttl_seconds > self.ttl_seconds:
             raise ConfigurationError(
                 f"lock_ttl_seconds ({self.lock_ttl_seconds:g} s) must not exceed ttl_hours "

@@ -101,14 +101,22 @@ class StartupCheck:
         if refusal is not None:
             raise refusal
 
-    async def _check(self, scope: Scope) -> None:
-        """Raise what refuses the startup: a route that would not work as written, or an
-        unreachable store with ``check_store="fail"``."""
+    def route_problems(self, scope: Scope) -> ConfigurationError | None:
+        """Why the routes would not work as written (logged as an error), if they would not:
+        at startup, or at the first request of an app whose lifespan did not run."""
         try:
             self._check_routes(scope)
         except ConfigurationError as exc:
             logger.error("idempotency configuration: %s", exc)
-            raise
+            return exc
+        return None
+
+    async def _check(self, scope: Scope) -> None:
+        """Raise what refuses the startup: a route that would not work as written, or an
+        unreachable store with ``check_store="fail"``."""
+        refusal = self.route_problems(scope)
+        if refusal is not None:
+            raise refusal
         if self.policy == "off":
             return
         findings = await check_store(self._store)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any, Unpack
 
@@ -20,6 +21,7 @@ from starlette_idempotency._options import (
     ROUTE_OPTIONS,
     IdempotencyPolicy,
     RouteOptions,
+    check_option,
     unknown_option_error,
 )
 from starlette_idempotency._renewal import RENEWAL_RESOLUTION
@@ -58,6 +60,46 @@ __all__ = ["IdempotencyMiddleware", "KeyScope"]
 def _option_names() -> frozenset[str]:
     parameters = inspect.signature(IdempotencyMiddleware.__init__).parameters.values()
     return ROUTE_OPTIONS | {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
+
+
+@functools.cache
+def _declared_option_types() -> dict[str, Any]:
+    """The middleware's own options and their declared types (the route options are the
+    policy's to check)."""
+    hints = inspect.get_annotations(IdempotencyMiddleware.__init__, eval_str=True)
+    return {name: hints[name] for name in _option_names() - ROUTE_OPTIONS if name in hints}
+
+
+# An HTTP field name or method (RFC 9110 "token").
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def _check_own_options(options: dict[str, Any]) -> None:
+    """Refuse a middleware option given with a wrong type or value, naming it."""
+    declared = _declared_option_types()
+    for name, value in options.items():
+        if name in declared:
+            check_option(name, declared[name], value)
+    for name in ("max_key_length", "max_waiters"):
+        if options.get(name, 1) < 1:
+            raise ConfigurationError(f"{name} must be at least 1, not {options[name]!r}")
+    header_name = options.get("header_name", DEFAULT_HEADER_NAME)
+    if not isinstance(header_name, str) or not _TOKEN.fullmatch(header_name):
+        raise ConfigurationError(
+            f"header_name must be an HTTP header name such as {DEFAULT_HEADER_NAME!r}, "
+            f"not {header_name!r}"
+        )
+    methods = options.get("methods", ())
+    if isinstance(methods, str | bytes) or not all(
+        isinstance(method, str) and _TOKEN.fullmatch(method) for method in methods
+    ):
+        raise ConfigurationError(
+            f"methods must be a list of HTTP methods such as ['POST', 'PATCH'], not {methods!r}"
+        )
+    if not isinstance(options.get("problem_type", ""), str):
+        raise ConfigurationError(
+            f"problem_type must be a URI string, not {options['problem_type']!r}"
+        )
 
 
 _CAPABILITIES = ("name", "supports_recovery", "never_blocks")
@@ -115,6 +157,7 @@ class IdempotencyMiddleware:
         unknown = options.keys() - known
         if unknown:
             raise unknown_option_error(unknown, known, "IdempotencyMiddleware")
+        _check_own_options(options)
         return super().__new__(cls)
 
     def __init__(
@@ -142,11 +185,6 @@ class IdempotencyMiddleware:
         **route_defaults: Unpack[RouteOptions],
     ) -> None:
         _check_store_object(store)
-        if min(max_key_length, max_waiters) < 1 or max_body_bytes < 0 or store_timeout_seconds <= 0:
-            raise ConfigurationError(
-                "max_key_length, max_waiters, max_body_bytes and store_timeout_seconds "
-                "must be positive"
-            )
         self.app = app
         self.store = store
         self.header_name = header_name
@@ -213,6 +251,12 @@ class IdempotencyMiddleware:
         if self._openapi is not None:  # the first scope: document its app, once
             openapi, self._openapi = self._openapi, None
             openapi.install(scope)
+            if scope["type"] != "lifespan":
+                # No lifespan ran to check the routes: log what it would have refused. A
+                # misplaced decorator or a lock longer than the retention also fails its own
+                # route's requests; a decorator on a route whose methods are not guarded
+                # changes nothing.
+                self._startup_check.route_problems(scope)
         if scope["type"] != "http" or scope["method"] not in self._methods:
             if scope["type"] == "lifespan":
                 await self._startup_check.run(self.app, scope, receive, send)

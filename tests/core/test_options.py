@@ -119,6 +119,45 @@ def test_wrong_option_values_name_the_option_and_what_it_accepts(
         IdempotencyMiddleware(Starlette(), store=MemoryStore(), **options)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_key_length": "10"}, "max_key_length must be a whole number, not '10'"),
+        ({"max_key_length": 10.5}, "max_key_length must be a whole number, not 10.5"),
+        ({"max_key_length": 0}, "max_key_length must be at least 1, not 0"),
+        ({"max_waiters": "x"}, "max_waiters must be a whole number, not 'x'"),
+        ({"max_waiters": 0}, "max_waiters must be at least 1, not 0"),
+        ({"max_body_bytes": "1"}, "max_body_bytes must be a whole number of bytes, not '1'"),
+        ({"max_body_bytes": -1}, "max_body_bytes must not be negative, not -1"),
+        ({"store_timeout_seconds": "1"}, "store_timeout_seconds must be a positive number of"),
+        ({"store_timeout_seconds": 0}, "store_timeout_seconds must be a positive number of"),
+        ({"protect_all": "yes"}, "protect_all must be True or False, not 'yes'"),
+        ({"tracing": 1}, "tracing must be True or False, not 1"),
+        ({"log_keys": "md5"}, "log_keys must be one of 'raw', 'hashed', not 'md5'"),
+        ({"check_store": "loud"}, "check_store must be one of 'warn', 'fail', 'off'"),
+        ({"header_name": 5}, "header_name must be an HTTP header name such as"),
+        ({"header_name": ""}, "header_name must be an HTTP header name such as"),
+        ({"header_name": "Idempotency Key"}, "header_name must be an HTTP header name such as"),
+        ({"methods": "POST"}, "methods must be a list of HTTP methods such as ['POST', 'PATCH']"),
+        ({"methods": ["POST", ""]}, "methods must be a list of HTTP methods such as"),
+        ({"problem_type": 3}, "problem_type must be a URI string, not 3"),
+        ({"ttl_hours": float("inf")}, "ttl_hours must be a positive number of hours, not inf"),
+        ({"wait_timeout_seconds": float("nan")}, "wait_timeout_seconds must be a positive"),
+    ],
+)
+def test_wrong_middleware_option_values_name_the_option(
+    options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        IdempotencyMiddleware(Starlette(), store=MemoryStore(), **options)  # type: ignore[arg-type]
+
+
+def test_a_route_retention_shorter_than_the_default_lock_is_checked_with_the_middlewares() -> None:
+    """The decorator cannot know the middleware's lock yet: it checks the pair at startup."""
+    options = idempotent(ttl_hours=0.005)  # 18 s: shorter than the default 30 s lock
+    assert callable(options)
+
+
 def test_unknown_options_get_a_did_you_mean() -> None:
     with pytest.raises(ConfigurationError, match=r"'ttl_hour' \(did you mean 'ttl_hours'\?\)"):
         idempotent(ttl_hour=48)  # type: ignore[call-overload]

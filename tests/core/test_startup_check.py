@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
@@ -229,3 +230,23 @@ async def test_a_refused_startup_ends_the_app_and_runs_its_shutdown() -> None:
         await asyncio.wait_for(app(scope, receive, send), timeout=5)
     assert [message["type"] for message in sent] == ["lifespan.startup.failed"]
     assert events == ["opened", "closed"]
+
+
+async def test_without_a_lifespan_the_first_request_logs_what_startup_would_refuse(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = fastapi_app()
+
+    @app.get("/items")
+    @idempotent()
+    async def items() -> list[int]:
+        return []
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        with caplog.at_level(logging.ERROR):
+            for _ in range(2):
+                assert (await client.get("/items")).status_code == 200
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(logged) == 1, logged
+    assert "@idempotent on /items (GET) does nothing" in logged[0]
