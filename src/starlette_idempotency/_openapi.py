@@ -175,7 +175,12 @@ class OpenAPIDocumenter:
             str(code): answer for code, answer in (operation.get("responses") or {}).items()
         }
         for code, response in responses.items():
-            if code[:1] in ("2", "3") and isinstance(response, Mapping) and "$ref" not in response:
+            if (
+                policy.replay == "response"  # under "reject", a retry gets a 409 instead
+                and code[:1] in ("2", "3")
+                and isinstance(response, Mapping)
+                and "$ref" not in response
+            ):
                 responses[code] = _with_headers(response, fragments.SUCCESS_HEADERS)
         error = _component(schemas, self._error_schema)
         for status, description, headers in self._errors(policy):

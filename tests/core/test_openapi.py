@@ -280,6 +280,8 @@ async def test_replay_reject_documents_already_processed_with_its_location() -> 
     assert "A request is outstanding" in conflict["description"]
     assert set(conflict["headers"]) == {"Retry-After", "Location"}
     assert "refused (409)" in key_parameters(operation)[0]["description"]
+    # such a route never replays: its success answers carry no replay headers
+    assert "X-Idempotent-Replay" not in operation["responses"]["200"].get("headers", {})
 
 
 async def test_fail_open_routes_have_no_503() -> None:
