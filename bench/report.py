@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from bench.configs import BY_NAME, FLOOR_FOR, AppName
 from bench.load import MODES, Mode
 from bench.micro import Cost, MicroResult, ProfileResult
-from bench.report_model import Report, Runs, Spread, ratio_cell, table
+from bench.report_model import Report, Runs, Spread, cpu_allowance, ratio_cell, table
 from bench.report_payments import payments_sections
 from bench.roundtrips import ConfigCounts
 
@@ -471,7 +471,7 @@ def _ratio_target(
     why = ""
     mine, theirs = runs.values(config, mode, "cpu"), runs.values(other, mode, "cpu")
     if not met and mine is not None and theirs is not None:
-        budget = theirs.median / minimum
+        budget = theirs.median + cpu_allowance(theirs.median, minimum)
         why = (
             f"{label}: `{other}` spends {theirs.median:.0f} µs of server CPU per request, so "
             f"the target allows `{config}` at most {budget:.0f} µs; it spends "

@@ -105,6 +105,12 @@ class Runs:
         return Spread.of(ratios)
 
 
+def cpu_allowance(baseline_cpu_us: float, least_ratio: float) -> float:
+    """µs of server CPU per request a CPU-bound worker may spend on top of its baseline's and
+    still answer at ``least_ratio`` times the baseline's rate."""
+    return baseline_cpu_us * (1 / least_ratio - 1)
+
+
 def ratio_cell(spread: Spread | None) -> str:
     return "–" if spread is None else spread.show(2, "x")
 

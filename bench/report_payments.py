@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from bench.configs import BY_NAME, AppName
 from bench.load import MODES, Mode, RunResult
 from bench.micro import MicroResult
-from bench.report_model import Report, Runs, Spread, table
+from bench.report_model import Report, Runs, Spread, cpu_allowance, table
 
 # Issue #17's targets, for the payments app (medians of per-round ratios, one run).
 UNIQUE_REDIS_VS_MOBIUS = 1.1
@@ -215,7 +215,7 @@ def allowance_section(report: Report) -> list[str]:
             if not pairs:
                 continue
             base = Spread.of([theirs for theirs, _ in pairs])
-            allowed = Spread.of([theirs * (1 / least - 1) for theirs, _ in pairs])
+            allowed = Spread.of([cpu_allowance(theirs, least) for theirs, _ in pairs])
             spent = Spread.of([ours - theirs for theirs, ours in pairs])
             assert base is not None
             assert allowed is not None
