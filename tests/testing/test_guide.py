@@ -44,8 +44,9 @@ def store(request: pytest.FixtureRequest) -> FaultyStore:
 
 @pytest.fixture
 async def client(store: FaultyStore, executions: Executions) -> AsyncIterator[httpx.AsyncClient]:
-    # A short store timeout, so that a stalled store turns into a 503 quickly.
-    async with client_for(store, fake_provider(executions), store_timeout_seconds=0.2) as client:
+    # A stalled store turns into a 503 after store_timeout_seconds (1 s by default). Keep it
+    # well above a first connection to a busy server, or a slow connect is a 503 too.
+    async with client_for(store, fake_provider(executions)) as client:
         yield client
 
 
