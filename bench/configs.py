@@ -114,8 +114,6 @@ CONFIGS: tuple[Config, ...] = (
 
 BY_NAME: dict[str, Config] = {config.name: config for config in CONFIGS}
 
-# The configurations that keep their records in Redis (round trips and record sizes).
-REDIS_CONFIGS: tuple[str, ...] = tuple(c.name for c in CONFIGS if "redis" in c.needs)
 # Whose throughput the targets compare against which floor.
 FLOOR_FOR: dict[str, str] = {
     "ours-redis-setnx": "floor-redis",

@@ -31,8 +31,6 @@ from bench.configs import AppName, Config
 from bench.load import MODES, LoadSettings, Mode
 from bench.requests import REQUEST_BODIES
 
-MICRO_CONFIGS = ("bare", "floor-memory", "ours-memory", "aih-memory", "mobius-memory")
-
 
 def micro_configs(configs: tuple[Config, ...], redis: bool) -> tuple[str, ...]:
     """The configurations the microbenchmark can call in-process: those that need no server,
