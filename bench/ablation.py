@@ -36,6 +36,7 @@ from unittest import mock
 
 from bench.app import AppSettings, build_app
 from bench.asgi import call, running
+from bench.configs import floor_of
 from bench.load import MODES, Mode
 from bench.micro import run_async
 from bench.requests import REQUEST_BODIES
@@ -47,7 +48,7 @@ from starlette_idempotency.stores.redis import _store as redis_store
 
 CONFIGS = ("ours-memory", "ours-redis-setnx")
 # Each configuration's floor (bench.floor), measured in the same trials as the ``floor`` row.
-FLOORS = {"ours-memory": "floor-memory", "ours-redis-setnx": "floor-redis"}
+FLOORS = {config: floor for config in CONFIGS if (floor := floor_of(config))}
 Patch = Callable[[], contextlib.AbstractContextManager[Any]]
 
 

@@ -124,6 +124,17 @@ FLOOR_FOR: dict[str, str] = {
 }
 
 
+def floor_of(name: str) -> str | None:
+    """The floor a configuration of ours or a peer compares against: ``floor-redis`` for a Redis
+    store, ``floor-memory`` for an in-process one (none for a server-backed store without one)."""
+    config = BY_NAME.get(name)
+    if config is None or config.kind not in ("ours", "peer"):
+        return None
+    if "redis" in config.needs:
+        return "floor-redis"
+    return None if config.needs else "floor-memory"
+
+
 def select(names: str | None) -> tuple[Config, ...]:
     """The configurations named in a comma-separated list (all when ``None``), in run order."""
     if not names:

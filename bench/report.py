@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench.configs import BY_NAME, FLOOR_FOR, AppName
+from bench.configs import BY_NAME, FLOOR_FOR, AppName, floor_of
 from bench.load import MODES, Mode
 from bench.micro import Cost, MicroResult, ProfileResult
 from bench.report_model import Report, Runs, Spread, cpu_allowance, ratio_cell, table
@@ -34,18 +34,6 @@ PEERS_LIKE_FOR_LIKE = {
 # --- sections -----------------------------------------------------------------------------
 
 
-def _floor_of(config: str) -> str | None:
-    """The floor that a configuration's floor ratios compare against (Redis or in-process)."""
-    if config in FLOOR_FOR:
-        return FLOOR_FOR[config]
-    kind, needs = BY_NAME[config].kind, BY_NAME[config].needs
-    if kind not in ("ours", "peer"):
-        return None
-    if "redis" in needs:
-        return "floor-redis"
-    return None if needs else "floor-memory"
-
-
 def load_section(runs: Runs, mode: Mode, heading: str = "###") -> list[str]:
     title = {
         "unique": "Unique key per request (every request acquires, runs, completes)",
@@ -57,7 +45,7 @@ def load_section(runs: Runs, mode: Mode, heading: str = "###") -> list[str]:
         results = runs.of(config, mode)
         if not results:
             continue
-        floor = _floor_of(config)
+        floor = floor_of(config)
 
         def cell(metric: str, digits: int = 0) -> str:
             spread = runs.values(config, mode, metric)  # noqa: B023 - used at once

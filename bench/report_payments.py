@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench.configs import BY_NAME, AppName
+from bench.configs import BY_NAME, AppName, floor_of
 from bench.load import MODES, Mode, RunResult
 from bench.micro import MicroResult
 from bench.report_model import Report, Runs, Spread, cpu_allowance, table
@@ -38,11 +38,6 @@ CPU_BUDGET_US: dict[tuple[str, Mode], float] = {
     ("ours-redis-setnx", "replay"): 95.0,
     ("ours-redis-glide", "unique"): 350.0,
     ("ours-redis-glide", "replay"): 190.0,
-}
-_FLOOR = {
-    "ours-memory": "floor-memory",
-    "ours-redis-setnx": "floor-redis",
-    "ours-redis-glide": "floor-redis",
 }
 # The decorated configuration and its protect_all=True variant, side by side.
 _VARIANTS: dict[str, str] = {
@@ -166,7 +161,7 @@ def targets_section(report: Report) -> list[str]:
         )
     for (config, mode), budget in CPU_BUDGET_US.items():
         row(
-            f"`{config}` {mode}: own in-process CPU over `{_FLOOR[config]}` ≤ {budget:.0f} µs "
+            f"`{config}` {mode}: own in-process CPU over `{floor_of(config)}` ≤ {budget:.0f} µs "
             "(microbenchmark)",
             config,
             lambda c, mode=mode, budget=budget: budgets.get(  # type: ignore[misc]
@@ -261,7 +256,8 @@ def cpu_budget_checks(micro: dict[tuple[str, Mode], MicroResult]) -> dict[tuple[
     """Our CPU over the floor's, per configuration (both variants) and mode, vs the budget."""
     checks: dict[tuple[str, Mode], Check] = {}
     for (config, mode), budget in CPU_BUDGET_US.items():
-        floor = micro.get((_FLOOR[config], mode))
+        floor_name = floor_of(config)
+        floor = micro.get((floor_name, mode)) if floor_name else None
         for name in (config, _VARIANTS.get(config)):
             ours = micro.get((name, mode)) if name else None
             if name is None or ours is None or floor is None:
@@ -293,7 +289,7 @@ def cpu_section(report: Report) -> list[str]:
             cells = [f"`{config}`"]
             for mode in MODES:
                 result, bare = micro.get((config, mode)), micro.get(("bare", mode))
-                floor_name = _floor_of(config)
+                floor_name = floor_of(config)
                 floor = micro.get((floor_name, mode)) if floor_name else None
                 if result is None:
                     cells += ["–", "–", "–"]
@@ -333,15 +329,6 @@ def cpu_section(report: Report) -> list[str]:
         if checks:
             lines.append("")
     return lines
-
-
-def _floor_of(config: str) -> str | None:
-    spec = BY_NAME.get(config)
-    if spec is None or spec.kind not in ("ours", "peer"):
-        return None
-    if "redis" in spec.needs:
-        return "floor-redis"
-    return None if spec.needs else "floor-memory"
 
 
 # --- the MemoryStore tail ---------------------------------------------------------------
