@@ -74,6 +74,7 @@ def orders_body(size: int = 1 << 20, seed: int = 7) -> bytes:
 def fingerprint(body: bytes, excluded: frozenset[str]) -> str:
     kind, canonical = raw_body_form(body, content_type="application/json", excluded=excluded)
     return request_fingerprint(
+        endpoint="bench:orders",
         method="POST",
         path="/orders",
         query_string=b"",

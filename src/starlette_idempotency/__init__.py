@@ -22,6 +22,7 @@ from starlette_idempotency.errors import (
     LockLostError,
     StoreError,
     StoreTimeoutError,
+    UnguardedRequestError,
 )
 from starlette_idempotency.middleware import IdempotencyMiddleware, KeyScope
 from starlette_idempotency.observability import (
@@ -98,6 +99,7 @@ __all__ = [
     "StoreError",
     "StoreTimeoutError",
     "StoredResponse",
+    "UnguardedRequestError",
     "__version__",
     "checkpoint",
     "idempotency_context",

@@ -63,19 +63,31 @@ def _command(value: Any, excluded: frozenset[str]) -> Any:
     return to_jsonable_python(value)
 
 
+#: ``absent`` for a body the route requires: a request without one is no command.
+REQUIRED: Any = object()
+
+
 class CommandFingerprinter:
     """Validates a JSON body against a type and gives its canonical command bytes.
 
     ``json_without_content_type`` says whether the route reads a body sent without a content
-    type as JSON, as FastAPI does unless its ``strict_content_type`` is on.
+    type as JSON, as FastAPI does unless its ``strict_content_type`` is on. ``absent`` is the
+    value a request without a body stands for (the body parameter's default, as FastAPI fills
+    it in), or :data:`REQUIRED`.
     """
 
     def __init__(
-        self, body_type: Any, excluded: frozenset[str], *, json_without_content_type: bool = True
+        self,
+        body_type: Any,
+        excluded: frozenset[str],
+        *,
+        json_without_content_type: bool = True,
+        absent: Any = None,
     ) -> None:
         self._adapter: TypeAdapter[Any] = TypeAdapter(body_type)
         self._excluded = excluded
         self._json_without_content_type = json_without_content_type
+        self._absent = absent
 
     def canonical(self, body: bytes, content_type: str) -> tuple[str, bytes] | None:
         """The body's canonical form as ``(kind, bytes)``: the ``command`` when the body is
@@ -84,22 +96,27 @@ class CommandFingerprinter:
         reads_json = (
             is_json_content_type(content_type) if content_type else self._json_without_content_type
         )
-        if body and not reads_json:
+        if not body:  # FastAPI reads no body at all, and takes the parameter's default
+            if self._absent is REQUIRED:
+                return None
+            value = self._absent
+        elif not reads_json:
             return self._raw(body, content_type)
-        try:
-            # The standard library's parser, as Starlette's Request.json() uses: whatever the
-            # app accepts (NaN, integers past 64 bits) is accepted here too.
-            data = json.loads(body) if body else None
-        except RecursionError:
-            return self._raw(body, content_type)
-        except ValueError:
-            return None
-        if not json_depth_within_limit(data):
-            return self._raw(body, content_type)
-        try:
-            value = self._adapter.validate_python(data)
-        except ValidationError:
-            return None
+        else:
+            try:
+                # The standard library's parser, as Starlette's Request.json() uses: whatever
+                # the app accepts (NaN, integers past 64 bits) is accepted here too.
+                data = json.loads(body)
+            except RecursionError:
+                return self._raw(body, content_type)
+            except ValueError:
+                return None
+            if not json_depth_within_limit(data):
+                return self._raw(body, content_type)
+            try:
+                value = self._adapter.validate_python(data)
+            except ValidationError:
+                return None
         try:
             return "command", _encode(_command(value, self._excluded)).encode("ascii")
         except (RecursionError, ValueError, ArithmeticError):
@@ -124,8 +141,16 @@ def fingerprinter_for_route(route: Any, excluded: frozenset[str]) -> CommandFing
     # A DefaultPlaceholder until set; an including router may still change it, in which case
     # a body without a content type takes the raw fingerprint, which is always safe.
     strict = getattr(route, "strict_content_type", False)
+    field_info = body_field.field_info
+    if field_info.is_required():
+        absent = REQUIRED
+    elif field_info.default_factory is not None:
+        absent = None  # a fresh default each time: the same absent body for every retry
+    else:
+        absent = field_info.default
     return CommandFingerprinter(
-        body_field.field_info.annotation,
+        field_info.annotation,
         excluded,
         json_without_content_type=not getattr(strict, "value", strict),
+        absent=absent,
     )

@@ -20,17 +20,25 @@ order of its values), and the body, whose form is named by its kind:
     non-ASCII bytes and escaped ones stay apart, as Starlette decodes them apart, and so do
     ``%FF`` and ``%FE``, which it decodes alike. Names that some decoder may read alike
     (``%FF`` and ``%FE`` again) keep their relative order too.
+``multipart``
+    ``multipart/form-data``: the parts in order, each as its headers (names lower-cased,
+    values as sent: its name, filename and content type) and the SHA-256 of its content; the
+    boundary, which every client draws anew for each request, and the preamble and epilogue
+    that parsers ignore are left out. Excluded fields are dropped by name. A body that is not
+    well-formed multipart takes the ``bytes`` form.
 ``bytes;<media type>``
-    Everything else, byte for byte, with its media type (parameters dropped): multipart
-    bodies too, so a client retrying one must resend the same bytes, boundary included.
-    Also JSON nested deeper than 254 levels (as deep as orjson writes) and bodies that are
-    not the JSON they claim to be.
+    Everything else, byte for byte, with its media type (parameters dropped). Also JSON
+    nested deeper than 254 levels (as deep as orjson writes) and bodies that are not the JSON
+    they claim to be.
 
 The rule: two bodies that Python's ``json`` reads as different values (``1`` and ``1.0``,
 ``2**64`` and ``2**64 + 1``, ``NaN`` and ``null``) never share a fingerprint. Two it reads as
 equal share one when both take the same path; one value sent once as ``json`` and once as
 ``json-exact`` (with and without a byte order mark, say) is two requests: a 422, never a
 wrong replay.
+
+Why one module: each canonical form is held to that one rule and read against the others (a
+body that fails one form falls to the next, and its kind names the form that made it).
 """
 
 from __future__ import annotations
@@ -47,10 +55,11 @@ from urllib.parse import parse_qsl, unquote
 import orjson
 
 FINGERPRINT_PREFIX = "sha256:"
-FINGERPRINT_SCHEME = "2"
+FINGERPRINT_SCHEME = "3"
 MAX_JSON_DEPTH = 254  # orjson.dumps' limit, applied to the standard library's path as well
 _SORT_KEYS = orjson.OPT_SORT_KEYS
 _FORM_MEDIA_TYPE = "application/x-www-form-urlencoded"
+_MULTIPART_MEDIA_TYPE = "multipart/form-data"
 # Sorts (name, value) pairs by name alone (see request_fingerprint).
 _BY_NAME = operator.itemgetter(0)
 
@@ -288,22 +297,93 @@ def canonical_form(body: bytes, excluded: frozenset[str] = frozenset()) -> bytes
     return b"&".join(fields)
 
 
+_BOUNDARY = re.compile(r';\s*boundary\s*=\s*(?:"([^"]+)"|([^;\s]+))', re.IGNORECASE)
+_FIELD_NAME = re.compile(rb';\s*name\s*=\s*(?:"([^"]*)"|([^;\s]+))', re.IGNORECASE)
+
+
+def canonical_multipart(
+    body: bytes, content_type: str, excluded: frozenset[str] = frozenset()
+) -> bytes | None:
+    """The canonical form of a ``multipart/form-data`` body (see the module docstring), or
+    ``None`` when it is not well-formed multipart (RFC 2046, as Starlette's parser reads it).
+
+    Each part's content is hashed where it lies (a ``memoryview``), so no part is copied.
+    """
+    found = _BOUNDARY.search(content_type)
+    if found is None:
+        return None
+    boundary_line = b"--" + (found[1] or found[2]).encode("latin-1")
+    delimiter = b"\r\n" + boundary_line
+    # The first delimiter may open the body, without the line break before it.
+    if body.startswith(boundary_line):
+        at = len(boundary_line)
+    else:
+        at = body.find(delimiter)
+        if at < 0:
+            return None
+        at += len(delimiter)
+    view = memoryview(body)
+    parts: list[tuple[list[tuple[str, str]], str]] = []
+    while not body.startswith(b"--", at):  # "--" after a delimiter closes the body
+        line_end = body.find(b"\r\n", at)
+        if line_end < 0 or body[at:line_end].strip(b" \t"):
+            return None
+        start = line_end + 2
+        end = body.find(delimiter, start)
+        if end < 0:
+            return None
+        if body.startswith(b"\r\n", start):  # a part with no headers
+            head, content = b"", start + 2
+        else:
+            head_end = body.find(b"\r\n\r\n", start, end)
+            if head_end < 0:
+                return None
+            head, content = body[start:head_end], head_end + 4
+        headers = []
+        for line in head.split(b"\r\n") if head else ():
+            name, colon, value = line.partition(b":")
+            if not colon or not name or name[:1] in b" \t":  # folded or malformed
+                return None
+            headers.append((name.decode("latin-1").lower(), value.strip(b" \t").decode("latin-1")))
+        if not (excluded and _part_name(headers) in excluded):
+            parts.append((headers, hashlib.sha256(view[content:end]).hexdigest()))
+        at = end + len(delimiter)
+    return orjson.dumps(parts)
+
+
+def _part_name(headers: list[tuple[str, str]]) -> str | None:
+    """The lower-cased field name in a part's ``Content-Disposition``, if it has one."""
+    for name, value in headers:
+        if name == "content-disposition":
+            found = _FIELD_NAME.search(value.encode("latin-1"))
+            if found is not None:
+                return (found[1] if found[1] is not None else found[2]).decode("latin-1").lower()
+    return None
+
+
 def raw_body_form(body: bytes, *, content_type: str, excluded: frozenset[str]) -> tuple[str, bytes]:
-    """The body as the ``raw`` fingerprint sees it, as ``(kind, canonical bytes)``: JSON and
-    urlencoded forms canonicalised, anything else as its bytes (see the module docstring)."""
+    """The body as the ``raw`` fingerprint sees it, as ``(kind, canonical bytes)``: JSON,
+    urlencoded and multipart forms canonicalised, anything else as its bytes (see the module
+    docstring)."""
+    media_type = _media_type(content_type)
     if is_json_content_type(content_type):
         canonical = canonical_json(body, excluded)
         if canonical is not None:
             return canonical
-    elif _media_type(content_type) == _FORM_MEDIA_TYPE:
+    elif media_type == _FORM_MEDIA_TYPE:
         return "form", canonical_form(body, excluded)
+    elif media_type == _MULTIPART_MEDIA_TYPE:
+        multipart = canonical_multipart(body, content_type, excluded)
+        if multipart is not None:
+            return "multipart", multipart
     # The media type goes with the bytes: one body under two content types may be two requests
     # to the app (JSON for one, a form or plain text for the other).
-    return f"bytes;{_media_type(content_type)}", body
+    return f"bytes;{media_type}", body
 
 
 def request_fingerprint(
     *,
+    endpoint: str,
     method: str,
     path: str,
     query_string: bytes,
@@ -313,9 +393,11 @@ def request_fingerprint(
 ) -> str:
     """``sha256:<hex>`` of the canonical request.
 
-    ``headers`` are the (lower-cased name, value) pairs chosen to take part; ``body`` is already
+    ``endpoint`` names the handler the request reaches (``module:qualname``), so that a key
+    two endpoints (or two apps on one store) meet on is two requests, never one. ``headers``
+    are the (lower-cased name, value) pairs chosen to take part; ``body`` is already
     in canonical form, and ``body_kind`` names that form ("json", "json-exact", "form",
-    "bytes;<media type>" or "command").
+    "multipart", "bytes;<media type>" or "command").
     """
     # Sorted by name only: a repeated parameter or header keeps the order of its values, which
     # the app sees (Starlette's ``get`` takes the last query value and the first header value).
@@ -325,7 +407,7 @@ def request_fingerprint(
         else []
     )
     # The head is one JSON array, so it ends unambiguously before the body bytes begin.
-    head = orjson.dumps([method, path, query, sorted(headers, key=_BY_NAME), body_kind])
+    head = orjson.dumps([endpoint, method, path, query, sorted(headers, key=_BY_NAME), body_kind])
     digest = hashlib.sha256(head)
     digest.update(body)
     return FINGERPRINT_PREFIX + digest.hexdigest()

@@ -6,6 +6,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable
 
+from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection
 
 from starlette_idempotency._types import Scope
@@ -40,9 +41,21 @@ class KeyScopeResolver:
 
     async def __call__(self, scope: Scope) -> str:
         if self._key_scope is not None:
-            value = self._key_scope(HTTPConnection(scope))
-            if inspect.isawaitable(value):
-                value = await value
+            try:
+                value = self._key_scope(HTTPConnection(scope))
+                if inspect.isawaitable(value):
+                    value = await value
+            except HTTPException:
+                raise  # the app's own answer (a 401 for a bad token, say): the request sends it
+            except Exception:
+                logger.exception(
+                    "key_scope %r raised on %s %s, so the request fails with a 500; to refuse "
+                    "a request (a missing or expired token), raise an HTTPException from it",
+                    self._key_scope,
+                    scope.get("method"),
+                    scope.get("path"),
+                )
+                raise
             return "" if value is None else str(value)
         user = scope.get("user")
         if user is None:

@@ -154,7 +154,7 @@ class OpenAPIDocumenter:
             for method in entry.methods:
                 if (path, method.lower()) not in decided:  # the first route matches first
                     guarded = method in self._methods
-                    policy = self._resolver.policy_for(entry.endpoint) if guarded else None
+                    policy = self._resolver.policy_for(entry.handler) if guarded else None
                     decided[path, method.lower()] = policy
         return {operation: policy for operation, policy in decided.items() if policy}
 

@@ -4,6 +4,9 @@ Validate the key, buffer and fingerprint the body, and acquire the key as ``InPr
 an :class:`~starlette_idempotency._ownership.OwnedKey` runs the app and settles the outcome. A
 key already held answers with a replay, a 409 (or a wait for the first request) or a 422
 without running the app.
+
+Why one module: every step before the key is owned reads what the one pass over the headers
+found, and each answer to a key already held follows from the same comparison of records.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import secrets
 import time
 from collections.abc import Awaitable
 from dataclasses import replace
+
+from starlette.exceptions import HTTPException
 
 from starlette_idempotency._capture import ReplayingReceive
 from starlette_idempotency._fingerprint import raw_body_form, request_fingerprint, storage_key
@@ -29,6 +34,7 @@ from starlette_idempotency._responses import (
     Problem,
     replay_for,
     retry_after_seconds,
+    send_http_exception,
     send_replay,
     send_requires_recovery,
 )
@@ -50,9 +56,11 @@ class GuardedRequest:
 
     __slots__ = (
         "_chosen_headers",
+        "_content_encoded",
         "_content_length",
         "_content_type",
         "_events",
+        "_key_template",
         "_policy",
         "_receive",
         "_route",
@@ -66,12 +74,16 @@ class GuardedRequest:
         self,
         services: RequestServices,
         route: GuardedRoute,
+        key_template: str,
         scope: Scope,
         receive: Receive,
         send: Send,
     ) -> None:
         self._services = services
         self._route = route
+        #: The route's template in the storage key: the path template, after the host the
+        #: request matched when ``Host`` routes tell hosts apart.
+        self._key_template = key_template
         self._policy = route.policy
         self._scope = scope
         self._receive = receive
@@ -79,6 +91,7 @@ class GuardedRequest:
         self._events = RequestEvents(services.observer, scope["method"], route.template)
         self._content_length: int | None = None
         self._content_type = ""
+        self._content_encoded = False
         self._chosen_headers: list[tuple[str, str]] = []
         self._store_key = ""
 
@@ -111,12 +124,15 @@ class GuardedRequest:
             if name == limits.header_bytes:
                 raw_keys.append(value)
             elif name == b"content-length":
-                length = int(value) if value.isdigit() else _INVALID_LENGTH
+                # Digits only, and few enough to be a length (int() refuses 4,300 and more).
+                length = int(value) if value.isdigit() and len(value) <= 18 else _INVALID_LENGTH
                 if self._content_length not in (None, length):
                     length = _INVALID_LENGTH  # two Content-Length headers that disagree
                 self._content_length = length
             elif name == b"content-type" and not self._content_type:
                 self._content_type = value.decode("latin-1")
+            elif name == b"content-encoding":
+                self._content_encoded |= value.strip().lower() != b"identity"
             if name in wanted:
                 self._chosen_headers.append((name.decode("latin-1"), value.decode("latin-1")))
         if not raw_keys:
@@ -182,10 +198,11 @@ class GuardedRequest:
 
     def _fingerprint(self, body: bytes) -> str | None:
         """The request's fingerprint; ``None`` when ``fingerprint="validated"`` finds the body
-        is not a valid command."""
+        is not a valid command. An encoded body (``Content-Encoding: gzip``, which a custom
+        route class may decode) is no command the middleware can read: it takes the raw form."""
         scope = self._scope
         command = self._route.command
-        if command is None:
+        if command is None or self._content_encoded:
             kind, canonical = raw_body_form(
                 body, content_type=self._content_type, excluded=self._policy.excluded_field_names
             )
@@ -195,6 +212,7 @@ class GuardedRequest:
                 return None
             kind, canonical = form
         return request_fingerprint(
+            endpoint=self._route.handler_name,
             method=scope["method"],
             path=scope["path"],
             query_string=scope.get("query_string", b""),
@@ -209,9 +227,15 @@ class GuardedRequest:
         if fingerprint is None:
             await self._pass_invalid_command(body)
             return
-        self._store_key = storage_key(
-            await services.key_scope(self._scope), self._scope["method"], self._route.template, key
-        )
+        try:
+            owner = await services.key_scope(self._scope)
+        except HTTPException as exc:  # the app's own refusal (a bad token, say): its answer
+            await self._events.decided(CheckResult.SCOPE_REFUSED, note=str(exc.status_code))
+            await send_http_exception(
+                exc, self._scope, ReplayingReceive(body, self._receive), self._send
+            )
+            return
+        self._store_key = storage_key(owner, self._scope["method"], self._key_template, key)
         now = services.clock()
         pending = IdempotencyRecord(
             key=key,

@@ -5,6 +5,7 @@ the one place that maps outcomes to HTTP."""
 from __future__ import annotations
 
 import enum
+import inspect
 import math
 import zlib
 from collections.abc import Callable, Iterable
@@ -12,12 +13,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
 
 from starlette_idempotency._record import IdempotencyRecord, StoredResponse
-from starlette_idempotency._types import REPLAY_HEADER, Send
+from starlette_idempotency._types import REPLAY_HEADER, Receive, Scope, Send
 from starlette_idempotency.errors import ConfigurationError
 
 _REPLAY_HEADER = (REPLAY_HEADER.lower().encode("latin-1"), b"true")
+# The middleware's own answers hold for this request only: no shared cache may keep a 409.
+_NO_STORE = (b"cache-control", b"no-store")
 
 
 class Problem(enum.Enum):
@@ -197,6 +203,7 @@ class ErrorResponder:
         headers = [
             (b"content-type", self._content_type),
             (b"content-length", str(len(body)).encode("latin-1")),
+            _NO_STORE,
         ]
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode("latin-1")))
@@ -329,6 +336,30 @@ async def send_requires_recovery(send: Send, checkpoint: str) -> None:
             "reconciled. Retry later with the same key.",
         }
     )
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        _NO_STORE,
+    ]
     await send({"type": "http.response.start", "status": 202, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def send_http_exception(
+    exc: HTTPException, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """Answer an ``HTTPException`` raised before the app ran (by ``key_scope``) as the app
+    answers it: through its own handler for the exception, if it has one (FastAPI's JSON
+    ``{"detail": ...}``, or the app's), else as Starlette's default does."""
+    handlers = getattr(scope.get("app"), "exception_handlers", None) or {}
+    handler = next((handlers[kind] for kind in type(exc).__mro__ if kind in handlers), None)
+    response: Any
+    if handler is not None:
+        response = handler(Request(scope, receive), exc)
+        if inspect.isawaitable(response):
+            response = await response
+    elif exc.status_code in (204, 304):
+        response = Response(status_code=exc.status_code, headers=exc.headers)
+    else:
+        response = PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
+    await response(scope, receive, send)

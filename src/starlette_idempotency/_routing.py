@@ -15,17 +15,36 @@ keyed by the route object, its endpoint and its full template.
 The routes are those of the app the middleware wraps, found by following ``.app`` down the
 stack: the scope the middleware receives is the scope that app's router will match, however
 many mounts were entered above it. ``scope["app"]`` can name a parent app whose routes sit
-above that scope, so it is used only when its own middleware stack holds this middleware.
+above that scope, so it is used only when its own middleware stack holds this middleware. An
+app mounted whole with no router to find (a GraphQL or WSGI app) is itself the route its
+requests reach, its mount path the template.
+
+What tells two requests apart, by what Starlette matches on:
+
+* method, and the route's full path template (mount prefixes joined): the storage key;
+* host: the host the request matched, as its ``Host`` routes fill their patterns
+  (``acme.shop.example`` for ``{tenant}.shop.example``), joins the template in the key;
+  routes under no ``Host`` keep the key they always had;
+* the path's own values (path parameters, mount parameters), the query and the chosen
+  headers: the fingerprint, so a key reused for another value is a 422;
+* the handler the router calls (``module:qualname``): the fingerprint too, so two endpoints
+  a custom route tells apart by something else (a header), or two apps on one store, never
+  take each other's records: a key they meet on is a 422 to the second.
+
+Why one module: the route a request reaches and the routes walked at startup (the checks,
+OpenAPI) must enter mounts, hosts and included routers alike, or the startup check would
+judge other routes than the requests reach.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from starlette.routing import BaseRoute, Host, Match, Mount
+from starlette.routing import BaseRoute, Host, Match, Mount, WebSocketRoute, replace_params
 
 from starlette_idempotency._decorator import (
     MARKS_START_ATTRIBUTE,
@@ -49,20 +68,70 @@ _MAX_STACK_DEPTH = 64  # bounds the walk down ``.app`` attributes, should they e
 @dataclass(frozen=True, slots=True)
 class GuardedRoute:
     """A route the middleware guards: its template, merged policy, whether the endpoint reports
-    its own start (the documented decorator order), and how its requests are fingerprinted."""
+    its own start (the documented decorator order), and how its requests are fingerprinted.
+
+    ``handler`` is what the router calls for the request's method (the guard marks the request
+    with it, and the ``@idempotent`` wrapper checks the mark); ``handler_name`` names it
+    (``module:qualname``) in every fingerprint, so that two endpoints, or two apps, that meet
+    on one storage key never take each other's records for their own.
+    """
 
     template: str
     policy: IdempotencyPolicy
     marks_start: bool
     fingerprint_version: str
+    handler: object
+    handler_name: str
     command: CommandFingerprinter | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Leaf:
+    """The route a request reaches: ``endpoint`` is the route's (a function, a partial, an
+    ``HTTPEndpoint`` class or a mounted app); ``host`` is the host the request matched, as
+    the ``Host`` routes above it fill their patterns (``""`` when there are none)."""
+
     route: BaseRoute
-    endpoint: Callable[..., Any] | None
+    endpoint: Any
     template: str
+    host: str = ""
+
+
+def endpoint_handler(endpoint: object, method: str) -> object:
+    """What a route's router calls for a ``method`` request to ``endpoint``: the function
+    itself (a ``functools.partial`` unwrapped), or the method of an ``HTTPEndpoint`` class
+    (``head`` falling back to ``get``, as Starlette dispatches)."""
+    while isinstance(endpoint, functools.partial):
+        endpoint = endpoint.func
+    if isinstance(endpoint, type):
+        name = method.lower()
+        if name == "head" and not hasattr(endpoint, "head"):
+            name = "get"
+        return getattr(endpoint, name, None)
+    return endpoint
+
+
+def _handlers(endpoint: object) -> dict[str | None, object]:
+    """Every handler of a route's endpoint: ``{method: handler}`` for a class, ``{None:
+    handler}`` for anything else (which serves each of the route's methods)."""
+    while isinstance(endpoint, functools.partial):
+        endpoint = endpoint.func
+    if not isinstance(endpoint, type):
+        return {None: endpoint}
+    return {
+        name.upper(): handler
+        for name in _HTTP_METHODS
+        if (handler := getattr(endpoint, name, None)) is not None
+    }
+
+
+_HTTP_METHODS = ("get", "head", "post", "put", "patch", "delete", "options", "trace")
+
+
+def handler_name(handler: object) -> str:
+    """``module:qualname`` of a handler, or of the class of an app mounted whole."""
+    named = handler if hasattr(handler, "__qualname__") else type(handler)
+    return f"{getattr(named, '__module__', '')}:{getattr(named, '__qualname__', '')}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,50 +167,64 @@ def _included_router_match(route: Any, scope: Scope) -> tuple[Match, Scope, Any,
     return result
 
 
-def find_leaf(routes: Iterable[BaseRoute], scope: Scope, prefix: str = "") -> _Leaf | None:
-    """The first route that fully matches ``scope``, with its full path template."""
+def find_leaf(
+    routes: Iterable[BaseRoute], scope: Scope, prefix: str = "", host: str = ""
+) -> _Leaf | None:
+    """The first route that fully matches ``scope``, with its full path template and the host
+    it matched."""
     for route in routes:
         if _is_included_router(route):
             match, child_scope, matched, context = _included_router_match(route, scope)
             if match is not Match.FULL:
                 continue
             if _is_included_router(matched):
-                return find_leaf([matched], scope, prefix)
+                return find_leaf([matched], scope, prefix, host)
             if isinstance(matched, Mount | Host):
-                return _enter(matched, scope, child_scope, prefix)
+                return _enter(matched, scope, child_scope, prefix, host)
             template = str(getattr(context, "path", None) or getattr(matched, "path", ""))
-            return _Leaf(matched, child_scope.get("endpoint"), prefix + template)
+            return _Leaf(matched, child_scope.get("endpoint"), prefix + template, host)
         match, child_scope = route.matches(scope)
         if match is not Match.FULL:
             continue
         if isinstance(route, Mount | Host):
-            return _enter(route, scope, child_scope, prefix)
+            return _enter(route, scope, child_scope, prefix, host)
         endpoint = child_scope.get("endpoint", getattr(route, "endpoint", None))
-        return _Leaf(route, endpoint, prefix + getattr(route, "path", ""))
+        return _Leaf(route, endpoint, prefix + getattr(route, "path", ""), host)
     return None
 
 
-def _enter(route: Mount | Host, scope: Scope, child_scope: Scope, prefix: str) -> _Leaf | None:
+def _enter(
+    route: Mount | Host, scope: Scope, child_scope: Scope, prefix: str, host: str
+) -> _Leaf | None:
+    if isinstance(route, Host):
+        # The host joins the key: two hosts (or two tenants of one pattern) that serve one
+        # path are two endpoints to the app.
+        params = dict(child_scope.get("path_params", {}))
+        host += replace_params(route.host_format, route.param_convertors, params)[0]
     below, inner_prefix = _inside(route, prefix)
-    return find_leaf(below.routes, below.scope_for({**scope, **child_scope}), inner_prefix)
+    if below is None:  # an app mounted whole, with no router to look into: the mount is its route
+        return _Leaf(route, route.app, inner_prefix, host)
+    return find_leaf(below.routes, below.scope_for({**scope, **child_scope}), inner_prefix, host)
 
 
-def _inside(route: Mount | Host, prefix: str) -> tuple[_Routes, str]:
-    """The routes a ``Mount`` or ``Host`` dispatches to, and the template prefix below it."""
+def _inside(route: Mount | Host, prefix: str) -> tuple[_Routes | None, str]:
+    """The routes a ``Mount`` or ``Host`` dispatches to (``None`` for an app with no router
+    to find), and the template prefix below it."""
     # ``Mount.routes`` is empty when the mounted app is wrapped (in IdempotencyMiddleware, say),
     # yet the router still dispatches through the wrapper to the routes below it.
-    below = _routes_below(route.app) or _Routes(route.routes)
+    below = _routes_below(route.app) or (_Routes(route.routes) if route.routes else None)
     return below, prefix + route.path if isinstance(route, Mount) else prefix
 
 
 @dataclass(frozen=True, slots=True)
 class RouteEntry:
-    """A route :func:`iter_routes` found: the route, its full template, methods and endpoint."""
+    """A handler :func:`iter_routes` found: its route, full template, the methods it serves
+    (empty for any), and the handler (the endpoint, or one method of an ``HTTPEndpoint``)."""
 
     route: BaseRoute
     template: str
     methods: frozenset[str]
-    endpoint: Callable[..., Any] | None
+    handler: object
 
 
 def iter_routes(routes: Iterable[BaseRoute], prefix: str = "") -> Iterator[RouteEntry]:
@@ -164,14 +247,16 @@ def iter_routes(routes: Iterable[BaseRoute], prefix: str = "") -> Iterator[Route
 def _entries(route: BaseRoute, prefix: str, template: str) -> Iterator[RouteEntry]:
     if isinstance(route, Mount | Host):
         below, inner_prefix = _inside(route, prefix)
-        yield from iter_routes(below.routes, inner_prefix)
+        if below is None:
+            yield RouteEntry(route, inner_prefix, frozenset(), route.app)
+        else:
+            yield from iter_routes(below.routes, inner_prefix)
         return
-    yield RouteEntry(
-        route,
-        prefix + (template or getattr(route, "path", "")),
-        frozenset(getattr(route, "methods", None) or ()),
-        getattr(route, "endpoint", None),
-    )
+    methods = frozenset(getattr(route, "methods", None) or ())
+    full_template = prefix + (template or getattr(route, "path", ""))
+    for method, handler in _handlers(getattr(route, "endpoint", None)).items():
+        served = methods if method is None else frozenset({method})
+        yield RouteEntry(route, full_template, served, handler)
 
 
 def _stack(app: object) -> Iterator[object]:
@@ -191,8 +276,8 @@ def _wraps(outer: object, app: object) -> bool:
 def _routes_below(app: object) -> _Routes | None:
     """The routes of the first router found by following ``.app`` down from ``app``."""
     for node in _stack(app):
-        routes: Sequence[BaseRoute] | None = getattr(node, "routes", None)
-        if routes is not None:
+        routes = getattr(node, "routes", None)
+        if isinstance(routes, list) and all(isinstance(route, BaseRoute) for route in routes[:1]):
             root_path = getattr(node, "root_path", "")
             return _Routes(routes, root_path if isinstance(root_path, str) else "")
     return None
@@ -227,39 +312,52 @@ class RouteResolver:
         self._protect_all = protect_all
         # The key holds ids; the value holds the objects themselves, so that no id in a key can
         # be reused by a new route or endpoint while the entry lives.
-        self._cache: dict[tuple[int, int, str], tuple[BaseRoute, object, GuardedRoute | None]] = {}
+        self._cache: dict[
+            tuple[int, int, str, str], tuple[BaseRoute, object, GuardedRoute | None]
+        ] = {}
         self._warned_unrouted = False
 
-    def resolve(self, scope: Scope, app: ASGIApp) -> GuardedRoute | None:
+    def resolve(self, scope: Scope, app: ASGIApp) -> tuple[GuardedRoute, str] | None:
+        """The guarded route ``scope`` reaches in ``app`` and the template its storage keys
+        take (the path template, after the host the request matched, if any); ``None`` when
+        the request is not guarded."""
         leaf = self._locate(scope, app)
         if leaf is None:
             return None
-        cache_key = (id(leaf.route), id(leaf.endpoint), leaf.template)
+        method = scope["method"]
+        cache_key = (id(leaf.route), id(leaf.endpoint), leaf.template, method)
         cached = self._cache.get(cache_key)
         if cached is not None and cached[0] is leaf.route and cached[1] is leaf.endpoint:
-            return cached[2]
-        guarded = self._guarded_route(leaf)
-        if len(self._cache) >= _MAX_CACHED_ROUTES:
-            self._cache.clear()
-        self._cache[cache_key] = (leaf.route, leaf.endpoint, guarded)
-        return guarded
+            guarded = cached[2]
+        else:
+            guarded = self._guarded_route(leaf, method)
+            if len(self._cache) >= _MAX_CACHED_ROUTES:
+                self._cache.clear()
+            self._cache[cache_key] = (leaf.route, leaf.endpoint, guarded)
+        if guarded is None:
+            return None
+        return guarded, leaf.host + leaf.template if leaf.host else leaf.template
 
     def check(self, routes: Iterable[BaseRoute], methods: frozenset[str]) -> None:
-        """Refuse, at startup, every ``@idempotent`` route that would not work as written: the
-        decorator above the route decorator, a route none of whose methods is guarded, options
-        that do not fit the middleware's (a lock longer than the retention)."""
+        """Refuse, at startup, every ``@idempotent`` handler that would not work as written:
+        the decorator above the route decorator, a route none of whose methods is guarded (a
+        WebSocket route, say), options that do not fit the middleware's (a lock longer than
+        the retention)."""
         problems: list[str] = []
         for entry in iter_routes(routes):
-            overrides = getattr(entry.endpoint, POLICY_ATTRIBUTE, None)
+            overrides = getattr(entry.handler, POLICY_ATTRIBUTE, None)
             if overrides is None:
                 continue
-            if not getattr(entry.endpoint, MARKS_START_ATTRIBUTE, False):
+            if not getattr(entry.handler, MARKS_START_ATTRIBUTE, False):
                 problems.append(str(misplaced_decorator_error(entry.template)))
-            elif entry.methods and entry.methods.isdisjoint(methods):
+            elif isinstance(entry.route, WebSocketRoute) or (
+                entry.methods and entry.methods.isdisjoint(methods)
+            ):
+                served = ", ".join(sorted(entry.methods)) or "WebSocket"
                 problems.append(
-                    f"@idempotent on {entry.template} ({', '.join(sorted(entry.methods))}) does "
-                    f"nothing: the middleware guards {', '.join(sorted(methods))} only. Add the "
-                    f"method to IdempotencyMiddleware(methods=...), or remove @idempotent"
+                    f"@idempotent on {entry.template} ({served}) does nothing: the middleware "
+                    f"guards {', '.join(sorted(methods))} requests only. Add the method to "
+                    f"IdempotencyMiddleware(methods=...), or remove @idempotent"
                 )
             else:
                 try:
@@ -269,10 +367,10 @@ class RouteResolver:
         if problems:
             raise ConfigurationError("\n".join(problems))
 
-    def policy_for(self, endpoint: object) -> IdempotencyPolicy | None:
-        """The merged policy of a route with this endpoint, or ``None`` when it is not guarded
+    def policy_for(self, handler: object) -> IdempotencyPolicy | None:
+        """The merged policy of a route with this handler, or ``None`` when it is not guarded
         (as :meth:`resolve` decides it, minus the checks that raise on a misplaced decorator)."""
-        overrides = getattr(endpoint, POLICY_ATTRIBUTE, None)
+        overrides = getattr(handler, POLICY_ATTRIBUTE, None)
         if overrides is None and not self._protect_all:
             return None
         return self._defaults.merged(overrides or {})
@@ -303,11 +401,12 @@ class RouteResolver:
             )
         return None
 
-    def _guarded_route(self, leaf: _Leaf) -> GuardedRoute | None:
-        overrides = getattr(leaf.endpoint, POLICY_ATTRIBUTE, None)
+    def _guarded_route(self, leaf: _Leaf, method: str) -> GuardedRoute | None:
+        handler = endpoint_handler(leaf.endpoint, method)
+        overrides = getattr(handler, POLICY_ATTRIBUTE, None)
         if overrides is None and not self._protect_all:
             return None
-        marks_start = bool(getattr(leaf.endpoint, MARKS_START_ATTRIBUTE, False))
+        marks_start = bool(getattr(handler, MARKS_START_ATTRIBUTE, False))
         if overrides is not None and not marks_start:
             raise misplaced_decorator_error(leaf.template)
         policy = self._defaults.merged(overrides or {})
@@ -329,5 +428,7 @@ class RouteResolver:
             fingerprint_version=fingerprint_version(
                 "validated" if command else "raw", policy.fingerprint_version
             ),
+            handler=handler,
+            handler_name=handler_name(handler),
             command=command,
         )

@@ -7,6 +7,8 @@ Hierarchy::
     │   └── StoreTimeoutError      a store call took longer than ``store_timeout_seconds``
     ├── LockLostError              another request took this request's key over
     └── ConfigurationError         an option is invalid (also a ``ValueError``)
+        └── UnguardedRequestError  an ``@idempotent`` endpoint was called for a request
+                                   no guard saw (the app is wired so that it is not guarded)
 
 Request-level problems (missing key, mismatch, in progress) are not exceptions: the middleware
 answers them with HTTP responses.
@@ -36,3 +38,8 @@ class LockLostError(IdempotencyError):
 
 class ConfigurationError(IdempotencyError, ValueError):
     """An idempotency option has an invalid value."""
+
+
+class UnguardedRequestError(ConfigurationError):
+    """An ``@idempotent`` endpoint was called for an HTTP request that no
+    ``IdempotencyMiddleware`` guarded; it was not run."""

@@ -16,6 +16,7 @@ from typing import Any, Unpack
 
 from starlette_idempotency._key_scope import KeyScope, KeyScopeResolver
 from starlette_idempotency._loop_timers import PerLoop
+from starlette_idempotency._marks import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
 from starlette_idempotency._openapi import OpenAPIDocumenter
 from starlette_idempotency._options import (
     ROUTE_OPTIONS,
@@ -257,17 +258,25 @@ class IdempotencyMiddleware:
                 # route's requests; a decorator on a route whose methods are not guarded
                 # changes nothing.
                 self._startup_check.route_problems(scope)
-        if scope["type"] != "http" or scope["method"] not in self._methods:
+        if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 await self._startup_check.run(self.app, scope, receive, send)
                 return
             await self.app(scope, receive, send)
             return
-        route = self._resolver.resolve(scope, self.app)
-        if route is None:
+        # The mark tells an @idempotent endpoint that a guard saw its request, and as what.
+        if scope["method"] not in self._methods:
+            scope[GUARD_SCOPE_KEY] = METHOD_NOT_GUARDED
             await self.app(scope, receive, send)
             return
-        await GuardedRequest(self._services, route, scope, receive, send).run()
+        resolved = self._resolver.resolve(scope, self.app)
+        if resolved is None:
+            scope[GUARD_SCOPE_KEY] = None
+            await self.app(scope, receive, send)
+            return
+        route, key_template = resolved
+        scope[GUARD_SCOPE_KEY] = route.handler
+        await GuardedRequest(self._services, route, key_template, scope, receive, send).run()
 
     def _check_routes(self, scope: Scope) -> None:
         routes = routes_for(scope, self.app)

@@ -38,6 +38,7 @@ class CheckResult(enum.StrEnum):
     STORE_ERROR = "STORE_ERROR"
     FAIL_OPEN = "FAIL_OPEN"
     REQUIRES_RECOVERY = "REQUIRES_RECOVERY"
+    SCOPE_REFUSED = "SCOPE_REFUSED"
 
 
 class OutcomeResult(enum.StrEnum):

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import uuid
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, params
+from fastapi import Body, FastAPI, Request, Response, params
+from fastapi.routing import APIRoute
 from hypothesis import example, given
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
@@ -134,7 +137,7 @@ async def test_records_carry_the_fingerprint_version() -> None:
     await make_client(app).post("/orders/1", json={"amount": 1}, headers={"Idempotency-Key": "k"})
     (record,) = store.records().values()
     assert record.fingerprint_version == f"{FINGERPRINT_SCHEME}.validated.7"
-    assert FINGERPRINT_SCHEME == "2"
+    assert FINGERPRINT_SCHEME == "3"
 
 
 async def test_what_the_app_parses_is_parsed_alike() -> None:
@@ -220,7 +223,7 @@ def test_bodies_fastapi_does_not_read_as_json_take_the_raw_form() -> None:
     assert command(b'{"a": 1}', "text/plain") == ("bytes;text/plain", b'{"a": 1}')
     assert command(b"nonce=1&b=2&a=1", "application/x-www-form-urlencoded") == ("form", b"a=1&b=2")
     multipart = "multipart/form-data; boundary=x"
-    assert command(b"--x--", multipart) == ("bytes;multipart/form-data", b"--x--")
+    assert command(b"--x--", multipart) == ("multipart", b"[]")
     assert command(b'{"b": 1, "a": 2}', "application/vnd.api+json") == ("command", b'{"a":2,"b":1}')
 
 
@@ -274,3 +277,84 @@ def test_the_routes_content_type_strictness_is_read() -> None:
         kind = fingerprinter.canonical(b'{"amount": 1}', "")
         assert kind is not None
         assert kind[0] == ("bytes;" if strict else "command")
+
+
+class GzipRequest(Request):
+    """FastAPI's documented custom request class: a gzip-encoded body is decompressed."""
+
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            body = await super().body()
+            if "gzip" in self.headers.getlist("Content-Encoding"):
+                body = gzip.decompress(body)
+            self._body = body
+        return self._body
+
+
+class GzipRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        original = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            return await original(GzipRequest(request.scope, request.receive))
+
+        return handler
+
+
+async def test_optional_bodies_sent_empty_take_the_parameters_default() -> None:
+    runs: Counter[str] = Counter()
+    app = FastAPI()
+
+    @app.post("/none")
+    @idempotent(fingerprint="validated")
+    async def none_default(item: Line = None) -> dict[str, Any]:  # type: ignore[assignment]
+        runs["none"] += 1
+        return {"item": item}
+
+    @app.post("/body-none")
+    @idempotent(fingerprint="validated")
+    async def body_none(item: Line = Body(None)) -> dict[str, Any]:  # noqa: B008
+        runs["body-none"] += 1
+        return {"item": item}
+
+    @app.post("/instance")
+    @idempotent(fingerprint="validated")
+    async def instance_default(item: Line = Line(sku="x")) -> dict[str, Any]:  # noqa: B008
+        runs["instance"] += 1
+        return {"item": item}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    client = make_client(app)
+    for path in ("/none", "/body-none", "/instance"):
+        for _ in range(2):
+            answer = await client.post(path, headers={"Idempotency-Key": path})
+            assert answer.status_code == 200, answer.text
+        assert answer.headers["x-idempotent-replay"] == "true"
+        other = await client.post(path, json={"sku": "y"}, headers={"Idempotency-Key": path})
+        assert other.status_code == 422  # a body now: another command than the default
+    assert runs == Counter({"none": 1, "body-none": 1, "instance": 1})
+
+
+async def test_gzip_encoded_bodies_on_a_decompressing_route_are_guarded() -> None:
+    runs: Counter[str] = Counter()
+    app = FastAPI()
+    app.router.route_class = GzipRoute
+
+    @app.post("/orders")
+    @idempotent(fingerprint="validated")
+    async def create(order: Order) -> dict[str, float]:
+        runs["orders"] += 1
+        return {"amount": order.amount}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    client = make_client(app)
+    headers = {"Idempotency-Key": "k", "Content-Encoding": "gzip", "Content-Type": JSON}
+    body = gzip.compress(b'{"amount": 3}')
+    for _ in range(2):
+        answer = await client.post("/orders", content=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"amount": 3}
+    assert answer.headers["x-idempotent-replay"] == "true"
+    other = await client.post("/orders", content=gzip.compress(b'{"amount": 4}'), headers=headers)
+    assert other.status_code == 422
+    assert runs["orders"] == 1

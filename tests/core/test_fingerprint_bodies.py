@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from tests.support.guarded import make_client
+from tests.support.guarded import make_client, unguarded
 
 HAS_MULTIPART = importlib.util.find_spec("python_multipart") is not None
 MODES: dict[str, dict[str, Any]] = {
@@ -115,7 +115,7 @@ class Apps:
         guarded = BUILDERS[kind](mode, self.runs)
         guarded.add_middleware(IdempotencyMiddleware, store=MemoryStore())
         self.client = make_client(guarded)
-        self.bare = make_client(BUILDERS[kind](mode, Counter()))
+        self.bare = make_client(unguarded(BUILDERS[kind](mode, Counter())))
         self.keys = 0
 
     async def post(self, path: str, body: bytes, headers: dict[str, str], key: str = "") -> Any:

@@ -27,7 +27,13 @@ JSON = "application/json"
 def fingerprint(body: bytes, excluded: frozenset[str] = frozenset()) -> str:
     kind, canonical = raw_body_form(body, content_type=JSON, excluded=excluded)
     return request_fingerprint(
-        method="POST", path="/p", query_string=b"", headers=(), body_kind=kind, body=canonical
+        endpoint="app:pay",
+        method="POST",
+        path="/p",
+        query_string=b"",
+        headers=(),
+        body_kind=kind,
+        body=canonical,
     )
 
 

@@ -6,8 +6,10 @@ import logging
 from collections import Counter
 
 import pytest
+from fastapi import FastAPI
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
+from starlette.exceptions import HTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
@@ -97,3 +99,62 @@ async def test_anonymous_users_behind_authentication_are_warned_about_once(
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1
     assert "unauthenticated requests are not scoped" in warnings[0]
+
+
+def bearer_user(conn: HTTPConnection) -> str:
+    """A key_scope that decodes the bearer token, as the scope-keys guide suggests."""
+    token = conn.headers.get("authorization", "").removeprefix("Bearer ")
+    if not token.startswith("user-"):
+        raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
+    return token
+
+
+async def test_an_http_exception_from_key_scope_is_the_apps_own_answer() -> None:
+    runs: Counter[str] = Counter()
+    starlette_app = build(runs)
+    fastapi_app = FastAPI()
+
+    @fastapi_app.post("/pay")
+    @idempotent()
+    async def pay(request: Request) -> dict[str, str]:
+        runs["pay"] += 1
+        return {"user": request.headers["authorization"]}
+
+    for app, body in (
+        (starlette_app, "invalid token"),
+        (fastapi_app, '{"detail":"invalid token"}'),
+    ):
+        app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=bearer_user)
+        client = make_client(app)
+        for token in ("nope", ""):
+            denied = await client.post(
+                "/pay", headers={"Idempotency-Key": "k", "Authorization": f"Bearer {token}"}
+            )
+            assert denied.status_code == 401, denied.text
+            assert denied.text == body
+            assert denied.headers["www-authenticate"] == "Bearer"
+        allowed = await client.post(
+            "/pay", headers={"Idempotency-Key": "k", "Authorization": "Bearer user-1"}
+        )
+        assert allowed.status_code == 200
+    assert runs["pay"] == 2
+
+
+async def test_any_other_error_in_key_scope_is_logged_with_its_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken(conn: HTTPConnection) -> str:
+        raise ValueError("token has expired")
+
+    app = build(Counter())
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=broken)
+    with caplog.at_level(logging.ERROR):
+        answer = await make_client(app).post("/pay", headers={"Idempotency-Key": "k"})
+    assert answer.status_code == 500
+    logged = [r for r in caplog.records if r.name == "starlette_idempotency._key_scope"]
+    assert len(logged) == 1
+    assert "key_scope" in logged[0].getMessage()
+    assert "POST /pay" in logged[0].getMessage()
+    assert "raise an HTTPException" in logged[0].getMessage()
+    assert logged[0].exc_info is not None
+    assert "token has expired" in str(logged[0].exc_info[1])

@@ -531,7 +531,7 @@ def test_iter_routes_walks_as_find_leaf_matches() -> None:
         assert (leaf.route, leaf.template, leaf.endpoint) == (
             entry.route,
             entry.template,
-            entry.endpoint,
+            entry.handler,
         )
 
 

@@ -1,10 +1,15 @@
-"""Property: the middleware guards exactly the requests whose dispatched endpoint is decorated.
+"""Property: the middleware guards exactly the requests whose dispatched endpoint is decorated,
+refuses those it cannot see, and never lets two requests the app tells apart share a record.
 
-For a generated route tree (routes, mounts, mounted apps, hosts, included routers) and a
-generated sequence of requests and route-list changes, each request is first sent to the bare
-router, which tells which endpoint really runs; then through the middleware, where a decorated
-endpoint must run once for a retried key and demand a key, and any other must behave exactly as
-it did without the middleware.
+For a generated route tree (routes held as functions, partials or ``HTTPEndpoint`` classes;
+mounts, mounted apps, apps mounted whole with no router to see into, hosts and host patterns;
+included routers) and a generated sequence of requests and route-list changes, each request is
+first sent to the bare router, which tells which endpoint really runs; then through the
+middleware, where a decorated endpoint must run once for a retried key and demand a key (or,
+inside an app the middleware cannot see into, be refused without running), and any other must
+behave exactly as it did without the middleware. Then one key goes to the same path on every
+host: a replay answers only a request that reaches the very endpoint (on the very host, for an
+endpoint under a ``Host`` route) whose answer it is.
 """
 
 from __future__ import annotations
@@ -16,17 +21,18 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Host, Mount, Route, Router
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
-from tests.support.guarded import make_client
-from tests.support.routing import Endpoint, Endpoints
+from tests.support.guarded import make_client, unguarded
+from tests.support.routing import EndpointKind, Endpoints
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -36,6 +42,7 @@ class RouteSpec:
     path: str
     methods: tuple[str, ...]
     guarded: bool
+    kind: EndpointKind = "function"
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class MountSpec:
     path: str
     children: tuple[Spec, ...]
     as_app: bool
+    opaque: bool = False  # an app mounted whole, with no router the middleware can see
 
 
 @dataclass(frozen=True)
@@ -82,14 +90,22 @@ route_specs = st.builds(
     st.lists(segments, min_size=1, max_size=2).map(route_path),
     st.sampled_from([("POST",), ("GET",), ("GET", "POST")]),
     st.booleans(),
+    st.sampled_from(["function", "partial", "class"]),
 )
 
 
 def containers(children: st.SearchStrategy[Spec]) -> st.SearchStrategy[Spec]:
     kids = st.lists(children, min_size=1, max_size=4).map(tuple)
-    mounts = st.builds(MountSpec, st.sampled_from(["", "/a", "/b", "/{t}"]), kids, st.booleans())
+    mounts = st.builds(
+        MountSpec,
+        st.sampled_from(["/a", "/b", "/{t}"]),
+        kids,
+        st.booleans(),
+        st.integers(0, 4).map(lambda draw: draw == 0),
+    )
+    plain_mounts = st.builds(MountSpec, st.just(""), kids, st.booleans())
     hosts = st.builds(HostSpec, st.sampled_from(["api.example", "{sub}.example"]), kids)
-    return mounts | hosts
+    return mounts | plain_mounts | hosts
 
 
 trees = st.lists(st.recursive(route_specs, containers, max_leaves=10), min_size=1, max_size=5)
@@ -133,26 +149,48 @@ def router_paths(spec: RouterSpec, prefix: str = "") -> list[str]:
     return paths
 
 
+def opaque(app: ASGIApp) -> ASGIApp:
+    """``app`` behind a function: no ``.app`` and no ``.routes`` for the middleware to follow."""
+
+    async def mounted(scope: Scope, receive: Receive, send: Send) -> None:
+        await app(scope, receive, send)
+
+    return mounted
+
+
 @dataclass
 class Builder:
-    """Turns specs into routes whose endpoints count their runs under unique names."""
+    """Turns specs into routes whose endpoints count their runs under unique names, and notes
+    which are decorated, which the middleware cannot see, and which sit under a ``Host``."""
 
     endpoints: Endpoints = field(default_factory=Endpoints)
     guarded: set[str] = field(default_factory=set)
+    hidden: set[str] = field(default_factory=set)
+    under_host: set[str] = field(default_factory=set)
     names: itertools.count[int] = field(default_factory=itertools.count)
 
-    def endpoint(self, guarded: bool) -> Endpoint:
+    def endpoint(self, guarded: bool, kind: EndpointKind = "function") -> tuple[str, Any]:
+        """A new endpoint's name, and what its route is given."""
         name = f"e{next(self.names)}"
         if guarded:
             self.guarded.add(name)
-        return self.endpoints.make(name, guarded=guarded)
+        return name, self.endpoints.of_kind(name, guarded=guarded, kind=kind)
 
-    def route(self, spec: Spec) -> BaseRoute:
+    def route(self, spec: Spec, *, hidden: bool = False, hosted: bool = False) -> BaseRoute:
         if isinstance(spec, RouteSpec):
-            return Route(spec.path, self.endpoint(spec.guarded), methods=list(spec.methods))
-        children = [self.route(child) for child in spec.children]
+            name, endpoint = self.endpoint(spec.guarded, spec.kind)
+            if hidden:
+                self.hidden.add(name)
+            if hosted:
+                self.under_host.add(name)
+            return Route(spec.path, endpoint, methods=list(spec.methods))
+        hidden = hidden or (isinstance(spec, MountSpec) and spec.opaque)
+        hosted = hosted or isinstance(spec, HostSpec)
+        children = [self.route(child, hidden=hidden, hosted=hosted) for child in spec.children]
         if isinstance(spec, HostSpec):
             return Host(spec.host, Router(children))
+        if spec.opaque:
+            return Mount(spec.path, app=opaque(Starlette(routes=children)))
         return (
             Mount(spec.path, Starlette(routes=children))
             if spec.as_app
@@ -162,7 +200,7 @@ class Builder:
     def api_router(self, spec: RouterSpec, depth: int = 0) -> APIRouter:
         router = APIRouter(prefix=spec.prefix)
         for route in spec.routes:
-            endpoint = self.endpoint(route.guarded)
+            _, endpoint = self.endpoint(route.guarded)
             router.add_api_route(route.path, endpoint, methods=list(route.methods))
         for child, prefix in spec.included:
             # Included prefixes join into one path: number their parameters by depth.
@@ -171,14 +209,20 @@ class Builder:
         return router
 
 
+async def reached(router: ASGIApp, builder: Builder, url: str) -> tuple[str | None, int]:
+    """The endpoint ``url`` reaches in the bare router, and the status it answers there."""
+    runs = builder.endpoints.runs
+    before = Counter(runs)
+    bare = await make_client(unguarded(router)).post(url)
+    ran = list(runs - before)
+    assert len(ran) <= 1
+    return (ran[0] if ran else None), bare.status_code
+
+
 async def check_request(app: ASGIApp, router: ASGIApp, builder: Builder, request: Call) -> None:
     runs = builder.endpoints.runs
     url = f"http://{request.host}{request.path}"
-    before = Counter(runs)
-    bare = await make_client(router).post(url)
-    ran = list(runs - before)
-    assert len(ran) <= 1
-    name = ran[0] if ran else None
+    name, bare_status = await reached(router, builder, url)
 
     client = make_client(app)
     key = {"Idempotency-Key": uuid.uuid4().hex}
@@ -186,13 +230,38 @@ async def check_request(app: ASGIApp, router: ASGIApp, builder: Builder, request
     first = await client.post(url, headers=key)
     retry = await client.post(url, headers=key)
     keyless = await client.post(url)
-    if name in builder.guarded:
+    if name in builder.guarded and name in builder.hidden:  # refused, never run unguarded
+        assert runs - before == Counter()
+        assert [first.status_code, retry.status_code] == [500, 500]
+    elif name in builder.guarded:
         assert runs - before == Counter({name: 1})
         assert retry.headers.get("x-idempotent-replay") == "true"
         assert keyless.status_code == 400
     else:
         assert runs - before == (Counter({name: 3}) if name else Counter())
-        assert [first.status_code, retry.status_code, keyless.status_code] == [bare.status_code] * 3
+        assert [first.status_code, retry.status_code, keyless.status_code] == [bare_status] * 3
+
+
+async def check_one_key_on_every_host(
+    app: ASGIApp, router: ASGIApp, builder: Builder, path: str, hosts: list[str]
+) -> None:
+    """One key sent to ``path`` on every host: a replay only ever answers a request that
+    reaches the endpoint whose answer it is, on the host that made it when that endpoint
+    sits under a ``Host`` route."""
+    client = make_client(app)
+    key = {"Idempotency-Key": uuid.uuid4().hex}
+    answered: dict[str, str] = {}  # endpoint -> the host whose request it answered first
+    for host in hosts:
+        url = f"http://{host}{path}"
+        name, _ = await reached(router, builder, url)
+        response = await client.post(url, headers=key)
+        if response.headers.get("x-idempotent-replay") != "true":
+            if name is not None and response.status_code == 200:
+                answered.setdefault(name, host)
+            continue
+        assert response.json() == {"ran": name}, (host, path, name)
+        assert name is not None
+        assert name not in builder.under_host or answered[name] == host, (host, path, name)
 
 
 def starlette_app(routes: list[BaseRoute], placement: str) -> tuple[ASGIApp, Router]:
@@ -224,8 +293,10 @@ class Session:
     async def send(self) -> None:
         path = self.data.draw(st.sampled_from(sorted(self.paths | {"/z", "/a/1/b"})))
         self.requested.append(path)
-        for host in self.data.draw(st.permutations(HOSTS)):
+        hosts = self.data.draw(st.permutations(HOSTS))
+        for host in hosts:
             await check_request(self.app, self.bare, self.builder, Call(host, path))
+        await check_one_key_on_every_host(self.app, self.bare, self.builder, path, hosts)
 
     def new_routes(self, under: str = "") -> st.SearchStrategy[RouteSpec]:
         """Routes on any path, or on a path already requested (the one a stale lookup gets
@@ -273,7 +344,7 @@ def test_fastapi_included_routers(spec: RouterSpec, prefix: str, data: st.DataOb
         for adds_route in session.steps():
             if adds_route:  # a route added to the router already included
                 route = data.draw(session.new_routes(under=prefix + top.prefix))
-                endpoint = builder.endpoint(route.guarded)
+                _, endpoint = builder.endpoint(route.guarded)
                 top.add_api_route(route.path, endpoint, methods=list(route.methods))
                 session.paths.update(concrete(prefix + top.prefix + route.path))
             else:

@@ -12,6 +12,10 @@ import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
+from starlette.endpoints import HTTPEndpoint
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 from starlette.types import Message
 
 from starlette_idempotency import (
@@ -250,3 +254,21 @@ async def test_without_a_lifespan_the_first_request_logs_what_startup_would_refu
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(logged) == 1, logged
     assert "@idempotent on /items (GET) does nothing" in logged[0]
+
+
+def test_a_class_endpoint_method_the_middleware_does_not_guard_refuses_the_startup() -> None:
+    class Items(HTTPEndpoint):
+        @idempotent()
+        async def put(self, request: Request) -> Response:
+            return Response()
+
+        @idempotent()
+        async def post(self, request: Request) -> Response:
+            return Response()
+
+    app = Starlette(routes=[Route("/items", Items)])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    answer = run_startup(app)
+    assert answer["type"] == "lifespan.startup.failed"
+    assert answer["message"].startswith("@idempotent on /items (PUT) does nothing")
+    assert "(POST)" not in answer["message"]

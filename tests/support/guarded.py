@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
+from starlette_idempotency._marks import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
 from starlette_idempotency.testing import FakeClock
 from tests.support.apps import Ledger, build_fastapi_app, build_starlette_app
 
@@ -36,6 +37,19 @@ def make_client(app: ASGIApp) -> httpx.AsyncClient:
     """A client that calls ``app`` in-process; an exception in the app becomes a 500."""
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     return httpx.AsyncClient(transport=transport, base_url="http://testserver")
+
+
+def unguarded(app: ASGIApp) -> ASGIApp:
+    """``app`` as it behaves with no idempotency at all, to compare with: its ``@idempotent``
+    endpoints hear from a guard that passed their requests on (as one passes a method it does
+    not guard), so they run instead of refusing an unguarded request."""
+
+    async def without_guard(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[GUARD_SCOPE_KEY] = METHOD_NOT_GUARDED
+        await app(scope, receive, send)
+
+    return without_guard
 
 
 async def make_guarded_app(

@@ -3,18 +3,24 @@ one: shared by the ``test_routing_*`` modules."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import httpx
+from starlette.endpoints import HTTPEndpoint
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from starlette_idempotency import idempotent
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+#: How a route holds its endpoint: a function, a ``functools.partial`` of one, or an
+#: ``HTTPEndpoint`` class (whose POST handler is the one decorated).
+EndpointKind = Literal["function", "partial", "class"]
 
 
 @dataclass
@@ -29,6 +35,28 @@ class Endpoints:
             return JSONResponse({"ran": name})
 
         return idempotent()(endpoint) if guarded else endpoint
+
+    def of_kind(self, name: str, *, guarded: bool, kind: EndpointKind) -> Any:
+        """What a route is given for ``name``, held as ``kind`` says."""
+        if kind == "function":
+            return self.make(name, guarded=guarded)
+        if kind == "partial":
+
+            async def endpoint(request: Request, *, ran: str) -> Response:
+                self.runs[ran] += 1
+                return JSONResponse({"ran": ran})
+
+            return functools.partial(idempotent()(endpoint) if guarded else endpoint, ran=name)
+        handler = self.make(name, guarded=False)
+
+        async def post(self: HTTPEndpoint, request: Request) -> Response:
+            return await handler(request)
+
+        async def get(self: HTTPEndpoint, request: Request) -> Response:
+            return await handler(request)
+
+        decorated = idempotent()(post) if guarded else post
+        return type(f"Endpoint_{name}", (HTTPEndpoint,), {"post": decorated, "get": get})
 
     def guarded(self, name: str) -> Endpoint:
         return self.make(name, guarded=True)

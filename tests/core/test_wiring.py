@@ -1,0 +1,405 @@
+"""Every way an app can be wired: a request the app treats as guarded is guarded, or refused
+with a message that says what to change; never run unguarded in silence.
+
+Class endpoints, partials, a path-rewriting middleware inside the guard, an app without the
+middleware, apps mounted whole under ``protect_all``, and the keys of requests the app tells
+apart (hosts, tenants, endpoints).
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from starlette.applications import Starlette
+from starlette.endpoints import HTTPEndpoint
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Host, Mount, Route, Router
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from starlette_idempotency import (
+    IdempotencyMiddleware,
+    MemoryStore,
+    idempotent,
+    storage_key,
+)
+from starlette_idempotency.errors import UnguardedRequestError
+from starlette_idempotency.stores import IdempotencyRecord, RecordStatus, StoredResponse
+from tests.support.guarded import make_client
+
+runs: Counter[str] = Counter()
+
+
+def key() -> dict[str, str]:
+    return {"Idempotency-Key": uuid.uuid4().hex}
+
+
+def raising_client(app: ASGIApp) -> httpx.AsyncClient:
+    """A client that lets the app's exceptions through, to see what refused a request."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)
+    return httpx.AsyncClient(transport=transport, base_url="http://testserver")
+
+
+async def assert_guarded(client: httpx.AsyncClient, url: str, name: str, **kwargs: Any) -> None:
+    """Twice with one key: one run and a replay; without a key: 400."""
+    headers = {**key(), **kwargs.pop("headers", {})}
+    before = runs[name]
+    first = await client.post(url, headers=headers, **kwargs)
+    retry = await client.post(url, headers=headers, **kwargs)
+    keyless = await client.post(url, **kwargs)
+    assert first.status_code == 201, first.text
+    assert retry.headers.get("x-idempotent-replay") == "true", retry.text
+    assert retry.content == first.content
+    assert keyless.status_code == 400, keyless.text
+    assert runs[name] == before + 1
+
+
+# -- class endpoints and partials -------------------------------------------------------------
+
+
+class Orders(HTTPEndpoint):
+    @idempotent()
+    async def post(self, request: Request) -> Response:
+        runs["class"] += 1
+        return JSONResponse({"run": runs["class"]}, status_code=201)
+
+    async def get(self, request: Request) -> Response:
+        return JSONResponse({"runs": runs["class"]})
+
+
+@idempotent()
+async def charge(request: Request, *, currency: str) -> Response:
+    runs["partial"] += 1
+    return JSONResponse({"run": runs["partial"], "currency": currency}, status_code=201)
+
+
+async def test_a_class_endpoint_method_is_guarded() -> None:
+    app = Starlette(routes=[Route("/orders", Orders)])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    client = make_client(app)
+    await assert_guarded(client, "/orders", "class")
+    assert (await client.get("/orders")).status_code == 200  # its undecorated GET runs as is
+
+
+async def test_a_partial_endpoint_is_guarded() -> None:
+    app = charges_app(Middleware(IdempotencyMiddleware, store=MemoryStore()))
+    await assert_guarded(make_client(app), "/charges", "partial")
+
+
+# -- requests no guard saw --------------------------------------------------------------------
+
+
+class Rewriting:
+    """A middleware that serves ``/v1/...`` from the routes at ``/...``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            scope = {**scope, "path": scope["path"].removeprefix("/v1")}
+        await self.app(scope, receive, send)
+
+
+def charges_app(*middleware: Middleware) -> Starlette:
+    endpoint = functools.partial(charge, currency="EUR")
+    return Starlette(routes=[Route("/charges", endpoint, methods=["POST"])], middleware=middleware)
+
+
+async def test_a_path_rewritten_inside_the_guard_is_refused_not_run_unguarded() -> None:
+    app = charges_app(
+        Middleware(IdempotencyMiddleware, store=MemoryStore()),  # outside: sees /v1/charges
+        Middleware(Rewriting),
+    )
+    before = runs["partial"]
+    async with raising_client(app) as client:
+        with pytest.raises(UnguardedRequestError) as refused:
+            await client.post("/v1/charges", headers=key())
+    message = str(refused.value)
+    assert "tests.core.test_wiring.charge was not run for POST /charges" in message
+    assert "found no guarded route" in message
+    assert "rewrites the path" in message
+    assert runs["partial"] == before
+    await assert_guarded(make_client(app), "/charges", "partial")  # the path it knows
+
+
+async def test_a_path_rewritten_outside_the_guard_is_guarded() -> None:
+    app = charges_app(Middleware(Rewriting), Middleware(IdempotencyMiddleware, store=MemoryStore()))
+    await assert_guarded(make_client(app), "/v1/charges", "partial")
+
+
+@pytest.mark.parametrize(
+    ("app", "url"),
+    [(Starlette(routes=[Route("/orders", Orders)]), "/orders"), (charges_app(), "/charges")],
+    ids=["class", "partial"],
+)
+async def test_a_decorated_route_in_an_app_without_the_middleware_is_refused(
+    app: Starlette, url: str
+) -> None:
+    async with raising_client(app) as client:
+        with pytest.raises(UnguardedRequestError, match="no IdempotencyMiddleware saw"):
+            await client.post(url, headers=key())
+
+
+class Payment(BaseModel):
+    amount: int
+
+
+def fastapi_payments(executions: Counter[str]) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/payments", status_code=201)
+    @idempotent()
+    async def pay(payment: Payment) -> dict[str, int]:
+        executions["pay"] += 1
+        return {"amount": payment.amount}
+
+    @app.post("/refunds", status_code=201)
+    @idempotent()
+    def refund(payment: Payment, request: Request) -> dict[str, str]:
+        executions["refund"] += 1
+        return {"path": request.url.path}
+
+    return app
+
+
+async def test_fastapi_endpoints_without_the_middleware_are_refused_but_direct_calls_run() -> None:
+    executions: Counter[str] = Counter()
+    app = fastapi_payments(executions)
+    async with raising_client(app) as client:
+        for url in ("/payments", "/refunds"):
+            with pytest.raises(UnguardedRequestError, match=f"was not run for POST {url}"):
+                await client.post(url, json={"amount": 1}, headers=key())
+    assert executions == Counter()
+    pay = next(r.endpoint for r in app.routes if isinstance(r, APIRoute) and r.path == "/payments")
+    assert await pay(Payment(amount=3)) == {"amount": 3}  # a unit test's direct call
+    assert executions == Counter({"pay": 1})
+
+
+async def test_fastapi_endpoints_behind_the_middleware_run_once() -> None:
+    executions: Counter[str] = Counter()
+    app = fastapi_payments(executions)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    client = make_client(app)
+    headers = key()
+    for _ in range(2):
+        for url in ("/payments", "/refunds"):
+            response = await client.post(url, json={"amount": 1}, headers=headers)
+            assert response.status_code == 201, response.text
+    assert executions == Counter({"pay": 1, "refund": 1})
+    schema = (await client.get("/openapi.json")).json()
+    parameters = schema["paths"]["/payments"]["post"].get("parameters", [])
+    assert [p["name"] for p in parameters] == ["Idempotency-Key"]  # no request parameter
+
+
+async def test_methods_the_middleware_does_not_guard_run_as_before() -> None:
+    class Both(HTTPEndpoint):
+        @idempotent()
+        async def post(self, request: Request) -> Response:
+            return Response(status_code=201)
+
+        @idempotent()
+        async def get(self, request: Request) -> Response:  # a GET: the decorator does nothing
+            return Response("got")
+
+    app = Starlette(routes=[Route("/both", Both)])
+    guarded = IdempotencyMiddleware(app, store=MemoryStore(), methods=["POST"])
+    async with raising_client(guarded) as client:
+        assert (await client.get("/both")).text == "got"
+
+
+# -- apps mounted whole under protect_all -----------------------------------------------------
+
+
+async def graphql(scope: Scope, receive: Receive, send: Send) -> None:
+    """A sub-app with no router to look into (as GraphQL servers are mounted)."""
+    request = Request(scope, receive)
+    runs["graphql"] += 1
+    body = await request.body()
+    response = JSONResponse({"run": runs["graphql"], "query": body.decode()}, status_code=201)
+    await response(scope, receive, send)
+
+
+async def test_protect_all_guards_an_app_mounted_whole_with_the_mount_as_template() -> None:
+    store = MemoryStore()
+    app = Starlette(routes=[Mount("/graphql", app=graphql)])
+    app.add_middleware(IdempotencyMiddleware, store=store, protect_all=True)
+    client = make_client(app)
+    await assert_guarded(client, "/graphql/", "graphql", content=b"{ me }")
+    await assert_guarded(client, "/graphql/batch", "graphql", content=b"{ me }")
+    assert {key.split(":")[2] for key in store.records()} == {"/graphql"}
+    assert (await client.get("/graphql/")).status_code == 201  # GET is not guarded
+
+
+async def test_without_protect_all_an_app_mounted_whole_passes_through() -> None:
+    app = Starlette(routes=[Mount("/graphql", app=graphql)])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    client = make_client(app)
+    before = runs["graphql"]
+    for _ in range(2):
+        answer = await client.post("/graphql/", headers={"Idempotency-Key": "k"})
+        assert answer.status_code == 201
+    assert runs["graphql"] == before + 2
+
+
+async def test_a_decorated_endpoint_in_an_app_the_guard_cannot_see_into_is_refused() -> None:
+    inner = charges_app()
+
+    async def opaque(scope: Scope, receive: Receive, send: Send) -> None:
+        await inner(scope, receive, send)  # no .app, no .routes: nothing to follow
+
+    for protect_all in (False, True):
+        app = Starlette(routes=[Mount("/sub", app=opaque)])
+        app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), protect_all=protect_all)
+        async with raising_client(app) as client:
+            with pytest.raises(UnguardedRequestError, match="was not run for POST /sub/charges"):
+                await client.post("/sub/charges", headers=key())
+
+
+# -- requests the app tells apart never share a record -----------------------------------------
+
+
+def tenant_orders(request: Request) -> Response:
+    runs[request.path_params["tenant"]] += 1
+    user = request.headers["x-user"]
+    return JSONResponse({"tenant": request.path_params["tenant"], "user": user}, status_code=201)
+
+
+async def test_host_routes_and_tenants_keep_records_apart() -> None:
+    store = MemoryStore()
+    app = Starlette(
+        routes=[
+            Host(
+                "api.example", Router([Route("/op", idempotent()(tenant_orders), methods=["POST"])])
+            ),
+            Host(
+                "{tenant}.shop.example",
+                Router([Route("/op", idempotent()(tenant_orders), methods=["POST"])]),
+            ),
+        ]
+    )
+    app.add_middleware(IdempotencyMiddleware, store=store, key_scope=lambda r: r.headers["x-user"])
+    client = make_client(app)
+    headers = {"Idempotency-Key": "one-key", "x-user": "1"}
+    answers: dict[str, Any] = {}
+    for tenant in ("acme", "globex", "acme"):
+        response = await client.post(f"http://{tenant}.shop.example/op", json={}, headers=headers)
+        answers.setdefault(tenant, response.json())
+        assert response.json() == answers[tenant] == {"tenant": tenant, "user": "1"}
+    assert (runs["acme"], runs["globex"]) == (1, 1)
+    assert sorted(k.split(":")[2] for k in store.records()) == [
+        "acme.shop.example/op",
+        "globex.shop.example/op",
+    ]
+
+
+async def test_two_hosts_with_one_path_keep_records_apart() -> None:
+    async def api(request: Request) -> Response:
+        runs["api"] += 1
+        return JSONResponse({"host": "api"}, status_code=201)
+
+    async def admin(request: Request) -> Response:
+        runs["admin"] += 1
+        return JSONResponse({"host": "admin"}, status_code=201)
+
+    app = Starlette(
+        routes=[
+            Host("api.example", Router([Route("/op", idempotent()(api), methods=["POST"])])),
+            Host("admin.example", Router([Route("/op", idempotent()(admin), methods=["POST"])])),
+        ]
+    )
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=lambda r: "t")
+    client = make_client(app)
+    headers = {"Idempotency-Key": "k"}
+    first = await client.post("http://api.example/op", json={"a": 1}, headers=headers)
+    other = await client.post("http://admin.example/op", json={"a": 1}, headers=headers)
+    assert first.json() == {"host": "api"}
+    assert other.json() == {"host": "admin"}
+    assert "x-idempotent-replay" not in other.headers
+
+
+async def test_a_record_an_older_version_stored_is_still_found_after_an_upgrade() -> None:
+    """A rolling deploy: routes under no Host keep their storage key, so a retry that lands
+    on an upgraded pod is replayed, not run again (on_fingerprint_change="replay")."""
+    store = MemoryStore()
+    stored_by_old_pod = IdempotencyRecord(
+        key="k",
+        status=RecordStatus.COMPLETED,
+        request_fingerprint="sha256:" + "0" * 64,
+        owner_token="old-pod",
+        created_at=0,
+        expires_at=4e9,
+        fingerprint_version="2.raw.1",
+        response=StoredResponse(201, (("content-type", "application/json"),), b'{"run":1}'),
+    )
+    old_key = storage_key("", "POST", "/charges", "k")  # the key the last release built
+    assert (await store.try_acquire(old_key, stored_by_old_pod, 30)).acquired
+    app = charges_app(Middleware(IdempotencyMiddleware, store=store))
+    before = runs["partial"]
+    retry = await make_client(app).post("/charges", headers={"Idempotency-Key": "k"})
+    assert retry.headers.get("x-idempotent-replay") == "true"
+    assert retry.json() == {"run": 1}
+    assert runs["partial"] == before
+
+
+async def test_two_endpoints_meeting_on_one_key_never_answer_each_other() -> None:
+    """Two apps on one store (a ledger and a notifications service), both serving
+    ``POST /v1/events``: a key sent to both is a 422 to the second, never its replay."""
+    store = MemoryStore()
+    apps = []
+    for service in ("ledger", "notifications"):
+
+        async def events(request: Request, service: str = service) -> Response:
+            runs[service] += 1
+            return JSONResponse({"service": service}, status_code=201)
+
+        events.__qualname__ = f"{service}.events"
+        app = Starlette(routes=[Route("/v1/events", idempotent()(events), methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store)
+        apps.append(make_client(app))
+    ledger, notifications = apps
+    headers = {"Idempotency-Key": "evt-1"}
+    assert (await ledger.post("/v1/events", json={"e": 1}, headers=headers)).json() == {
+        "service": "ledger"
+    }
+    answer = await notifications.post("/v1/events", json={"e": 1}, headers=headers)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["code"] == "idempotency_key_reused"
+    assert runs["notifications"] == 0
+
+
+# -- bodies and headers -----------------------------------------------------------------------
+
+
+async def test_a_content_length_too_long_to_be_a_number_is_a_400() -> None:
+    client = make_client(
+        IdempotencyMiddleware(Starlette(routes=[Route("/orders", Orders)]), store=MemoryStore())
+    )
+    for length in ("9" * 5000, "0" * 19 + "1"):
+        answer = await client.post("/orders", headers={**key(), "content-length": length})
+        assert answer.status_code == 400, answer.text
+        assert answer.headers["cache-control"] == "no-store"
+
+
+async def test_the_middlewares_own_answers_are_never_cached() -> None:
+    app = Starlette(routes=[Route("/orders", Orders)])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), max_body_bytes=10)
+    client = make_client(app)
+    answers = [
+        await client.post("/orders"),  # 400: no key
+        await client.post("/orders", content=b"x" * 11, headers=key()),  # 413
+    ]
+    headers = key()
+    await client.post("/orders", json={"a": 1}, headers=headers)
+    answers.append(await client.post("/orders", json={"a": 2}, headers=headers))  # 422
+    assert [answer.status_code for answer in answers] == [400, 413, 422]
+    assert all(answer.headers["cache-control"] == "no-store" for answer in answers)

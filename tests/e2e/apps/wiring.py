@@ -1,0 +1,173 @@
+"""An app wired in every way ``test_wiring`` checks through real uvicorn, on the store
+``$IDEM_TEST_STORE`` names (``memory``, ``redis`` or ``postgres``).
+
+``create_app``: an HTTPEndpoint class, a ``functools.partial``, two hosts and a host pattern
+serving one path, a GraphQL-style app mounted whole (guarded by ``protect_all``), and a
+path-rewriting middleware inside the guard. ``create_unguarded_app``: the same routes with no
+middleware at all. ``create_service``: ``POST /v1/events`` of the service ``$IDEM_TEST_SERVICE``
+(``ledger`` or ``notifications``), two apps that share one store.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.endpoints import HTTPEndpoint
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Host, Mount, Route, Router
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency.stores import IdempotencyStore
+
+runs: Counter[str] = Counter()
+
+
+class Orders(HTTPEndpoint):
+    @idempotent()
+    async def post(self, request: Request) -> Response:
+        runs["class"] += 1
+        return JSONResponse({"run": runs["class"]}, status_code=201)
+
+
+@idempotent()
+async def charge(request: Request, *, currency: str) -> Response:
+    runs["partial"] += 1
+    return JSONResponse({"run": runs["partial"], "currency": currency}, status_code=201)
+
+
+@idempotent()
+async def host_op(request: Request) -> Response:
+    name = str(request.path_params.get("tenant", request.url.hostname))
+    runs[name] += 1
+    return JSONResponse({"host": name, "user": request.headers.get("x-user")}, status_code=201)
+
+
+async def graphql(scope: Scope, receive: Receive, send: Send) -> None:
+    """A sub-app with no router to look into, as GraphQL servers are mounted."""
+    request = Request(scope, receive)
+    await request.body()
+    runs["graphql"] += 1
+    await JSONResponse({"run": runs["graphql"]}, status_code=201)(scope, receive, send)
+
+
+async def counts(request: Request) -> Response:
+    return JSONResponse(dict(runs))
+
+
+class Rewriting:
+    """Serves ``/v1/...`` from the routes at ``/...`` (placed inside the guard)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            scope = {**scope, "path": scope["path"].removeprefix("/v1")}
+        await self.app(scope, receive, send)
+
+
+def _routes() -> list[BaseRoute]:
+    return [
+        Route("/orders", Orders),
+        Route("/charges", functools.partial(charge, currency="EUR"), methods=["POST"]),
+        Host("api.example", Router([Route("/op", host_op, methods=["POST"])])),
+        Host("admin.example", Router([Route("/op", host_op, methods=["POST"])])),
+        Host("{tenant}.shop.example", Router([Route("/op", host_op, methods=["POST"])])),
+        Mount("/graphql", app=graphql),
+        Route("/runs", counts),
+    ]
+
+
+def _store() -> tuple[IdempotencyStore, Callable[[Starlette], AbstractAsyncContextManager[None]]]:
+    """The store the environment names, and what its lifespan opens and closes."""
+    kind = os.environ.get("IDEM_TEST_STORE", "memory")
+    if kind == "redis":
+        from starlette_idempotency import RedisStore
+
+        store = RedisStore.from_url(
+            os.environ["IDEM_TEST_REDIS_URL"], key_prefix=os.environ["IDEM_TEST_PREFIX"]
+        )
+
+        @asynccontextmanager
+        async def redis_lifespan(app: Starlette) -> AsyncIterator[None]:
+            yield
+            await store.aclose()
+
+        return store, redis_lifespan
+    if kind == "postgres":
+        import asyncpg  # type: ignore[import-untyped]
+
+        from starlette_idempotency import PostgresStore
+
+        pool = asyncpg.create_pool(os.environ["IDEM_TEST_DSN"], min_size=1, max_size=4)
+        postgres = PostgresStore(pool, table=os.environ["IDEM_TEST_TABLE"])
+
+        @asynccontextmanager
+        async def postgres_lifespan(app: Starlette) -> AsyncIterator[None]:
+            await pool  # opens its connections in the server's loop
+            try:
+                await postgres.create_schema()
+                yield
+            finally:
+                await pool.close()
+
+        return postgres, postgres_lifespan
+    memory = MemoryStore()
+
+    @asynccontextmanager
+    async def memory_lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+
+    return memory, memory_lifespan
+
+
+def create_app() -> Starlette:
+    store, lifespan = _store()
+    middleware = [
+        Middleware(
+            IdempotencyMiddleware,
+            store=store,
+            protect_all=True,
+            key_scope=lambda request: request.headers.get("x-user"),
+        ),
+        Middleware(Rewriting),
+    ]
+    return Starlette(routes=_routes(), middleware=middleware, lifespan=lifespan)
+
+
+def create_unguarded_app() -> Starlette:
+    return Starlette(routes=_routes())
+
+
+@idempotent()
+async def ledger_events(request: Request) -> Response:
+    runs["ledger"] += 1
+    return JSONResponse({"service": "ledger", "run": runs["ledger"]}, status_code=201)
+
+
+@idempotent()
+async def notifications_events(request: Request) -> Response:
+    runs["notifications"] += 1
+    return JSONResponse({"service": "notifications", "run": runs["notifications"]}, status_code=201)
+
+
+def create_service() -> Starlette:
+    """One of two services (``$IDEM_TEST_SERVICE``) sharing the store, each its own app."""
+    events = {"ledger": ledger_events, "notifications": notifications_events}
+    store, lifespan = _store()
+    return Starlette(
+        routes=[
+            Route("/v1/events", events[os.environ["IDEM_TEST_SERVICE"]], methods=["POST"]),
+            Route("/runs", counts),
+        ],
+        middleware=[Middleware(IdempotencyMiddleware, store=store)],
+        lifespan=lifespan,
+    )

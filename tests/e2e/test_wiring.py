@@ -1,0 +1,143 @@
+"""Every way an app can be wired, through real uvicorn processes on every store: what the app
+treats as guarded is guarded or refused, and requests it tells apart never share a record.
+
+See ``tests/e2e/apps/wiring.py`` for the apps; ``tests/core/test_wiring.py`` has the same
+cases in process, with what each refusal says.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.uvicorn import UvicornServer
+
+pytestmark = pytest.mark.e2e
+
+STORES = [
+    "memory",
+    pytest.param("redis", marks=pytest.mark.redis),
+    pytest.param("postgres", marks=pytest.mark.postgres),
+]
+
+
+@pytest.fixture(params=STORES)
+def store_env(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The environment that points ``tests/e2e/apps/wiring.py`` at one store."""
+    kind: str = request.param
+    env = {"IDEM_TEST_STORE": kind}
+    if kind == "redis":
+        env["IDEM_TEST_REDIS_URL"] = request.getfixturevalue("redis_url")
+        env["IDEM_TEST_PREFIX"] = request.getfixturevalue("redis_key_prefix")
+    elif kind == "postgres":
+        env["IDEM_TEST_DSN"] = request.getfixturevalue("postgres_dsn")
+        env["IDEM_TEST_TABLE"] = request.getfixturevalue("postgres_table")
+    return env
+
+
+# uvicorn ends the connection after an app's exception: not one to keep alive.
+CLOSE = {"Connection": "close"}
+
+
+def serve(app: str, env: dict[str, str] | None = None) -> UvicornServer:
+    return UvicornServer(f"tests.e2e.apps.wiring:{app}", env=env, factory=True)
+
+
+@pytest.fixture
+def server(store_env: dict[str, str]) -> Iterator[UvicornServer]:
+    with serve("create_app", store_env) as running:
+        yield running
+
+
+def key() -> dict[str, str]:
+    return {"Idempotency-Key": uuid.uuid4().hex, "X-User": "1"}
+
+
+def post_twice(client: httpx.Client, url: str, **kwargs: Any) -> list[httpx.Response]:
+    headers = {**key(), **kwargs.pop("headers", {})}
+    return [client.post(url, headers=headers, **kwargs) for _ in range(2)]
+
+
+def assert_guarded(client: httpx.Client, url: str, counter: str, **kwargs: Any) -> None:
+    before = client.get("/runs").json().get(counter, 0)
+    first, retry = post_twice(client, url, **kwargs)
+    assert first.status_code == 201, first.text
+    assert retry.headers.get("x-idempotent-replay") == "true", retry.text
+    assert retry.json() == first.json()
+    assert client.post(url, **kwargs).status_code == 400  # no key
+    assert client.get("/runs").json().get(counter, 0) == before + 1
+
+
+def test_class_endpoints_partials_and_mounted_apps_are_guarded(server: UvicornServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        assert_guarded(client, "/orders", "class")
+        assert_guarded(client, "/charges", "partial")
+        assert_guarded(client, "/graphql/", "graphql", content=b"mutation { pay }")
+
+
+def test_a_path_rewritten_inside_the_guard_is_refused(server: UvicornServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        refused = client.post("/v1/charges", headers={**key(), **CLOSE})
+        assert refused.status_code == 500
+        assert client.get("/runs").json().get("partial", 0) == 0
+
+
+def test_hosts_and_tenants_never_share_a_record(server: UvicornServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        headers = key()
+        answers: dict[str, Any] = {}
+        for host in ("api.example", "admin.example", "acme.shop.example", "globex.shop.example"):
+            for _ in range(2):
+                answer = client.post("/op", json={}, headers={**headers, "Host": host})
+                assert answer.status_code == 201, answer.text
+                answers.setdefault(host, answer.json())
+                assert answer.json() == answers[host]
+        assert [answer["host"] for answer in answers.values()] == [
+            "api.example",
+            "admin.example",
+            "acme",
+            "globex",
+        ]
+        counted = client.get("/runs").json()
+        assert [counted[name] for name in ("api.example", "admin.example", "acme", "globex")] == [
+            1,
+            1,
+            1,
+            1,
+        ]
+
+
+def test_an_app_without_the_middleware_refuses_its_decorated_routes() -> None:
+    with serve("create_unguarded_app") as server, httpx.Client(base_url=server.url) as client:
+        for url in ("/orders", "/charges"):
+            assert client.post(url, headers={**key(), **CLOSE}).status_code == 500
+        assert client.get("/runs").json() == {}
+
+
+@pytest.mark.parametrize("first", ["ledger", "notifications"])
+def test_two_services_on_one_store_never_answer_each_other(
+    store_env: dict[str, str], first: str
+) -> None:
+    if store_env["IDEM_TEST_STORE"] == "memory":
+        pytest.skip("a MemoryStore is never shared by two processes")
+    second = "notifications" if first == "ledger" else "ledger"
+    with (
+        serve("create_service", {**store_env, "IDEM_TEST_SERVICE": first}) as one,
+        serve("create_service", {**store_env, "IDEM_TEST_SERVICE": second}) as other,
+        httpx.Client(timeout=10) as client,
+    ):
+        headers = {"Idempotency-Key": f"evt-{uuid.uuid4().hex}"}
+        event = {"type": "payment.settled", "id": 7}
+        answered = client.post(f"{one.url}/v1/events", json=event, headers=headers)
+        assert answered.json() == {"service": first, "run": 1}
+        forwarded = client.post(f"{other.url}/v1/events", json=event, headers=headers)
+        assert forwarded.status_code == 422, forwarded.text
+        assert forwarded.json()["code"] == "idempotency_key_reused"
+        assert "x-idempotent-replay" not in forwarded.headers
+        assert client.get(f"{other.url}/runs").json() == {}
+        retried = client.post(f"{one.url}/v1/events", json=event, headers=headers)
+        assert retried.headers.get("x-idempotent-replay") == "true"
