@@ -48,6 +48,25 @@ def log_findings(findings: list[StoreFinding]) -> None:
             logger.warning("idempotency store check: %s", finding.message)
 
 
+async def refuse_startup(refusal: IdempotencyError, receive: Receive, send: Send) -> None:
+    """Answer the lifespan's startup with a failure, log why once, and raise it."""
+    message = await receive()
+    if message["type"] == "lifespan.startup":
+        await send(startup_failed(refusal))
+    raise refusal
+
+
+#: The message a refused startup goes out with. Servers log it (uvicorn at ERROR): the
+#: refusal itself is logged once, through the library's logger, and this only points there.
+REFUSED_STARTUP = "IdempotencyMiddleware refused the startup: see the error logged above"
+
+
+def startup_failed(refusal: IdempotencyError) -> Message:
+    """Log ``refusal`` (once) and make the ``lifespan.startup.failed`` message for it."""
+    logger.error("idempotency: the app cannot start: %s", refusal)
+    return {"type": "lifespan.startup.failed", "message": REFUSED_STARTUP}
+
+
 class StartupCheck:
     """Runs the checks when the app reports ``lifespan.startup.complete``: after the app's own
     startup, which may be where the store connects, and once its routes are all in place.
@@ -89,7 +108,7 @@ class StartupCheck:
                     await self._check(scope)
                 except IdempotencyError as exc:
                     refusal = exc
-                    message = {"type": "lifespan.startup.failed", "message": str(exc)}
+                    message = startup_failed(exc)
             await send(message)
 
         async def receive_after_refusal() -> Message:
@@ -102,12 +121,11 @@ class StartupCheck:
             raise refusal
 
     def route_problems(self, scope: Scope) -> ConfigurationError | None:
-        """Why the routes would not work as written (logged as an error), if they would not:
-        at startup, or at the first request of an app whose lifespan did not run."""
+        """Why the routes would not work as written, if they would not: at startup, or at the
+        first request of an app whose lifespan did not run."""
         try:
             self._check_routes(scope)
         except ConfigurationError as exc:
-            logger.error("idempotency configuration: %s", exc)
             return exc
         return None
 

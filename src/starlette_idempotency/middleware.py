@@ -11,6 +11,7 @@ import functools
 import inspect
 import logging
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any, Unpack
 
@@ -31,7 +32,7 @@ from starlette_idempotency._responses import ErrorFormat, ErrorResponder
 from starlette_idempotency._routing import RouteResolver, routes_for
 from starlette_idempotency._services import RequestLimits, RequestServices
 from starlette_idempotency._store_calls import BoundedStore
-from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy
+from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy, refuse_startup
 from starlette_idempotency._types import (
     DEFAULT_HEADER_NAME,
     ASGIApp,
@@ -103,6 +104,33 @@ def _check_own_options(options: dict[str, Any]) -> None:
         )
 
 
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuse, naming it, any option the middleware would not work with."""
+    known = _option_names()
+    unknown = options.keys() - known
+    if unknown:  # with a "did you mean"
+        raise unknown_option_error(unknown, known, "IdempotencyMiddleware")
+    _check_own_options(options)
+    if "store" not in options:
+        raise ConfigurationError(
+            "IdempotencyMiddleware needs a store: add store=MemoryStore(), "
+            "store=RedisStore.from_url(url) or store=PostgresStore.from_dsn(dsn)"
+        )
+    _check_store_object(options["store"])
+    IdempotencyPolicy().merged({name: options[name] for name in ROUTE_OPTIONS & options.keys()})
+    ErrorResponder(
+        header_name=options.get("header_name", DEFAULT_HEADER_NAME),
+        error_format=options.get("error_format", "json"),
+        problem_type=options.get("problem_type", "about:blank"),
+    )
+
+
+def _built_by_starlette() -> bool:
+    """Whether ``IdempotencyMiddleware(...)`` was called by Starlette's (or FastAPI's)
+    ``build_middleware_stack``: frame 1 is ``__new__``, frame 2 its caller."""
+    return sys._getframe(2).f_code.co_name == "build_middleware_stack"
+
+
 _CAPABILITIES = ("name", "supports_recovery", "never_blocks")
 
 
@@ -152,13 +180,18 @@ class IdempotencyMiddleware:
     """
 
     def __new__(cls, *args: Any, **options: Any) -> IdempotencyMiddleware:
-        # Unknown options are refused here, before __init__, with a "did you mean": type
-        # checkers still read __init__'s signature (and Starlette's add_middleware with it).
-        known = _option_names()
-        unknown = options.keys() - known
-        if unknown:
-            raise unknown_option_error(unknown, known, "IdempotencyMiddleware")
-        _check_own_options(options)
+        # Every option is checked here, before __init__ (which type checkers, and Starlette's
+        # add_middleware with them, read for the signature). Starlette builds the middleware
+        # stack on the app's first ASGI call, the lifespan's: an exception there would read as
+        # "no lifespan" to uvicorn, which then reports a healthy start and answers every
+        # request 500. So what Starlette builds from wrong options is a middleware that
+        # refuses the startup instead, and the server exits with the message.
+        try:
+            _check_options(options)
+        except ConfigurationError as exc:
+            if _built_by_starlette():
+                return RefusedMiddleware.refusing(exc)
+            raise
         return super().__new__(cls)
 
     def __init__(
@@ -185,7 +218,6 @@ class IdempotencyMiddleware:
         clock: Clock = system_clock,
         **route_defaults: Unpack[RouteOptions],
     ) -> None:
-        _check_store_object(store)
         self.app = app
         self.store = store
         self.header_name = header_name
@@ -257,7 +289,9 @@ class IdempotencyMiddleware:
                 # misplaced decorator or a lock longer than the retention also fails its own
                 # route's requests; a decorator on a route whose methods are not guarded
                 # changes nothing.
-                self._startup_check.route_problems(scope)
+                problems = self._startup_check.route_problems(scope)
+                if problems is not None:
+                    logger.error("idempotency configuration: %s", problems)
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 await self._startup_check.run(self.app, scope, receive, send)
@@ -282,3 +316,27 @@ class IdempotencyMiddleware:
         routes = routes_for(scope, self.app)
         if routes is not None:
             self._resolver.check(routes, self._methods)
+
+
+class RefusedMiddleware(IdempotencyMiddleware):
+    """What Starlette builds from ``IdempotencyMiddleware`` options that are wrong.
+
+    It refuses the app's lifespan startup with the error (the server exits, and never reports
+    a healthy start), and raises it for any request of a server that runs no lifespan.
+    """
+
+    refusal: ConfigurationError
+
+    @classmethod
+    def refusing(cls, refusal: ConfigurationError) -> RefusedMiddleware:
+        refused = object.__new__(cls)
+        refused.refusal = refusal
+        return refused
+
+    def __init__(self, app: ASGIApp, *args: Any, **options: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await refuse_startup(self.refusal, receive, send)
+        raise self.refusal
