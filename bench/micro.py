@@ -337,7 +337,7 @@ def profile_server(
 
     from bench.load import run_wrk
     from bench.servers import http_request
-    from starlette_idempotency.testing.processes import free_port, wait_until
+    from starlette_idempotency.testing._processes import free_port, wait_until
 
     app, _ = build_app(
         AppSettings(

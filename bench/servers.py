@@ -30,7 +30,7 @@ from bench.requests import (
     REQUEST_BODIES,
     REQUEST_BODY,
 )
-from starlette_idempotency.testing.processes import free_port, wait_until
+from starlette_idempotency.testing._processes import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 _START_TIMEOUT = 30.0
@@ -252,7 +252,7 @@ class Services:
     def flush_redis(self) -> None:
         """Empty the private Redis between runs (it belongs to this benchmark alone)."""
         if self.redis_port is not None:
-            from starlette_idempotency.testing.redis_server import redis_command
+            from starlette_idempotency.testing._redis_server import redis_command
 
             redis_command(self.redis_port, "FLUSHALL")
 
@@ -303,7 +303,7 @@ def private_services(*, redis: bool, postgres: bool) -> Iterator[Services]:
     with contextlib.ExitStack() as stack:
         services = Services()
         if redis:
-            from starlette_idempotency.testing.redis_server import RedisServer, redis_command
+            from starlette_idempotency.testing._redis_server import RedisServer, redis_command
 
             server = stack.enter_context(RedisServer())
             services.redis_url, services.redis_port = server.url, server.port
@@ -312,7 +312,7 @@ def private_services(*, redis: bool, postgres: bool) -> Iterator[Services]:
             services.redis_version = fields.get("redis_version", "unknown").strip()
             services.redis_pid = int(fields["process_id"])
         if postgres:
-            from starlette_idempotency.testing.postgres_server import PostgresServer
+            from starlette_idempotency.testing._postgres_server import PostgresServer
 
             pg = stack.enter_context(PostgresServer())
             services.postgres_dsn = pg.dsn

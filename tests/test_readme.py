@@ -53,7 +53,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message
 
 from starlette_idempotency import IdempotencyMiddleware, IdempotencyStore, MemoryStore, idempotent
-from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
+from starlette_idempotency.testing._isolation import delete_prefixed, unique_prefix
 from tests.support.readme_blocks import (
     Block,
     Example,

@@ -23,7 +23,7 @@ from starlette_idempotency._record import Checkpoint
 from starlette_idempotency.errors import StoreError
 from starlette_idempotency.stores.base import FencedWrite
 from starlette_idempotency.stores.postgres import PostgresStore, _never_ran
-from starlette_idempotency.testing.postgres_server import PostgresServer
+from starlette_idempotency.testing._postgres_server import PostgresServer
 from tests.support.conditions import eventually
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.postgres import (

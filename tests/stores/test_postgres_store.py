@@ -21,8 +21,8 @@ from starlette_idempotency._record import (
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.stores.base import AcquireResult, FencedWrite, IdempotencyStore
 from starlette_idempotency.stores.postgres import PostgresStore
-from starlette_idempotency.testing.postgres_server import PostgresServer
-from starlette_idempotency.testing.processes import free_port
+from starlette_idempotency.testing._postgres_server import PostgresServer
+from starlette_idempotency.testing._processes import free_port
 from tests.support.conditions import eventually
 from tests.support.postgres import (
     LOCK_TTL,

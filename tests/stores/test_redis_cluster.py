@@ -17,8 +17,8 @@ from redis.crc import key_slot
 
 from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
 from starlette_idempotency.stores.redis._driver import lua_source
-from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
-from starlette_idempotency.testing.redis_server import RedisClusterServers
+from starlette_idempotency.testing._isolation import delete_prefixed, unique_prefix
+from starlette_idempotency.testing._redis_server import RedisClusterServers
 from tests.support.conditions import eventually
 from tests.support.records import finished, pending
 from tests.support.stores import STRATEGIES, replica_waiting_store, timed_acquire

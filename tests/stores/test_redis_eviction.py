@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from starlette_idempotency._record import RecordStatus
 from starlette_idempotency.stores.base import FencedWrite
 from starlette_idempotency.stores.redis import DriverName, RedisStore
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing._redis_server import RedisServer
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished, pending
 from tests.support.stores import DRIVERS
 

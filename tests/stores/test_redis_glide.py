@@ -21,7 +21,7 @@ from starlette_idempotency._record import Checkpoint, dump_record, record_to_dic
 from starlette_idempotency.errors import ConfigurationError, StoreError
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.stores.redis._glide import config_from_url
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing._redis_server import RedisServer
 from tests.support.conditions import eventually
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished, pending
 from tests.support.stores import (

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from starlette_idempotency import IdempotencyMiddleware, RedisStore, idempotent
 from starlette_idempotency.stores.redis import DriverName
 from starlette_idempotency.stores.redis._redis_py import RedisPyDriver
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing._redis_server import RedisServer
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
 from tests.support.stores import DRIVERS, answers

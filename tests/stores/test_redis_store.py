@@ -32,7 +32,7 @@ from starlette_idempotency._record import (
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
-from starlette_idempotency.testing.redis_server import RedisServer, encode_command
+from starlette_idempotency.testing._redis_server import RedisServer, encode_command
 from tests.support.conditions import eventually
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished, pending
 from tests.support.stores import (

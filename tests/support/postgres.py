@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette_idempotency.stores import IdempotencyRecord, RecordStatus, StoredResponse
 from starlette_idempotency.stores.postgres import PostgresStore
-from starlette_idempotency.testing.isolation import run_admin
+from starlette_idempotency.testing._isolation import run_admin
 from tests.support import records
 from tests.support.conditions import eventually, eventually_sync
 
