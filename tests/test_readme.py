@@ -627,6 +627,17 @@ def test_every_python_fence_is_read(page: Path) -> None:
     assert fences or page != README
 
 
+def test_no_block_imports_a_private_module() -> None:
+    """What the pages show a user imports public names only (from the root, ``stores``,
+    ``testing``, ``client`` ...), never ``starlette_idempotency._something``."""
+    private = re.compile(r"\bstarlette_idempotency(?:\.\w+)*\._\w")
+    assert [
+        f"{found.name}:{found.example.code.line}"
+        for found in EXAMPLES
+        if private.search(found.example.code.source)
+    ] == []
+
+
 def test_every_context_is_used() -> None:
     used = {found.example.code.marker.context for found in EXAMPLES if found.example.code.marker}
     assert used >= set(CONTEXTS), f"contexts no block uses: {set(CONTEXTS) - used}"
