@@ -9,11 +9,15 @@ import sys
 from types import ModuleType
 
 import pytest
+from starlette.applications import Starlette
 
 import starlette_idempotency
 import starlette_idempotency.middleware
 import starlette_idempotency.stores
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore
 from starlette_idempotency._deprecation import REMOVED_IN
+from starlette_idempotency.stores import FencedWrite, IdempotencyRecord
+from tests.support.records import finished, pending
 
 REMOVAL = "removed in " + re.escape(REMOVED_IN)
 
@@ -48,6 +52,34 @@ def test_a_moved_name_resolves_from_its_old_home_with_a_warning(
         moved = getattr(module, name)
     assert moved is getattr(home, name)
     assert name in home.__all__
+
+
+class FirstSpellingStore(MemoryStore):
+    """A store written for the protocol's first spelling: it overrides complete()."""
+
+    async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        return await self.finish(key, record, ttl)
+
+
+def test_a_store_overriding_complete_warns_when_the_middleware_is_built() -> None:
+    with pytest.warns(
+        DeprecationWarning, match=rf"FirstSpellingStore overrides complete\(\).*; it is {REMOVAL}"
+    ):
+        IdempotencyMiddleware(Starlette(), store=FirstSpellingStore())
+
+
+def test_a_store_of_finish_alone_builds_without_a_warning() -> None:
+    IdempotencyMiddleware(Starlette(), store=MemoryStore())  # warnings are errors here
+
+
+@pytest.mark.parametrize("spelling", ["complete", "fail"])
+async def test_calling_complete_or_fail_warns_and_finishes(spelling: str) -> None:
+    store = MemoryStore()
+    record = pending("k")
+    assert (await store.try_acquire("k", record, 30)).acquired
+    with pytest.warns(DeprecationWarning, match=rf"MemoryStore\.{spelling}\(\).*{REMOVAL}"):
+        written = await getattr(store, spelling)("k", finished(record), 60)
+    assert written is FencedWrite.WRITTEN
 
 
 @pytest.mark.parametrize("module", ["redis_server", "postgres_server"])

@@ -106,7 +106,7 @@ async def test_scripts_reload_on_every_node_after_script_flush(
         record = pending(key, "owner-a")
         assert (await store.try_acquire(key, record, LOCK_TTL)).acquired
         assert await store.renew(key, "owner-a", LOCK_TTL)
-        assert await store.complete(key, finished(record), 60)
+        assert await store.finish(key, finished(record), 60)
         assert await store.release(key, "owner-a")
 
 

@@ -77,7 +77,7 @@ async def test_a_vanished_lock_is_noticed_taken_back_and_reclaimed(
         await vanish(admin, "p:k", how)
 
         done = finished(record)
-        assert await store.complete("k", done, RETENTION_TTL) is FencedWrite.RECLAIMED
+        assert await store.finish("k", done, RETENTION_TTL) is FencedWrite.RECLAIMED
         stored = await store.get("k")
         assert stored is not None
         assert stored.status is RecordStatus.COMPLETED
