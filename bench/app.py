@@ -262,7 +262,9 @@ def _wire_idemkit(
         url = settings.require(settings.redis_url, "a Redis URL")
         backend = RedisBackend.from_url(url, namespace=settings.prefix)
     else:
-        backend = InMemoryBackend()
+        # Its default max_size (10,000) refuses every new key once a run has made that many;
+        # like every other store here, it must accept them all.
+        backend = InMemoryBackend(max_size=10_000_000)
     hooks.closers.append(backend.aclose)
     app.add_middleware(IdempotencyMiddleware, backend=backend)
     return endpoint

@@ -150,15 +150,17 @@ def load_tables(results: list[RunResult], modes: tuple[Mode, ...]) -> list[str]:
     configs = list(dict.fromkeys(r.config for r in results))
     ratio = lambda x: f"{x:.2f}"  # noqa: E731
     lines = [
-        "req/s and p99 are medians over the rounds; ratios are per round, shown min–max.",
+        "req/s and p99 are medians over the rounds; ratios are per round, shown min–max. `dup`:"
+        " executions beyond one per key (must be 0); `err`: wrk's socket errors and answers"
+        " over 399 (a run with errors measured something else).",
         "",
     ]
     for mode in modes:
         lines += [
             f"### {mode} keys" if mode == "unique" else "### replays",
             "",
-            "| config | req/s | p99 ms | × bare | × floor | p99 × bare | CPU µs/req | dup |",
-            "|---|---|---|---|---|---|---|---|",
+            "| config | req/s | p99 ms | × bare | × floor | p99 × bare | CPU µs/req | dup | err |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name in configs:
             mine = [r for r in results if r.config == name and r.mode == mode]
@@ -170,11 +172,14 @@ def load_tables(results: list[RunResult], modes: tuple[Mode, ...]) -> list[str]:
             rps = statistics.median(r.wrk.rps for r in mine)
             p99_ms = statistics.median(r.wrk.p99_ms for r in mine)
             cpu_us = statistics.median(r.server_cpu_us for r in mine)
+            # bare runs every request, replays included: no layer, nothing to count
+            duplicates = "" if name == "bare" else sum(r.duplicates for r in mine)
             lines.append(
                 f"| {name} | {rps:,.0f} | {p99_ms:.1f} "
                 f"| {_span(_ratios(runs, name, 'bare', mode), ratio)} "
                 f"| {_span(_ratios(runs, name, floor_of(name), mode), ratio)} "
-                f"| {_span(p99, ratio)} | {cpu_us:.0f} | {sum(r.duplicates for r in mine)} |"
+                f"| {_span(p99, ratio)} | {cpu_us:.0f} | {duplicates} "
+                f"| {sum(r.wrk.errors for r in mine)} |"
             )
         lines.append("")
     ours = [name for name in configs if BY_NAME[name].kind == "ours"]

@@ -1,7 +1,9 @@
 """Where the worker's CPU goes under load: py-spy samples of the uvicorn worker under wrk.
 
 For each configuration and mode, one server is loaded by wrk while ``py-spy record -f raw``
-samples its process (``--full-filenames``; idle samples, the event loop waiting, are left out).
+samples its process (``--full-filenames``). ``--gil`` keeps only the samples where the worker
+holds the GIL: uvloop releases it while the loop waits for I/O, so a wait for Redis, or for a
+core on a busy machine, is never charged to the code that was last on the stack.
 A sample is charged to the package whose file its innermost Python frame is in (a C function
 called from Python, ``orjson.dumps`` say, counts for the Python code that called it), and the
 counts become self time per request: samples / rate / (wrk's rate * the sampled seconds).
@@ -111,7 +113,7 @@ def sample(
         time.sleep(1)  # wrk's connections are up and the loop is busy
         done = subprocess.run(
             [
-                *(py_spy(), "record", "--format", "raw", "--full-filenames"),
+                *(py_spy(), "record", "--format", "raw", "--full-filenames", "--gil"),
                 *("--rate", str(rate), "--duration", f"{seconds:g}"),
                 *("--pid", str(server.pid), "--output", str(raw_path)),
             ],
@@ -140,7 +142,7 @@ def table(results: list[SelfTime], rate: int) -> str:
     seen = {area for result in results for area in result.us_by_area}
     areas = [area for _, area in AREAS if area in seen] + ([OTHER] if OTHER in seen else [])
     lines = [
-        f"Self CPU µs per request by package (py-spy, {rate} Hz, idle left out):",
+        f"Self CPU µs per request by package (py-spy --gil, {rate} Hz):",
         "",
         "| config | mode | req/s | " + " | ".join(areas) + " | total |",
         "|---|---|---|" + "---|" * (len(areas) + 1),
