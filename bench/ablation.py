@@ -1,7 +1,7 @@
 """What each step of a guarded request costs: the microbenchmark with one step taken out.
 
-``python -m bench.ablation`` awaits the ``payments`` app in-process (as :mod:`bench.micro`
-does) for ``ours-memory`` and ``ours-redis-setnx`` (against a private Redis server), unique keys
+``python -m bench.ablation`` awaits the app in-process (as :mod:`bench.micro` does) for
+``ours-memory`` and ``ours-redis`` (against a private Redis server), unique keys
 and replays, and measures the CPU per request with the whole middleware and with one step at a
 time replaced by the cheapest stand-in that keeps the request answered alike:
 
@@ -28,7 +28,6 @@ import gc
 import itertools
 import secrets
 import statistics
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,15 +37,14 @@ from bench.app import AppSettings, build_app
 from bench.asgi import call, running
 from bench.configs import floor_of
 from bench.load import MODES, Mode
-from bench.micro import run_async
-from bench.requests import REQUEST_BODIES
+from bench.micro import keys_for, run_async, timed
 from bench.servers import private_services
 from starlette_idempotency import _request, _routing
 from starlette_idempotency._record import load_record
 from starlette_idempotency.stores import memory
 from starlette_idempotency.stores.redis import _store as redis_store
 
-CONFIGS = ("ours-memory", "ours-redis-setnx")
+CONFIGS = ("ours-memory", "ours-redis")
 # Each configuration's floor (bench.floor), measured in the same trials as the ``floor`` row.
 FLOORS = {config: floor for config in CONFIGS if (floor := floor_of(config))}
 Patch = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -111,20 +109,10 @@ def _without(steps: tuple[str, ...]) -> Iterator[None]:
         yield
 
 
-async def _cpu_per_request(app: Any, keys: list[str], body: bytes) -> float:
-    started = time.process_time_ns()
-    for key in keys:
-        reply = await call(app, key=key, body=body)
-        if reply.status != 201:
-            raise RuntimeError(f"answered {reply.status}: {reply.body[:200]!r}")
-    return (time.process_time_ns() - started) / 1000 / len(keys)
-
-
 async def measure(
     redis_url: str, requests: int, trials: int
 ) -> dict[tuple[str, str, Mode], list[float]]:
     """CPU µs per request by (variant, config, mode); variants are ``full``, each step, ``all``."""
-    body = REQUEST_BODIES["payments"]
     variants: dict[str, tuple[str, ...]] = {"full": (), **{s: (s,) for s in STEPS}}
     variants["all"] = tuple(STEPS)
     samples: dict[tuple[str, str, Mode], list[float]] = {}
@@ -132,12 +120,10 @@ async def measure(
     async with contextlib.AsyncExitStack() as stack:
         apps = {}
         for config in (*CONFIGS, *FLOORS.values()):
-            settings = AppSettings(
-                config=config, app="payments", redis_url=redis_url, prefix=f"ablation-{tag}"
-            )
-            app = await stack.enter_async_context(running(build_app(settings)[0]))
-            await call(app, key="replayed", body=body)
-            await _cpu_per_request(app, [f"warm-{config}-{i}" for i in range(300)], body)
+            settings = AppSettings(config, redis_url, prefix=f"ablation-{tag}-{config}")
+            app = await stack.enter_async_context(running(build_app(settings)))
+            await call(app, key="replayed")
+            await timed(app, keys_for("unique", f"warm-{config}", 300))
             apps[config] = app
         for trial in range(trials):
             for variant, steps in variants.items():
@@ -145,14 +131,10 @@ async def measure(
                     if config in FLOORS.values() and variant != "full":
                         continue
                     for mode in MODES:
-                        if mode == "unique":
-                            prefix = variant.replace(" ", "_")
-                            keys = [f"{prefix}-{trial}-{i}" for i in range(requests)]
-                        else:
-                            keys = ["replayed"] * requests
+                        label = f"{variant.replace(' ', '_')}-{trial}"
                         gc.collect()
                         with _without(steps):
-                            cpu = await _cpu_per_request(app, keys, body)
+                            _, cpu = await timed(app, keys_for(mode, label, requests))
                         samples.setdefault((variant, config, mode), []).append(cpu)
     return samples
 
@@ -162,7 +144,7 @@ def report(samples: dict[tuple[str, str, Mode], list[float]]) -> str:
     median = {key: statistics.median(values) for key, values in samples.items()}
     trials = len(next(iter(samples.values())))
     lines = [
-        "In-process CPU µs per request of the `payments` app, medians of "
+        "In-process CPU µs per request, medians of "
         f"{trials} interleaved trials; a step's row is the CPU with that step replaced by its "
         "stand-in (`python -m bench.ablation`), with the saving against `full` in brackets.",
         "",

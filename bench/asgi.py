@@ -1,4 +1,4 @@
-"""Calling an ASGI app in-process, without a server: scope, receive and send built by hand."""
+"""Calling the app in-process, without a server: scope, receive and send built by hand."""
 
 from __future__ import annotations
 
@@ -9,55 +9,40 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message
 
-from bench.requests import PAYMENT_PATH, REQUEST_BODY
+from bench.requests import BODY, PAYMENT_PATH
 
-_BASE_HEADERS = (
+_HEADERS = (
     (b"host", b"127.0.0.1:8000"),
     (b"content-type", b"application/json"),
+    (b"content-length", str(len(BODY)).encode("latin-1")),
 )
 
 
 @dataclass(frozen=True, slots=True)
 class Reply:
     status: int
-    headers: list[tuple[bytes, bytes]]
     body: bytes
 
 
-async def call(
-    app: ASGIApp,
-    *,
-    key: str | None,
-    method: str = "POST",
-    path: str = PAYMENT_PATH,
-    body: bytes = REQUEST_BODY,
-    query: bytes = b"",
-) -> Reply:
-    """One request through ``app``; the body arrives in one ``http.request`` message."""
-    if method == "POST":
-        headers = [*_BASE_HEADERS, (b"content-length", str(len(body)).encode("latin-1"))]
-    else:
-        headers = [(b"host", b"127.0.0.1:8000")]
-    if key is not None:
-        headers.append((b"idempotency-key", key.encode("latin-1")))
+async def call(app: ASGIApp, *, key: str) -> Reply:
+    """One ``POST /payments`` through ``app``; the body arrives in one ``http.request``."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
         "http_version": "1.1",
-        "method": method,
+        "method": "POST",
         "scheme": "http",
-        "path": path,
-        "raw_path": path.encode("latin-1"),
+        "path": PAYMENT_PATH,
+        "raw_path": PAYMENT_PATH.encode("latin-1"),
         "root_path": "",
-        "query_string": query,
-        "headers": headers,
+        "query_string": b"",
+        "headers": [*_HEADERS, (b"idempotency-key", key.encode("latin-1"))],
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 8000),
         "state": {},
     }
     sent_body = False
     status = 0
-    response_headers: list[tuple[bytes, bytes]] = []
     chunks: list[bytes] = []
 
     async def receive() -> Message:
@@ -65,18 +50,17 @@ async def call(
         if sent_body:
             return {"type": "http.disconnect"}
         sent_body = True
-        return {"type": "http.request", "body": body if method == "POST" else b""}
+        return {"type": "http.request", "body": BODY}
 
     async def send(message: Message) -> None:
-        nonlocal status, response_headers
+        nonlocal status
         if message["type"] == "http.response.start":
             status = message["status"]
-            response_headers = list(message.get("headers", ()))
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
 
     await app(scope, receive, send)
-    return Reply(status, response_headers, b"".join(chunks))
+    return Reply(status, b"".join(chunks))
 
 
 @asynccontextmanager

@@ -1,471 +1,270 @@
-"""``python -m bench``: run every part of the benchmark and write the markdown report."""
+"""``python -m bench``: run the sections, print a compact markdown summary.
+
+The summary goes to stdout and to ``bench/results/<UTC time>.md`` beside the raw figures
+(``.json``) and py-spy's stacks; ``bench/results/`` is not committed. The figures that matter
+are copied into docs/explanation/benchmarks.md by hand, with the command that produced them.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import dataclasses
 import importlib.metadata
+import json
 import logging
 import os
 import platform
 import shlex
-import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import ablation, fingerprint
+from bench import ablation, micro, sampling
 from bench.app import AppSettings
-from bench.configs import (
-    APPS,
-    BY_NAME,
-    CONFIGS,
-    AppName,
-    Config,
-    for_app,
-    select,
-    select_apps,
-)
-from bench.load import (
-    MODES,
-    LoadSettings,
-    Mode,
-    RunResult,
-    measure,
-    wrk_binary,
-    wrk_version,
-)
-from bench.micro import (
-    PROFILED,
-    MicroResult,
-    micro_configs,
-    microbench,
-    profile_hot_path,
-    redis_pool_cost,
-    run_async,
-)
-from bench.report import render
-from bench.report_model import Meta, Report
-from bench.roundtrips import count_all
+from bench.configs import BY_NAME, CONFIGS, Config, floor_of, installed, select
+from bench.load import MODES, LoadSettings, Mode, RunResult, measure, wrk_binary
 from bench.servers import ROOT, Services, UvicornServer, private_services
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PG_TABLE = "bench_idempotency"
-_PACKAGES = (
-    "uvicorn",
-    "uvloop",
-    "httptools",
-    "starlette",
-    "fastapi",
-    "pydantic",
-    "redis",
-    "valkey-glide",
-    "asyncpg",
-    "orjson",
-    "starlette-idempotency",
-    "asgi-idempotency-header",
-    "mobius-idempotence-library",
-)
+SAMPLED = ("bare", "ours-memory", "ours-redis", *(c.name for c in CONFIGS if c.kind == "peer"))
+PEERS = ("mobius", "idemkit", "idemgate", "aih")
+_VERSIONS = ("starlette", "fastapi", "redis", "uvicorn", "uvloop", "orjson")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench",
-        description="Measure the cost of being idempotent: uvicorn + wrk load against bare, "
-        "a hand-written floor, this library's stores and peer libraries; store round trips; "
-        "an in-process microbenchmark and a hot-path profile. Writes bench/results/<date>.md.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    names = ", ".join(BY_NAME)
+    parser.add_argument("--configs", help=f"comma-separated subset of: {names}")
+    parser.add_argument("--modes", default="unique,replay", help="unique, replay or both")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--duration", type=float, default=10, help="seconds per wrk run")
     parser.add_argument("--warmup", type=float, default=1, help="seconds of warm-up per server")
-    parser.add_argument("--connections", type=int, default=32, help="wrk connections")
-    parser.add_argument("--threads", type=int, default=2, help="wrk threads")
     parser.add_argument(
-        "--configs",
-        default=None,
-        help="comma-separated subset: " + ", ".join(c.name for c in CONFIGS),
+        "--sample-configs",
+        help=f"configurations py-spy samples (default: {', '.join(SAMPLED)}, those selected)",
     )
-    parser.add_argument(
-        "--app",
-        default="both",
-        choices=[*APPS, "both"],
-        help="which service: plain (today's: snake_case body, ~300-byte answer), payments "
-        "(issue #17's user app: camelCase four-field model, float amount; with the "
-        "protect_all=True variants and the 500k-record MemoryStore), or both (default)",
-    )
-    parser.add_argument(
-        "--modes",
-        default="unique,replay",
-        help="load modes to run: unique, replay or both (default unique,replay)",
-    )
-    parser.add_argument("--micro-requests", type=int, default=3000, help="requests per micro trial")
-    parser.add_argument("--micro-trials", type=int, default=7, help="microbenchmark trials")
-    parser.add_argument(
-        "--profile-duration", type=float, default=5, help="seconds of wrk load per profile"
-    )
-    parser.add_argument("--skip-load", action="store_true", help="no uvicorn/wrk runs")
-    parser.add_argument("--skip-counts", action="store_true", help="no round-trip counting")
-    parser.add_argument("--skip-micro", action="store_true", help="no in-process microbenchmark")
-    parser.add_argument("--skip-profile", action="store_true", help="no cProfile run")
-    parser.add_argument(
-        "--skip-fingerprint", action="store_true", help="no exclude_fields measurement"
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: 1 round, 3 s per run, short micro/profile",
-    )
-    parser.add_argument(
-        "--max-load",
-        type=float,
-        default=1.5,
-        help="with --wait-quiet, wait while the 1-minute load average is above this",
-    )
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--micro-requests", type=int, default=2000, help="requests per trial")
+    parser.add_argument("--micro-trials", type=int, default=7, help="in-process trials")
+    for section in ("load", "sampling", "micro", "ablation"):
+        parser.add_argument(f"--skip-{section}", action="store_true", help=f"no {section} section")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 3 s runs")
     parser.add_argument(
         "--wait-quiet",
         type=float,
         default=0,
-        help="seconds to wait at most (polling every 30 s) for a load average under --max-load",
+        help="first wait up to this many seconds for a 1-minute load average under 1.5",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the files go")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.duration, args.warmup = 1, 3, 1
-        args.micro_requests, args.micro_trials, args.profile_duration = 500, 2, 2
+        args.rounds, args.duration, args.micro_requests, args.micro_trials = 1, 3, 300, 2
     return args
 
 
-def _versions(services: Services) -> dict[str, str]:
-    versions = {"Python": platform.python_version()}
-    for name in _PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    versions["Redis server (private)"] = services.redis_version
-    versions["PostgreSQL server (private)"] = (
-        f"{services.postgres_version} ({services.postgres_settings})"
-        if services.postgres_settings
-        else services.postgres_version
-    )
-    versions["wrk"] = wrk_version()
-    versions["starlette-idempotency source"] = _source_fingerprint()
-    return versions
+def _modes(names: str) -> tuple[Mode, ...]:
+    wanted = {name.strip() for name in names.split(",")}
+    if not wanted <= set(MODES):
+        raise SystemExit(f"--modes: known modes are {', '.join(MODES)}")
+    return tuple(mode for mode in MODES if mode in wanted)
 
 
-def _source_fingerprint() -> str:
-    """Which library code was measured: the commit, uncommitted files, a hash of the tree."""
-    import hashlib
-    import subprocess
-
-    source = ROOT / "src" / "starlette_idempotency"
-    digest = hashlib.sha256()
-    for path in sorted(source.rglob("*")):
-        if path.suffix in (".py", ".lua", ".sql") and "__pycache__" not in path.parts:
-            digest.update(str(path.relative_to(source)).encode() + b"\0" + path.read_bytes())
-
+def _header(argv: list[str], started: datetime) -> list[str]:
     def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return done.stdout.strip()
 
-    changed = git("status", "--porcelain", "--", "src").splitlines()
-    return (
-        f"commit {git('rev-parse', '--short', 'HEAD') or '?'}, {len(changed)} uncommitted "
-        f"path(s) under src/, tree sha256 {digest.hexdigest()[:12]}"
-    )
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f}, {five:.2f}, {fifteen:.2f}"
-
-
-def wait_for_quiet(max_load: float, max_wait: float) -> str:
-    """Poll every 30 s (up to ``max_wait``) for a 1-minute load average under ``max_load``."""
-    deadline = time.monotonic() + max_wait
-    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
-        print(f"load average {_load()} > {max_load}: waiting 30 s for a quieter moment", flush=True)
-        time.sleep(30)
-    return _load()
-
-
-def _peer_problems(configs: tuple[Config, ...]) -> tuple[tuple[Config, ...], list[str]]:
-    """Drop peer configurations whose library cannot be imported, saying why."""
-    kept, skipped = [], []
-    modules = {"aih": "idempotency_header_middleware", "mobius": "mobius_idempotence"}
-    for config in configs:
-        prefix = config.name.split("-", 1)[0]
-        module = modules.get(prefix)
-        if module is not None:
-            try:
-                __import__(module)
-            except ImportError as exc:
-                skipped.append(f"`{config.name}` skipped: {exc} (pip install --group bench -e .)")
-                continue
-        kept.append(config)
-    return tuple(kept), skipped
+    changed = len(git("status", "--porcelain", "--", "src").splitlines())
+    versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in _VERSIONS)
+    return [
+        f"# python -m bench, {started:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"Reproduce with: `{' '.join(['python -m bench', shlex.join(argv)]).strip()}`",
+        f"Source: commit {git('rev-parse', '--short', 'HEAD')}, {changed} changed file(s) "
+        f"under src/. Python {platform.python_version()}, {versions}; {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.2f} at the start.",
+    ]
 
 
 def run_load(
-    plan: list[tuple[AppName, Config]],
+    configs: tuple[Config, ...],
     services: Services,
     settings: LoadSettings,
     rounds: int,
+    modes: tuple[Mode, ...],
     logs: Path,
-    prefills: list[dict[str, object]] | None = None,
-    modes: tuple[Mode, ...] = MODES,
 ) -> list[RunResult]:
-    """Every (app, configuration) of ``plan`` once per round, rounds interleaved."""
+    """Every configuration once per round, rounds interleaved (A B C … A B C …)."""
     results: list[RunResult] = []
-    run_tag = uuid.uuid4().hex[:6]
+    tag = uuid.uuid4().hex[:6]
     for round_number in range(1, rounds + 1):
-        for app, config in plan:
-            services.flush_redis()
-            services.truncate_postgres(PG_TABLE)
-            run_id = f"{run_tag}r{round_number}{app[:2]}{config.name}"
-            app_settings = AppSettings(
-                config=config.name,
-                app=app,
-                redis_url=services.redis_url,
-                postgres_dsn=services.postgres_dsn,
-                prefix=f"bench-{run_id}",
-                pg_table=PG_TABLE,
+        for config in configs:
+            services.reset()
+            run_id = f"{tag}r{round_number}{config.name}"
+            app = AppSettings(
+                config.name, services.redis_url, services.postgres_dsn, f"bench-{run_id}"
             )
-            started = time.monotonic()
-            with UvicornServer(app_settings, logs / f"{app}-{config.name}.log") as server:
-                if config.prefill:
-                    filled = server.prefill(config.prefill)
-                    print(
-                        f"round {round_number}/{rounds} {app}/{config.name}: "
-                        f"{filled['records']:,} records in {filled['seconds']:.1f} s",
-                        flush=True,
-                    )
-                    if prefills is not None:
-                        prefills.append({"app": app, "config": config.name, **filled})
-                runs = measure(
-                    server,
-                    services,
-                    config.name,
-                    round_number,
-                    run_id,
-                    settings,
-                    prefilled=config.prefill,
-                    modes=modes,
-                )
+            with UvicornServer(app, logs / f"{config.name}.log") as server:
+                runs = measure(server, services, round_number, run_id, settings, modes)
             results += runs
-            summary = ", ".join(
-                f"{r.mode} {r.wrk.rps:,.0f} req/s {r.server_cpu_us:.0f} µs cpu/req "
-                f"p99 {r.wrk.p99_ms:.1f} ms (foreign {r.foreign_cpu_pct:.0f}%)"
-                for r in runs
-            )
             print(
-                f"round {round_number}/{rounds} {app:8} {config.name:20} {summary} "
-                f"({time.monotonic() - started:.0f} s)",
+                f"round {round_number}/{rounds} {config.name:16} "
+                + ", ".join(
+                    f"{r.mode} {r.wrk.rps:,.0f} req/s p99 {r.wrk.p99_ms:.1f} ms "
+                    f"(foreign CPU {r.foreign_cpu_pct:.0f}%)"
+                    for r in runs
+                ),
                 flush=True,
             )
     return results
 
 
-def _modes(names: str) -> tuple[Mode, ...]:
-    wanted = {name.strip() for name in names.split(",") if name.strip()}
-    unknown = wanted - set(MODES)
-    if unknown or not wanted:
-        raise SystemExit(f"--modes: unknown {sorted(unknown)}; known: {', '.join(MODES)}")
-    return tuple(mode for mode in MODES if mode in wanted)
+def _span(values: list[float], form: Callable[[float], str]) -> str:
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    return form(low) if form(low) == form(high) else f"{form(low)}–{form(high)}"
 
 
-def _micro(
-    app: AppName, names: tuple[str, ...], requests: int, trials: int, redis_url: str | None
-) -> dict[tuple[str, Mode], MicroResult]:
-    return run_async(lambda: microbench(names, requests, trials, app_name=app, redis_url=redis_url))
+def _ratios(
+    runs: dict[tuple[str, Mode, int], RunResult], a: str, b: str | None, mode: Mode
+) -> list[float]:
+    """``a``'s req/s over ``b``'s, one ratio per round both ran in."""
+    rounds = sorted({r for (c, m, r) in runs if c == a and m == mode})
+    return [
+        runs[a, mode, r].wrk.rps / runs[b, mode, r].wrk.rps
+        for r in rounds
+        if b is not None and (b, mode, r) in runs and runs[b, mode, r].wrk.rps
+    ]
 
 
-def _raw_json(report: Report) -> str:
-    """Every measured number of the run, for later comparison (profile listings left out)."""
-    import dataclasses
-    import json
-
-    data = {
-        "meta": dataclasses.asdict(report.meta),
-        "runs": [dataclasses.asdict(run) for run in report.runs],
-        "counts": [  # by hand: asdict() would rebuild the Counters from (key, value) pairs
-            {
-                "config": result.config,
-                "error": result.error,
-                "record_bytes": result.record_bytes,
-                "value_bytes": result.value_bytes,
-                "cases": {
-                    name: {
-                        "status": count.status,
-                        "round_trips": count.round_trips,
-                        "client_commands": dict(count.client_commands),
-                        "commands": dict(count.commands),
-                        "pool_resets": count.extra,
-                    }
-                    for name, count in result.cases.items()
-                },
-            }
-            for result in report.counts
-        ],
-        "micro": [
-            dataclasses.asdict(result)
-            for results in report.micro.values()
-            for result in results.values()
-        ],
-        "prefills": report.prefills,
-        "profiles": [
-            {k: v for k, v in dataclasses.asdict(p).items() if k != "text"} for p in report.profiles
-        ],
-        "redis_pool_cpu_us": report.pool_cost,
-        "skipped": report.skipped,
-    }
-    return json.dumps(data, indent=1, ensure_ascii=False, default=str)
+def load_tables(results: list[RunResult], modes: tuple[Mode, ...]) -> list[str]:
+    """Per mode, each configuration against bare and its floor; then ours ÷ each peer."""
+    runs = {(r.config, r.mode, r.round): r for r in results}
+    configs = list(dict.fromkeys(r.config for r in results))
+    ratio = lambda x: f"{x:.2f}"  # noqa: E731
+    lines = [
+        "req/s and p99 are medians over the rounds; ratios are per round, shown min–max. `dup`:"
+        " executions beyond one per key (must be 0); `err`: wrk's socket errors and answers"
+        " over 399 (a run with errors measured something else).",
+        "",
+    ]
+    for mode in modes:
+        lines += [
+            f"### {mode} keys" if mode == "unique" else "### replays",
+            "",
+            "| config | req/s | p99 ms | × bare | × floor | p99 × bare | CPU µs/req | dup | err |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name in configs:
+            mine = [r for r in results if r.config == name and r.mode == mode]
+            p99 = [
+                run.wrk.p99_ms / runs["bare", mode, run.round].wrk.p99_ms
+                for run in mine
+                if ("bare", mode, run.round) in runs
+            ]
+            rps = statistics.median(r.wrk.rps for r in mine)
+            p99_ms = statistics.median(r.wrk.p99_ms for r in mine)
+            cpu_us = statistics.median(r.server_cpu_us for r in mine)
+            # bare runs every request, replays included: no layer, nothing to count
+            duplicates = "" if name == "bare" else sum(r.duplicates for r in mine)
+            lines.append(
+                f"| {name} | {rps:,.0f} | {p99_ms:.1f} "
+                f"| {_span(_ratios(runs, name, 'bare', mode), ratio)} "
+                f"| {_span(_ratios(runs, name, floor_of(name), mode), ratio)} "
+                f"| {_span(p99, ratio)} | {cpu_us:.0f} | {duplicates} "
+                f"| {sum(r.wrk.errors for r in mine)} |"
+            )
+        lines.append("")
+    ours = [name for name in configs if BY_NAME[name].kind == "ours"]
+    lines += [
+        "### ours ÷ each peer on the same store (req/s, per round)",
+        "",
+        "| ours | mode | " + " | ".join(f"÷ {peer}" for peer in PEERS) + " |",
+        "|---|---|" + "---|" * len(PEERS),
+    ]
+    for name in ours:
+        store = BY_NAME[name].store
+        for mode in modes:
+            cells = [_span(_ratios(runs, name, f"{peer}-{store}", mode), ratio) for peer in PEERS]
+            if any(cells):
+                lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    configs = select(args.configs)
-    configs, skipped = _peer_problems(configs)
-    apps = select_apps(args.app)
-    plan = [(app, config) for app in apps for config in for_app(configs, app)]
-    if not plan:
-        raise SystemExit(f"no configuration of {args.configs!r} runs in the {args.app} app(s)")
-    # Round trips and the profile run once, on the user's app when it is measured.
-    main_app: AppName = "payments" if "payments" in apps else apps[0]
-    configs = tuple(dict.fromkeys(config for _, config in plan))
-    if not args.skip_load:
+    configs, skipped = installed(select(args.configs))
+    modes = _modes(args.modes)
+    deadline = time.monotonic() + args.wait_quiet
+    while os.getloadavg()[0] > 1.5 and time.monotonic() < deadline:
+        print(f"load average {os.getloadavg()[0]:.2f}: waiting for a quieter machine", flush=True)
+        time.sleep(30)
+    if not args.skip_load or not args.skip_sampling:
         wrk_binary()  # fail early with the install hint
-    load_before = wait_for_quiet(args.max_load, args.wait_quiet) if args.wait_quiet else _load()
-    started = time.monotonic()
-    now = datetime.now(UTC)
-    command = "cd " + shlex.quote(str(ROOT)) + " && .venv/bin/python -m bench"
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv:
-        command += " " + shlex.join(argv)
-    need_redis = any("redis" in c.needs for c in configs) or not args.skip_profile
-    need_postgres = any("postgres" in c.needs for c in configs)
-    args.out.mkdir(parents=True, exist_ok=True)
-    logs = Path(tempfile.mkdtemp(prefix="bench-uvicorn-logs-"))
-    # In-process stages build the app without authentication: its one-time warning about
-    # unscoped keys is expected here (the level stays above INFO, as in the servers).
+    if not args.skip_sampling:
+        sampling.py_spy()
+    # The apps run without authentication: the one-time warning about unscoped keys is
+    # expected here (the servers log at WARNING and above too).
     logging.getLogger("starlette_idempotency").setLevel(logging.ERROR)
-    report: Report
-    with private_services(redis=need_redis, postgres=need_postgres) as services:
-        settings = LoadSettings(
-            duration=args.duration,
-            connections=args.connections,
-            threads=args.threads,
-            warmup=args.warmup,
-        )
-        meta = Meta(
-            date=now.strftime("%Y-%m-%d %H:%M UTC"),
-            command=command,
-            settings=(
-                f"app(s) {', '.join(apps)}; modes {args.modes}; "
-                f"{args.rounds} round(s), {args.duration:g} s per run after {args.warmup:g} s "
-                f"warm-up, wrk -t{args.threads} -c{args.connections}; micro "
-                f"{args.micro_trials} × {args.micro_requests} requests; profiles "
-                f"{args.profile_duration:g} s of wrk load each"
-            ),
-            versions=_versions(services),
-            machine={
-                "CPU": _cpu_model(),
-                "nproc": str(os.cpu_count()),
-                "load average at start (1, 5, 15 min)": load_before,
-                "kernel": platform.release(),
-            },
-            notes=[
-                "Everything runs on one machine: wrk, uvicorn (one worker), and private "
-                "redis-server / PostgreSQL processes started for this run (PostgreSQL with "
-                "fsync and synchronous_commit off). Ratios matter more than absolute numbers.",
-                "`wait_replicas` is not measured: with no replica, `WAIT 1` only measures "
-                "its own timeout.",
-            ],
-        )
-        report = Report(meta=meta, skipped=skipped, apps=list(apps), counts_app=main_app)
+    started = datetime.now(UTC)
+    lines = [*_header(argv, started), *(f"- {note}" for note in skipped), ""]
+    raw: dict[str, object] = {}
+    need = {service for config in configs for service in config.needs}
+    settings = LoadSettings(args.duration, warmup=args.warmup)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = f"{started:%Y-%m-%dT%H%M}"
+    logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
+    with private_services(redis="redis" in need, postgres="postgres" in need) as services:
         if not args.skip_load:
-            report.runs = run_load(
-                plan,
-                services,
-                settings,
-                args.rounds,
-                logs,
-                prefills=report.prefills,
-                modes=_modes(args.modes),
-            )
-        if not args.skip_counts:
-            print(f"counting store round trips ({main_app} app)", flush=True)
-            report.counts = asyncio.run(
-                count_all(
-                    [c.name for c in for_app(configs, main_app)],
-                    services.redis_url,
-                    services.redis_port,
-                    services.postgres_dsn,
-                    main_app,
-                )
-            )
+            results = run_load(configs, services, settings, args.rounds, modes, logs)
+            lines += ["## Load (wrk, one uvicorn worker)", "", *load_tables(results, modes), ""]
+            raw["load"] = [dataclasses.asdict(r) for r in results]
+        if not args.skip_sampling:
+            wanted = args.sample_configs.split(",") if args.sample_configs else SAMPLED
+            selected = {config.name for config in configs}
+            profiled: list[sampling.SelfTime] = []
+            for name in [n.strip() for n in wanted if n.strip() in selected]:
+                services.reset()
+                run_id = f"spy{uuid.uuid4().hex[:6]}{name}"
+                app = AppSettings(name, services.redis_url, services.postgres_dsn, run_id)
+                with UvicornServer(app, logs / f"spy-{name}.log") as server:
+                    for mode in modes:
+                        raw_path = args.out / f"{stamp}-spy-{name}-{mode}.txt"
+                        found = sampling.sample(
+                            server, run_id, mode, settings, rate=args.rate, raw_path=raw_path
+                        )
+                        print(f"sampled {name} {mode}: {found.total_us:.0f} µs/req", flush=True)
+                        profiled.append(found)
+            lines += ["## Self time under load", "", sampling.table(profiled, args.rate), ""]
+            raw["sampling"] = [dataclasses.asdict(p) for p in profiled]
         if not args.skip_micro:
-            for app in apps:
-                print(f"in-process microbenchmark ({app} app)", flush=True)
-                names = micro_configs(for_app(configs, app), services.redis_url is not None)
-                report.micro[app] = _micro(
-                    app, names, args.micro_requests, args.micro_trials, services.redis_url
+            names = micro.micro_configs(configs, services.redis_url is not None)
+            found_micro = micro.run_async(
+                lambda: micro.microbench(
+                    names, args.micro_requests, args.micro_trials, services.redis_url
                 )
-            if "payments" in apps and services.redis_url:
-                print("what each step costs (bench.ablation, payments app)", flush=True)
-                url = services.redis_url
-                report.ablation = ablation.report(
-                    run_async(lambda: ablation.measure(url, args.micro_requests, args.micro_trials))
-                )
-        if not args.skip_profile:
-            print(f"profiling the hot path ({main_app} app)", flush=True)
-            profile_settings = LoadSettings(
-                duration=args.profile_duration,
-                connections=args.connections,
-                threads=args.threads,
-                warmup=1,
             )
-            profiled, _ = _peer_problems(tuple(BY_NAME[name] for name in PROFILED))
-            report.profiles = profile_hot_path(
-                services.redis_url,
-                profile_settings,
-                main_app,
-                tuple(config.name for config in profiled),
+            lines += ["## In-process", "", micro.table(found_micro), ""]
+            raw["micro"] = [dataclasses.asdict(m) for m in found_micro]
+    if not args.skip_ablation:
+        with private_services(redis=True, postgres=False) as services:
+            url = services.redis_url
+            assert url is not None
+            samples = micro.run_async(
+                lambda: ablation.measure(url, args.micro_requests, args.micro_trials)
             )
-            if services.redis_url:
-                redis_url = services.redis_url
-                report.pool_cost = run_async(lambda: redis_pool_cost(redis_url))
-    if not args.skip_fingerprint:
-        print("fingerprint with and without exclude_fields", flush=True)
-        body = fingerprint.orders_body()
-        trials = 5 if args.quick else 31
-        report.fingerprint = fingerprint.report(fingerprint.measure(body, trials), len(body))
-    meta.machine["load average at end"] = _load()
-    meta.machine["wall time of the run"] = f"{time.monotonic() - started:.0f} s"
-    text = render(report)
-    stamp = now.strftime("%Y-%m-%d")
-    suffix = "-quick" if args.quick else ""
-    dated = args.out / f"{stamp}{suffix}.md"
-    dated.write_text(text)
-    (args.out / f"latest{suffix}.md").write_text(text)
-    (args.out / f"{stamp}{suffix}.json").write_text(_raw_json(report))
-    for profile in report.profiles:
-        name = f"profile-{stamp}{suffix}-{profile.config}-{profile.mode}.txt"
-        (args.out / name).write_text(profile.text)
-    shutil.rmtree(logs, ignore_errors=True)
-    print(f"wrote {dated} and {args.out / f'latest{suffix}.md'}", flush=True)
+        lines += ["## What each step costs (bench.ablation)", "", ablation.report(samples), ""]
+    summary = "\n".join(lines)
+    print(summary)
+    (args.out / f"{stamp}.md").write_text(summary)
+    (args.out / f"{stamp}.json").write_text(json.dumps(raw, indent=1, default=str))
+    print(f"wrote {args.out / f'{stamp}.md'} and .json", flush=True)
     return 0

@@ -7,10 +7,6 @@ from typing import Literal
 
 Kind = Literal["bare", "floor", "ours", "peer"]
 Service = Literal["redis", "postgres"]
-AppName = Literal["plain", "payments"]
-# ``plain``: today's service (snake_case body, int amount, ~300-byte answer). ``payments``: the
-# shape of a user's app in issue #17 (camelCase four-field model, float amount, a small dict).
-APPS: tuple[AppName, ...] = ("plain", "payments")
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,8 +14,8 @@ class Config:
     """One server setup: the same FastAPI endpoint behind a different idempotency layer.
 
     A *variant* (``variant_of``) is wired as the configuration it names, with
-    ``protect_all=True`` instead of ``@idempotent`` on the route, or with ``prefill`` live
-    records put in the store before the load starts.
+    ``protect_all=True`` instead of ``@idempotent`` on the route. ``module`` is the peer
+    library's import name (a peer that is not installed is skipped, saying so).
     """
 
     name: str
@@ -28,111 +24,71 @@ class Config:
     needs: tuple[Service, ...] = ()
     variant_of: str | None = None
     protect_all: bool = False
-    prefill: int = 0
-    apps: tuple[AppName, ...] = APPS
+    module: str | None = None
 
     @property
     def wiring(self) -> str:
         """The configuration whose layer this one builds (itself unless a variant)."""
         return self.variant_of or self.name
 
+    @property
+    def store(self) -> str:
+        """``memory``, ``redis`` or ``postgres``: which peers and floor it compares with."""
+        return self.needs[0] if self.needs else "memory"
+
+
+_REDIS: tuple[Service, ...] = ("redis",)
+
+
+def _peer(name: str, description: str, module: str) -> Config:
+    needs = _REDIS if name.endswith("-redis") else ()
+    return Config(name, "peer", description, needs, module=module)
+
 
 CONFIGS: tuple[Config, ...] = (
     Config("bare", "bare", "no middleware (the endpoint alone)"),
-    Config(
-        "floor-redis",
-        "floor",
-        "hand-written pure ASGI middleware: SET NX PX GET before, SET EX after",
-        ("redis",),
-    ),
-    Config(
-        "floor-memory",
-        "floor",
-        "the floor's middleware over a dict in the process (SET NX GET semantics, no expiry)",
-    ),
-    Config("ours-memory", "ours", "IdempotencyMiddleware + MemoryStore"),
+    Config("floor-redis", "floor", "hand-written ASGI: SET NX PX GET before, SET EX after", _REDIS),
+    Config("floor-memory", "floor", "the floor's middleware over a dict in the process"),
+    Config("ours-memory", "ours", "IdempotencyMiddleware + MemoryStore, @idempotent route"),
     Config(
         "ours-memory-all",
         "ours",
         "IdempotencyMiddleware(protect_all=True) + MemoryStore, no decorator",
         variant_of="ours-memory",
         protect_all=True,
-        apps=("payments",),
     ),
+    Config("ours-redis", "ours", "IdempotencyMiddleware + RedisStore (redis-py, SET NX)", _REDIS),
     Config(
-        "ours-memory-500k",
+        "ours-redis-all",
         "ours",
-        "IdempotencyMiddleware + MemoryStore holding 500,000 live records when the load starts",
-        variant_of="ours-memory",
-        prefill=500_000,
-        apps=("payments",),
-    ),
-    Config(
-        "ours-redis-setnx",
-        "ours",
-        "IdempotencyMiddleware + RedisStore(acquire='setnx')",
-        ("redis",),
-    ),
-    Config(
-        "ours-redis-setnx-all",
-        "ours",
-        "IdempotencyMiddleware(protect_all=True) + RedisStore(acquire='setnx'), no decorator",
-        ("redis",),
-        variant_of="ours-redis-setnx",
+        "IdempotencyMiddleware(protect_all=True) + RedisStore (redis-py), no decorator",
+        _REDIS,
+        variant_of="ours-redis",
         protect_all=True,
-        apps=("payments",),
     ),
+    Config("ours-redis-lua", "ours", "IdempotencyMiddleware + RedisStore(acquire='lua')", _REDIS),
     Config(
-        "ours-redis-lua", "ours", "IdempotencyMiddleware + RedisStore(acquire='lua')", ("redis",)
-    ),
-    Config(
-        "ours-redis-glide",
-        "ours",
-        "IdempotencyMiddleware + RedisStore(driver='glide'), valkey-glide instead of redis-py",
-        ("redis",),
-    ),
-    Config(
-        "ours-redis-glide-all",
-        "ours",
-        "IdempotencyMiddleware(protect_all=True) + RedisStore(driver='glide'), no decorator",
-        ("redis",),
-        variant_of="ours-redis-glide",
-        protect_all=True,
-        apps=("payments",),
+        "ours-redis-glide", "ours", "IdempotencyMiddleware + RedisStore(driver='glide')", _REDIS
     ),
     Config("ours-postgres", "ours", "IdempotencyMiddleware + PostgresStore", ("postgres",)),
-    Config("aih-memory", "peer", "asgi-idempotency-header + MemoryBackend"),
-    Config("aih-redis", "peer", "asgi-idempotency-header + RedisBackend", ("redis",)),
-    Config("mobius-memory", "peer", "mobius-idempotence-library @idempotent + MemoryBackend"),
-    Config(
-        "mobius-redis",
-        "peer",
-        "mobius-idempotence-library @idempotent + RedisBackend (Lua)",
-        ("redis",),
-    ),
+    _peer("aih-memory", "asgi-idempotency-header + MemoryBackend", "idempotency_header_middleware"),
+    _peer("aih-redis", "asgi-idempotency-header + RedisBackend", "idempotency_header_middleware"),
+    _peer("mobius-memory", "mobius @idempotent + MemoryBackend", "mobius_idempotence"),
+    _peer("mobius-redis", "mobius @idempotent + RedisBackend (Lua)", "mobius_idempotence"),
+    _peer("idemkit-memory", "idemkit IdempotencyMiddleware + InMemoryBackend", "idemkit"),
+    _peer("idemkit-redis", "idemkit IdempotencyMiddleware + RedisBackend (Lua)", "idemkit"),
+    _peer("idemgate-redis", "idemgate IdempotencyRoute + @idempotent + RedisAcquirer", "idemgate"),
 )
 
 BY_NAME: dict[str, Config] = {config.name: config for config in CONFIGS}
 
-# Whose throughput the targets compare against which floor.
-FLOOR_FOR: dict[str, str] = {
-    "ours-redis-setnx": "floor-redis",
-    "ours-redis-lua": "floor-redis",
-    "ours-redis-glide": "floor-redis",
-    "ours-redis-setnx-all": "floor-redis",
-    "ours-redis-glide-all": "floor-redis",
-}
-
 
 def floor_of(name: str) -> str | None:
-    """The floor a configuration of ours or a peer compares against: ``floor-redis`` for a Redis
-    store, ``floor-memory`` for an in-process one (none for a server-backed store without one)."""
-    config = BY_NAME.get(name)
-    if config is None or config.kind not in ("ours", "peer"):
+    """The floor a configuration of ours or a peer compares against (none for PostgreSQL)."""
+    config = BY_NAME[name]
+    if config.kind not in ("ours", "peer") or config.store == "postgres":
         return None
-    if "redis" in config.needs:
-        return "floor-redis"
-    return None if config.needs else "floor-memory"
+    return f"floor-{config.store}"
 
 
 def select(names: str | None) -> tuple[Config, ...]:
@@ -142,20 +98,19 @@ def select(names: str | None) -> tuple[Config, ...]:
     wanted = [name.strip() for name in names.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in BY_NAME]
     if unknown:
-        raise ValueError(f"unknown configuration(s) {unknown}; known: {', '.join(BY_NAME)}")
+        raise SystemExit(f"unknown configuration(s) {unknown}; known: {', '.join(BY_NAME)}")
     return tuple(config for config in CONFIGS if config.name in wanted)
 
 
-def for_app(configs: tuple[Config, ...], app: AppName) -> tuple[Config, ...]:
-    """The configurations of ``configs`` that run in ``app`` (variants run in one app only)."""
-    return tuple(config for config in configs if app in config.apps)
-
-
-def select_apps(name: str) -> tuple[AppName, ...]:
-    """``plain``, ``payments`` or ``both`` (both apps, ``plain`` first)."""
-    if name == "both":
-        return APPS
-    for app in APPS:
-        if app == name:
-            return (app,)
-    raise ValueError(f"unknown app {name!r}; known: {', '.join(APPS)}, both")
+def installed(configs: tuple[Config, ...]) -> tuple[tuple[Config, ...], list[str]]:
+    """Drop the peer configurations whose library cannot be imported, saying why."""
+    kept, skipped = [], []
+    for config in configs:
+        if config.module is not None:
+            try:
+                __import__(config.module)
+            except ImportError as exc:
+                skipped.append(f"{config.name} skipped: {exc} (task bench installs the peers)")
+                continue
+        kept.append(config)
+    return tuple(kept), skipped

@@ -14,8 +14,8 @@ import uuid
 
 from starlette_idempotency import RedisStore
 from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
-from starlette_idempotency.testing.processes import wait_until
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing._processes import wait_until
+from starlette_idempotency.testing._redis_server import RedisServer
 
 ROUNDS = 5
 ACQUIRES = 2000

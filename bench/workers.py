@@ -18,42 +18,17 @@ import uuid
 from pathlib import Path
 
 from bench.app import AppSettings
-from bench.configs import APPS, AppName
-from bench.load import MODES, LoadSettings, Mode, replayed_key, run_wrk, warm_up
-from bench.requests import REQUEST_BODIES
+from bench.load import MODES, LoadSettings, Mode, argument_for, run_wrk, warm_up
 from bench.servers import UvicornServer, private_services
 
-CONFIGS = ("bare", "floor-redis", "ours-redis-setnx", "ours-redis-glide")
+CONFIGS = ("bare", "floor-redis", "ours-redis", "ours-redis-glide")
 Samples = dict[str, list[dict[Mode, float]]]  # per configuration, {mode: req/s} per round
-BASELINE = "ours-redis-setnx"
+BASELINE = "ours-redis"
 
 
-def _measure(server: UvicornServer, run_id: str, settings: LoadSettings) -> dict[Mode, float]:
-    """req/s of each mode on one server, after a warm-up."""
-    warm_up(server, run_id, settings)
-    replayed = replayed_key(server, run_id)
-    rates: dict[Mode, float] = {}
-    for mode in MODES:
-        argument = replayed if mode == "replay" else f"{run_id}-u"
-        wrk, _ = run_wrk(
-            server.port,
-            mode,
-            argument,
-            duration=settings.duration,
-            settings=settings,
-            body=REQUEST_BODIES[server.settings.app],
-        )
-        if wrk.errors_socket or wrk.errors_status:
-            raise RuntimeError(f"{server.settings.config} {mode}: wrk saw errors: {wrk}")
-        rates[mode] = wrk.rps
-    return rates
-
-
-def measure(
-    workers: int, rounds: int, settings: LoadSettings, app: AppName = "plain"
-) -> dict[str, list[dict[Mode, float]]]:
+def measure(workers: int, rounds: int, settings: LoadSettings) -> Samples:
     """Per configuration, one {mode: req/s} sample per round, rounds interleaved."""
-    samples: dict[str, list[dict[Mode, float]]] = {config: [] for config in CONFIGS}
+    samples: Samples = {config: [] for config in CONFIGS}
     tag = uuid.uuid4().hex[:6]
     with (
         private_services(redis=True, postgres=False) as services,
@@ -61,14 +36,20 @@ def measure(
     ):
         for round_number in range(1, rounds + 1):
             for config in CONFIGS:
-                services.flush_redis()
+                services.reset()
                 run_id = f"{tag}r{round_number}{config}"
-                app_settings = AppSettings(
-                    config=config, app=app, redis_url=services.redis_url, prefix=f"bench-{run_id}"
-                )
+                app_settings = AppSettings(config, services.redis_url, prefix=f"bench-{run_id}")
                 log = Path(logs) / f"{config}.log"
+                rates: dict[Mode, float] = {}
                 with UvicornServer(app_settings, log, workers=workers) as server:
-                    rates = _measure(server, run_id, settings)
+                    warm_up(server, run_id, settings)
+                    for mode in MODES:
+                        wrk = run_wrk(
+                            server.port, mode, argument_for(server, run_id, mode), settings
+                        )
+                        if wrk.errors:
+                            raise RuntimeError(f"{config} {mode}: wrk saw errors: {wrk}")
+                        rates[mode] = wrk.rps
                 samples[config].append(rates)
                 print(
                     f"round {round_number}/{rounds} {config:18} "
@@ -104,10 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run")
-    parser.add_argument("--app", choices=APPS, default="plain", help="which service (bench.app)")
     args = parser.parse_args(argv)
-    settings = LoadSettings(duration=args.duration, connections=32, threads=2, warmup=2.0)
-    samples = measure(args.workers, args.rounds, settings, args.app)
+    settings = LoadSettings(duration=args.duration, warmup=2.0)
+    samples = measure(args.workers, args.rounds, settings)
     print(report(samples, args.workers, args.rounds))
 
 

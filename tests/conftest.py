@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from starlette_idempotency.testing.postgres_server import PostgresServer
-from starlette_idempotency.testing.redis_server import RedisClusterServers, RedisServer
+from starlette_idempotency.testing._postgres_server import PostgresServer
+from starlette_idempotency.testing._redis_server import RedisClusterServers, RedisServer
 
 pytest_plugins = [
     "pytester",

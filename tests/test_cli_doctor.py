@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from starlette_idempotency import __version__
-from starlette_idempotency.testing.processes import free_port
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing._processes import free_port
+from starlette_idempotency.testing._redis_server import RedisServer
 from tests.support.cli import Ran, assert_unreachable, cli, run
 
 SCRIPT = Path(sys.executable).with_name("starlette-idempotency")

@@ -53,7 +53,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message
 
 from starlette_idempotency import IdempotencyMiddleware, IdempotencyStore, MemoryStore, idempotent
-from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
+from starlette_idempotency.testing._isolation import delete_prefixed, unique_prefix
 from tests.support.readme_blocks import (
     Block,
     Example,
@@ -625,6 +625,17 @@ def test_every_python_fence_is_read(page: Path) -> None:
     )
     assert len([block for block in read_page(page) if block.is_python]) == len(fences)
     assert fences or page != README
+
+
+def test_no_block_imports_a_private_module() -> None:
+    """What the pages show a user imports public names only (from the root, ``stores``,
+    ``testing``, ``client`` ...), never ``starlette_idempotency._something``."""
+    private = re.compile(r"\bstarlette_idempotency(?:\.\w+)*\._\w")
+    assert [
+        f"{found.name}:{found.example.code.line}"
+        for found in EXAMPLES
+        if private.search(found.example.code.source)
+    ] == []
 
 
 def test_every_context_is_used() -> None:

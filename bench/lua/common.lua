@@ -6,8 +6,8 @@
 
 wrk.method = "POST"
 wrk.path = "/payments"
-wrk.body = '{"account_id":"acct_1MqDcVKZ4aF9xQ2b","amount":1250,"currency":"EUR",'
-    .. '"reference":"order-2026-000042"}'
+wrk.body = '{"accountId":"acct_1MqDcVKZ4aF9xQ2b","amount":12.5,"currency":"EUR",'
+    .. '"merchantReference":"order-2026-000042"}'
 wrk.headers["Content-Type"] = "application/json"
 
 local threads = {}

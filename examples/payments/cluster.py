@@ -48,8 +48,8 @@ from typing import Any, Literal, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from examples.payments.nginx import render_local
-from starlette_idempotency.testing.postgres_server import PostgresServer, postgres_bin_dirs
-from starlette_idempotency.testing.processes import (
+from starlette_idempotency.testing._postgres_server import PostgresServer, postgres_bin_dirs
+from starlette_idempotency.testing._processes import (
     SBIN_DIRS,
     Managed,
     find_binary,
@@ -57,7 +57,7 @@ from starlette_idempotency.testing.processes import (
     stop_process,
     wait_until,
 )
-from starlette_idempotency.testing.redis_server import RedisServer, redis_command
+from starlette_idempotency.testing._redis_server import RedisServer, redis_command
 
 StoreKind = Literal["redis", "postgres"]
 

@@ -2,78 +2,113 @@
 
 Retried POST and PATCH requests with the same ``Idempotency-Key`` get the first response back
 instead of running the handler again, across every process that shares the store.
+
+Every name loads on first use, so that ``import starlette_idempotency.client`` (httpx only)
+loads no Starlette, and the stores and integrations load only their own driver.
 """
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import TYPE_CHECKING, Any
+import typing as _typing
+from importlib import import_module as _import_module
+from importlib.util import find_spec as _find_spec
 
-from starlette_idempotency._context import IdempotencyContext, checkpoint, idempotency_context
-from starlette_idempotency._decorator import idempotent
-from starlette_idempotency._fingerprint import storage_key
-from starlette_idempotency._marks import mark_retryable
-from starlette_idempotency._record import StoredResponse
-from starlette_idempotency._responses import IdempotencyProblem
-from starlette_idempotency.errors import (
-    ConfigurationError,
-    IdempotencyError,
-    LockLostError,
-    StoreError,
-    StoreTimeoutError,
-    UnguardedRequestError,
-)
-from starlette_idempotency.middleware import IdempotencyMiddleware, KeyScope
-from starlette_idempotency.observability import (
-    CheckResult,
-    EventHook,
-    IdempotencyEvent,
-    MetricsSink,
-    OutcomeResult,
-)
-from starlette_idempotency.stores.base import IdempotencyStore
-from starlette_idempotency.stores.memory import MemoryStore
+from starlette_idempotency._deprecation import moved as _moved
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
+    from starlette_idempotency._context import (
+        IdempotencyContext,
+        checkpoint,
+        idempotency_context,
+    )
+    from starlette_idempotency._decorator import idempotent
+    from starlette_idempotency._fingerprint import storage_key
+    from starlette_idempotency._marks import mark_retryable
+    from starlette_idempotency._record import StoredResponse
+    from starlette_idempotency._responses import IdempotencyProblem
     from starlette_idempotency.client import AsyncIdempotentTransport, IdempotentTransport
+    from starlette_idempotency.errors import (
+        ConfigurationError,
+        IdempotencyError,
+        LockLostError,
+        StoreError,
+        StoreTimeoutError,
+        UnguardedRequestError,
+    )
+    from starlette_idempotency.middleware import IdempotencyMiddleware, KeyScope
+    from starlette_idempotency.observability import (
+        CheckResult,
+        EventHook,
+        IdempotencyEvent,
+        MetricsSink,
+        OutcomeResult,
+    )
     from starlette_idempotency.prometheus import PrometheusMetrics
+    from starlette_idempotency.stores.base import IdempotencyStore
+    from starlette_idempotency.stores.memory import MemoryStore
     from starlette_idempotency.stores.postgres import PostgresStore
     from starlette_idempotency.stores.redis import RedisStore
 
 __version__ = "0.1.0"
 
-# Parts with optional dependencies load on first use, so importing the package needs neither.
-_LAZY = {
+# Where each name of __all__ is defined.
+_HOMES = {
     "AsyncIdempotentTransport": "starlette_idempotency.client",
+    "CheckResult": "starlette_idempotency.observability",
+    "ConfigurationError": "starlette_idempotency.errors",
+    "EventHook": "starlette_idempotency.observability",
+    "IdempotencyContext": "starlette_idempotency._context",
+    "IdempotencyError": "starlette_idempotency.errors",
+    "IdempotencyEvent": "starlette_idempotency.observability",
+    "IdempotencyMiddleware": "starlette_idempotency.middleware",
+    "IdempotencyProblem": "starlette_idempotency._responses",
+    "IdempotencyStore": "starlette_idempotency.stores.base",
     "IdempotentTransport": "starlette_idempotency.client",
+    "KeyScope": "starlette_idempotency.middleware",
+    "LockLostError": "starlette_idempotency.errors",
+    "MemoryStore": "starlette_idempotency.stores.memory",
+    "MetricsSink": "starlette_idempotency.observability",
+    "OutcomeResult": "starlette_idempotency.observability",
+    "PostgresStore": "starlette_idempotency.stores.postgres",
     "PrometheusMetrics": "starlette_idempotency.prometheus",
     "RedisStore": "starlette_idempotency.stores.redis",
-    "PostgresStore": "starlette_idempotency.stores.postgres",
+    "StoreError": "starlette_idempotency.errors",
+    "StoreTimeoutError": "starlette_idempotency.errors",
+    "StoredResponse": "starlette_idempotency._record",
+    "UnguardedRequestError": "starlette_idempotency.errors",
+    "checkpoint": "starlette_idempotency._context",
+    "idempotency_context": "starlette_idempotency._context",
+    "idempotent": "starlette_idempotency._decorator",
+    "mark_retryable": "starlette_idempotency._marks",
+    "storage_key": "starlette_idempotency._fingerprint",
 }
-# What only a store implementer needs lives in starlette_idempotency.stores; 0.1 exported it
-# here too, and these names still resolve, with a DeprecationWarning.
+# What only a store implementer needs lives in starlette_idempotency.stores, and the route
+# options in starlette_idempotency.middleware; 0.1 exported them here too.
 _MOVED = {
     "AcquireResult": "starlette_idempotency.stores",
     "Checkpoint": "starlette_idempotency.stores",
     "IdempotencyRecord": "starlette_idempotency.stores",
     "RecordStatus": "starlette_idempotency.stores",
-    "IdempotencyPolicy": "starlette_idempotency.stores",
+    "IdempotencyPolicy": "starlette_idempotency.middleware",
 }
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        module_name = _MOVED.get(name)
-        if module_name is None:
-            raise AttributeError(f"module 'starlette_idempotency' has no attribute {name!r}")
-        warnings.warn(
-            f"import {name} from starlette_idempotency.stores, not from the package root",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-    return getattr(importlib.import_module(module_name), name)
+def __getattr__(name: str) -> _typing.Any:
+    home = _HOMES.get(name)
+    if home is not None:
+        value = getattr(_import_module(home), name)
+        globals()[name] = value  # the next lookup is an ordinary one
+        return value
+    if name in _MOVED:
+        return _moved(name, __name__, _MOVED[name])
+    # A public submodule as an attribute of the root (``starlette_idempotency.errors``).
+    if not name.startswith("_") and _find_spec(f"{__name__}.{name}"):
+        return _import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
 
 
 __all__ = [

@@ -75,9 +75,6 @@ class IdempotencyRecord:
     locked_until: float | None = None
     checkpoints: tuple[Checkpoint, ...] = ()
 
-    def is_expired(self, now: float) -> bool:
-        return now >= self.expires_at
-
     # The design's flat names for the stored response (None while InProgress).
     @property
     def response_status_code(self) -> int | None:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from starlette_idempotency._deadlines import CallDeadlines
+from starlette_idempotency._deprecation import deprecated
 from starlette_idempotency._record import IdempotencyRecord
 from starlette_idempotency.errors import StoreError, StoreTimeoutError
 from starlette_idempotency.observability import MetricsSink, StoreCallTracer
@@ -59,12 +60,19 @@ class BoundedStore:
         self._metrics = metrics
         self._tracer = tracer
         # A store written for the protocol's first spelling overrides complete() or fail()
-        # rather than finish(): it gets those calls, as it did.
+        # rather than finish(): it gets those calls, as it did, until 0.3.0.
         self._finishers = {
             status: getattr(store, spelling)
             for status, spelling in FINISH_SPELLINGS.items()
             if getattr(type(store), spelling, None) not in (None, getattr(StoreBase, spelling))
         }
+        if self._finishers:
+            overridden = " and ".join(f"{FINISH_SPELLINGS[s]}()" for s in self._finishers)
+            deprecated(
+                f"{type(store).__name__} overrides {overridden}, the protocol's first spelling "
+                "of finish(): the middleware calls it, but override finish() instead",
+                stacklevel=4,
+            )
 
     def try_acquire(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True

@@ -20,7 +20,6 @@ from starlette_idempotency.stores.base import CheckableStore, StoreFinding
 logger = logging.getLogger(__name__)
 
 StoreCheckPolicy = Literal["warn", "fail", "off"]
-STORE_CHECK_POLICIES: tuple[StoreCheckPolicy, ...] = ("warn", "fail", "off")
 
 #: How long the whole check may take before the store counts as unreachable.
 CHECK_TIMEOUT_SECONDS = 5.0
@@ -81,11 +80,6 @@ class StartupCheck:
         policy: StoreCheckPolicy,
         check_routes: Callable[[Scope], None] = lambda scope: None,
     ) -> None:
-        if policy not in STORE_CHECK_POLICIES:
-            raise ConfigurationError(
-                f"check_store must be one of {', '.join(map(repr, STORE_CHECK_POLICIES))}, "
-                f"not {policy!r}"
-            )
         self._store = store
         self.policy = policy
         self._check_routes = check_routes

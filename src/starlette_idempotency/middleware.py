@@ -55,7 +55,7 @@ from starlette_idempotency.stores.base import STORE_OPERATIONS, IdempotencyStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IdempotencyMiddleware", "KeyScope"]
+__all__ = ["IdempotencyMiddleware", "IdempotencyPolicy", "KeyScope"]
 
 
 @functools.cache

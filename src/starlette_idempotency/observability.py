@@ -95,8 +95,6 @@ class Observer:
         on_event: EventHook | None,
         metrics: MetricsSink | None,
     ) -> None:
-        if log_keys not in ("raw", "hashed"):
-            raise ValueError("log_keys must be 'raw' or 'hashed'")
         self.pod_id = pod_id or socket.gethostname()
         self._hash_keys = log_keys == "hashed"
         self._on_event = on_event

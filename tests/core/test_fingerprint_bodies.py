@@ -3,7 +3,6 @@ bare app would not give, in every fingerprint mode, on FastAPI and on Starlette.
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
 from typing import Any
 
@@ -18,7 +17,6 @@ from starlette.routing import Route
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from tests.support.guarded import make_client, unguarded
 
-HAS_MULTIPART = importlib.util.find_spec("python_multipart") is not None
 MODES: dict[str, dict[str, Any]] = {
     "raw": {},
     "exclude_fields": {"exclude_fields": ["nonce"]},
@@ -69,13 +67,11 @@ def build_fastapi(mode: str, runs: Counter[str]) -> FastAPI:
         runs["raw"] += 1
         return {"n": len(await request.body())}
 
-    if HAS_MULTIPART:  # FastAPI refuses to declare a form route without it
-
-        @app.post("/form")
-        @guard
-        async def form(name: str = Form(), nonce: str = Form("")) -> dict[str, int]:
-            runs["form"] += 1
-            return {"n": runs["form"]}
+    @app.post("/form")  # python-multipart (the test group) parses it
+    @guard
+    async def form(name: str = Form(), nonce: str = Form("")) -> dict[str, int]:
+        runs["form"] += 1
+        return {"n": runs["form"]}
 
     return app
 
@@ -99,9 +95,13 @@ def build_starlette(mode: str, runs: Counter[str]) -> Starlette:
         runs["form"] += 1
         return JSONResponse({"n": runs["form"]})
 
-    routes = [Route("/doc", doc, methods=["POST"]), Route("/raw", raw, methods=["POST"])]
-    routes += [Route("/form", guard(form), methods=["POST"])] if HAS_MULTIPART else []
-    return Starlette(routes=routes)
+    return Starlette(
+        routes=[
+            Route("/doc", doc, methods=["POST"]),
+            Route("/raw", raw, methods=["POST"]),
+            Route("/form", guard(form), methods=["POST"]),
+        ]
+    )
 
 
 BUILDERS = {"fastapi": build_fastapi, "starlette": build_starlette}
@@ -206,8 +206,6 @@ AWKWARD = [
 async def test_awkward_bodies_get_the_answer_the_bare_app_gives(
     kind: str, mode: str, path: str, body: bytes, headers: dict[str, str]
 ) -> None:
-    if path == "/form" and not HAS_MULTIPART:
-        pytest.skip("FastAPI and Starlette parse forms with python-multipart")
     if path == "/text" and kind == "starlette":
         pytest.skip("a FastAPI body type")
     apps = Apps(kind, mode)
@@ -229,8 +227,6 @@ async def test_awkward_bodies_get_the_answer_the_bare_app_gives(
 async def test_reordered_form_fields_replay(
     kind: str, mode: str, path: str, first: bytes, second: bytes, changed: bytes
 ) -> None:
-    if path == "/form" and not HAS_MULTIPART:
-        pytest.skip("FastAPI and Starlette parse forms with python-multipart")
     if mode == "raw":  # nothing excluded: the nonce must match
         first = first.replace(b"nonce=1", b"nonce=2")
     apps = Apps(kind, mode)

@@ -6,7 +6,6 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-import starlette_idempotency
 from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
 
 
@@ -40,25 +39,6 @@ def test_invalid_middleware_options(options: dict[str, object]) -> None:
 
 def test_fractional_durations_are_accepted() -> None:
     idempotent(ttl_hours=0.5, lock_ttl_seconds=0.25)
-
-
-def test_exported_members() -> None:
-    assert starlette_idempotency.__all__ == sorted(starlette_idempotency.__all__)
-    for name in starlette_idempotency.__all__:
-        assert getattr(starlette_idempotency, name) is not None
-
-
-@pytest.mark.parametrize(
-    "name",
-    ["AcquireResult", "Checkpoint", "IdempotencyPolicy", "IdempotencyRecord", "RecordStatus"],
-)
-def test_store_types_moved_from_the_root_resolve_with_a_deprecation_warning(name: str) -> None:
-    import starlette_idempotency.stores
-
-    assert name not in starlette_idempotency.__all__
-    with pytest.warns(DeprecationWarning, match=f"import {name} from starlette_idempotency.stores"):
-        moved = getattr(starlette_idempotency, name)
-    assert moved is getattr(starlette_idempotency.stores, name)
 
 
 def test_record_offers_the_designs_flat_response_fields() -> None:

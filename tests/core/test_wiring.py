@@ -29,11 +29,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette_idempotency import (
     IdempotencyMiddleware,
     MemoryStore,
+    StoredResponse,
     idempotent,
     storage_key,
 )
 from starlette_idempotency.errors import UnguardedRequestError
-from starlette_idempotency.stores import IdempotencyRecord, RecordStatus, StoredResponse
+from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
 from tests.support.guarded import make_client
 
 runs: Counter[str] = Counter()

@@ -14,7 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from starlette_idempotency import ConfigurationError
-from starlette_idempotency.testing.processes import free_port
+from starlette_idempotency.testing._processes import free_port
 from tests.support.uvicorn import REPO_ROOT
 
 pytestmark = pytest.mark.e2e

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from starlette_idempotency import storage_key
-from starlette_idempotency.testing.redis_server import RedisServer, redis_command
+from starlette_idempotency.testing._redis_server import RedisServer, redis_command
 from tests.support.conditions import eventually
 from tests.support.uvicorn import UvicornServer
 

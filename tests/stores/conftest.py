@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from starlette_idempotency.stores import IdempotencyRecord
 from starlette_idempotency.stores.base import IdempotencyStore
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing._redis_server import RedisServer
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.records import pending
 from tests.support.stores import STORE_FACTORIES, ClockedStore, Factory

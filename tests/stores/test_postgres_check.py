@@ -11,7 +11,7 @@ import pytest
 
 from starlette_idempotency.stores.base import CheckableStore, StoreFinding
 from starlette_idempotency.stores.postgres import _COLUMNS, PostgresStore, _location
-from starlette_idempotency.testing.postgres_server import PostgresServer
+from starlette_idempotency.testing._postgres_server import PostgresServer
 
 pytestmark = pytest.mark.postgres
 

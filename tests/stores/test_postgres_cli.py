@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from starlette_idempotency.stores.postgres import _location
-from starlette_idempotency.testing.processes import free_port
+from starlette_idempotency.testing._processes import free_port
 from tests.support.cli import Ran, assert_unreachable
 from tests.support.cli import cli as run_cli
 

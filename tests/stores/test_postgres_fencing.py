@@ -39,13 +39,13 @@ COMPETITORS = 3
 async def test_owner_holding_its_live_row_writes(postgres_store: PostgresStore) -> None:
     record = pending("owner-1")
     await postgres_store.try_acquire("k", record, LOCK_TTL)
-    assert await postgres_store.complete("k", completed(record), TTL) is FencedWrite.WRITTEN
+    assert await postgres_store.finish("k", completed(record), TTL) is FencedWrite.WRITTEN
     # Sent again (a reply lost on the way): the owner's row is still live, so WRITTEN again.
-    assert await postgres_store.complete("k", completed(record), TTL) is FencedWrite.WRITTEN
+    assert await postgres_store.finish("k", completed(record), TTL) is FencedWrite.WRITTEN
 
     other = pending("owner-2", key="k2")
     await postgres_store.try_acquire("k2", other, LOCK_TTL)
-    assert await postgres_store.fail("k2", completed(other), TTL) is FencedWrite.WRITTEN
+    assert await postgres_store.finish("k2", completed(other), TTL) is FencedWrite.WRITTEN
 
 
 async def test_free_key_is_reclaimed(
@@ -53,21 +53,23 @@ async def test_free_key_is_reclaimed(
 ) -> None:
     never_held = pending("owner-1")
     assert (
-        await postgres_store.complete("absent", completed(never_held), TTL) is FencedWrite.RECLAIMED
+        await postgres_store.finish("absent", completed(never_held), TTL) is FencedWrite.RECLAIMED
     )
 
     released = pending("owner-2")
     await postgres_store.try_acquire("released", released, LOCK_TTL)
     assert await postgres_store.release("released", "owner-2")
-    assert await postgres_store.fail("released", completed(released), TTL) is FencedWrite.RECLAIMED
+    assert (
+        await postgres_store.finish("released", completed(released), TTL) is FencedWrite.RECLAIMED
+    )
 
     lapsed = pending("owner-3")  # its own lock lapsed and nobody took the key
     await lapsed_lock(postgres_store, sql, postgres_table, "lapsed", lapsed)
-    assert await postgres_store.complete("lapsed", completed(lapsed), TTL) is FencedWrite.RECLAIMED
+    assert await postgres_store.finish("lapsed", completed(lapsed), TTL) is FencedWrite.RECLAIMED
 
     taken = pending("owner-4")  # another owner's expired row
     await lapsed_lock(postgres_store, sql, postgres_table, "taken", pending("owner-5"))
-    assert await postgres_store.complete("taken", completed(taken), TTL) is FencedWrite.RECLAIMED
+    assert await postgres_store.finish("taken", completed(taken), TTL) is FencedWrite.RECLAIMED
 
     for key, owner in [("absent", "owner-1"), ("released", "owner-2"), ("lapsed", "owner-3")]:
         stored = await postgres_store.get(key)
@@ -81,8 +83,8 @@ async def test_another_owners_live_row_is_lost_and_untouched(
     holder = pending("holder")
     await postgres_store.try_acquire("k", holder, LOCK_TTL)
     late = pending("late")
-    assert await postgres_store.complete("k", completed(late), TTL) is FencedWrite.LOST
-    assert not await postgres_store.fail("k", completed(late), TTL)
+    assert await postgres_store.finish("k", completed(late), TTL) is FencedWrite.LOST
+    assert not await postgres_store.finish("k", completed(late), TTL)
     stored = await postgres_store.get("k")
     assert stored is not None
     assert record_to_dict(stored) == record_to_dict(holder)
@@ -167,7 +169,7 @@ async def test_the_row_as_it_is_when_written_decides_not_as_it_was(
             await expire(sql, postgres_table, "k")
         async with sql.transaction():
             await sql.execute(change.format(table=postgres_table) + " WHERE key = 'idempotency:k'")
-            writing = asyncio.create_task(store.complete("k", completed(record), TTL))
+            writing = asyncio.create_task(store.finish("k", completed(record), TTL))
             await lock_waiter(watcher, application_name)
         assert await writing is FencedWrite[expected]
     finally:
@@ -228,7 +230,7 @@ async def test_fenced_write_agrees_with_the_row_under_concurrent_writers(
         final = completed(pending("owner", key=key))
         # Coroutines start only when awaited: all of them after the barrier.
         operations: list[Coroutine[Any, Any, Any]] = [
-            owner_store.complete(key, final, TTL),
+            owner_store.finish(key, final, TTL),
             renewer.renew(key, "owner", LOCK_TTL),
             purger.purge_expired(),
             *(

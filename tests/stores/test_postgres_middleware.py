@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, PostgresStore, idempotent
-from starlette_idempotency.testing.postgres_server import PostgresServer
+from starlette_idempotency.testing._postgres_server import PostgresServer
 from tests.support.guarded import make_client
 
 pytestmark = pytest.mark.postgres

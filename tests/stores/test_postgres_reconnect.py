@@ -23,7 +23,7 @@ from starlette_idempotency._record import Checkpoint
 from starlette_idempotency.errors import StoreError
 from starlette_idempotency.stores.base import FencedWrite
 from starlette_idempotency.stores.postgres import PostgresStore, _never_ran
-from starlette_idempotency.testing.postgres_server import PostgresServer
+from starlette_idempotency.testing._postgres_server import PostgresServer
 from tests.support.conditions import eventually
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.postgres import (
@@ -83,12 +83,8 @@ async def acquire_held(store: PostgresStore) -> bool:
     return not held.acquired and held.record is not None and held.record.owner_token == "owner-1"
 
 
-async def complete(store: PostgresStore) -> bool:
-    return await store.complete("k", completed(HELD), TTL) is FencedWrite.WRITTEN
-
-
-async def fail(store: PostgresStore) -> bool:
-    return await store.fail("k", completed(HELD), TTL) is FencedWrite.WRITTEN
+async def finish(store: PostgresStore) -> bool:
+    return await store.finish("k", completed(HELD), TTL) is FencedWrite.WRITTEN
 
 
 async def save_progress(store: PostgresStore) -> bool:
@@ -120,8 +116,7 @@ async def check(store: PostgresStore) -> bool:
 OPERATIONS = [
     acquire_free,
     acquire_held,
-    complete,
-    fail,
+    finish,
     save_progress,
     release,
     renew,
@@ -166,7 +161,7 @@ async def test_a_statement_ended_while_it_waits_is_run_again(
     try:
         with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
             async with rows_locked(sql, postgres_table):
-                finishing = asyncio.create_task(store.complete("k", completed(HELD), TTL))
+                finishing = asyncio.create_task(store.finish("k", completed(HELD), TTL))
                 first = await lock_waiter(watcher, application_name)
                 assert terminate_backends(postgres_dsn, application_name) == POOL_SIZE
                 second = await lock_waiter(watcher, application_name)  # run again
@@ -196,11 +191,11 @@ async def test_a_connection_lost_without_notice_is_not_run_again(
         await store.create_schema()
         await store.try_acquire("k", HELD, LOCK_TTL)
         warm = pending("owner-w", key="warm")
-        await store.complete("warm", completed(warm), TTL)  # `finish` is prepared: one exchange
+        await store.finish("warm", completed(warm), TTL)  # `finish` is prepared: one exchange
 
         proxy.arm(cut)
         with caplog.at_level(logging.WARNING, logger=STORE_LOGGER), pytest.raises(StoreError) as e:
-            await store.complete("k", completed(HELD), TTL)
+            await store.finish("k", completed(HELD), TTL)
         assert proxy.cuts_done == 1
         lost = e.value.__cause__
         assert isinstance(lost, asyncpg.ConnectionDoesNotExistError)
@@ -212,7 +207,7 @@ async def test_a_connection_lost_without_notice_is_not_run_again(
         )
         assert status == ("Completed" if committed else "InProgress")
 
-        assert await store.complete("k", completed(HELD), TTL) is FencedWrite.WRITTEN
+        assert await store.finish("k", completed(HELD), TTL) is FencedWrite.WRITTEN
     finally:
         await store.aclose()
 

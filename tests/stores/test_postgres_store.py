@@ -21,8 +21,8 @@ from starlette_idempotency._record import (
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.stores.base import AcquireResult, FencedWrite, IdempotencyStore
 from starlette_idempotency.stores.postgres import PostgresStore
-from starlette_idempotency.testing.postgres_server import PostgresServer
-from starlette_idempotency.testing.processes import free_port
+from starlette_idempotency.testing._postgres_server import PostgresServer
+from starlette_idempotency.testing._processes import free_port
 from tests.support.conditions import eventually
 from tests.support.postgres import (
     LOCK_TTL,
@@ -99,7 +99,7 @@ async def test_acquire_is_insert_first_and_writes_are_single_statements(
 
     assert await store.renew("k", "owner-1", LOCK_TTL)
     assert first_words(await log.take()) == ["UPDATE"]
-    assert await store.complete("k", completed(first), TTL) is FencedWrite.WRITTEN
+    assert await store.finish("k", completed(first), TTL) is FencedWrite.WRITTEN
     assert first_words(await log.take()) == ["WITH"]  # lock the row, upsert fenced by owner
     assert await store.get("k") is not None
     assert first_words(await log.take()) == ["SELECT"]
@@ -141,8 +141,8 @@ async def test_expired_row_is_taken_over_and_old_owner_is_fenced(
     assert record_to_dict(taken.record) == record_to_dict(old)  # the expired record it replaced
 
     # The old owner's late writes neither overwrite nor delete its successor's lock.
-    assert await postgres_store.complete("k", completed(old), TTL) is FencedWrite.LOST
-    assert await postgres_store.fail("k", completed(old), TTL) is FencedWrite.LOST
+    assert await postgres_store.finish("k", completed(old), TTL) is FencedWrite.LOST
+    assert await postgres_store.finish("k", completed(old), TTL) is FencedWrite.LOST
     assert not await postgres_store.renew("k", "owner-old", LOCK_TTL)
     assert not await postgres_store.release("k", "owner-old")
     current = await postgres_store.get("k")
@@ -156,7 +156,7 @@ async def test_expired_rows_are_invisible_before_purge(
 ) -> None:
     record = pending("owner-1")
     await postgres_store.try_acquire("k", record, LOCK_TTL)
-    await postgres_store.complete("k", completed(record), TTL)
+    await postgres_store.finish("k", completed(record), TTL)
     await expire(sql, postgres_table, "k")
 
     assert await sql.fetchval(f"SELECT count(*) FROM {postgres_table}") == 1
@@ -196,7 +196,7 @@ async def test_complete_stores_record_when_row_is_absent_or_expired(
 ) -> None:
     # Absent: the lock lapsed and was purged, nobody took it over.
     record = pending("owner-1")
-    assert await postgres_store.complete("k", completed(record), TTL) is FencedWrite.RECLAIMED
+    assert await postgres_store.finish("k", completed(record), TTL) is FencedWrite.RECLAIMED
     stored = await postgres_store.get("k")
     assert stored is not None
     assert stored.status is RecordStatus.COMPLETED
@@ -204,7 +204,7 @@ async def test_complete_stores_record_when_row_is_absent_or_expired(
     # Expired but still there: same.
     other = pending("owner-2", key="k2")
     await lapsed_lock(postgres_store, sql, postgres_table, "k2", other)
-    assert await postgres_store.fail("k2", completed(other), TTL) is FencedWrite.RECLAIMED
+    assert await postgres_store.finish("k2", completed(other), TTL) is FencedWrite.RECLAIMED
     failed = await postgres_store.get("k2")
     assert failed is not None
     assert failed.status is RecordStatus.COMPLETED  # as passed in: the store keeps what it is given
@@ -215,7 +215,7 @@ async def test_fail_stores_a_replayable_failed_record(postgres_store: PostgresSt
     record = pending("owner-1")
     await postgres_store.try_acquire("k", record, LOCK_TTL)
     response = StoredResponse(409, (("content-type", "application/problem+json"),), b"{}", None)
-    assert await postgres_store.fail(
+    assert await postgres_store.finish(
         "k", record.finished(RecordStatus.FAILED, response, record.expires_at), TTL
     )
     stored = await postgres_store.get("k")
@@ -234,7 +234,7 @@ async def test_response_round_trips_byte_for_byte(postgres_store: PostgresStore)
     response = StoredResponse(200, (*headers, ("x-dup", "2")), body, None)
     finished = record.finished(RecordStatus.COMPLETED, response, record.expires_at)
     await postgres_store.try_acquire("ключ-🔑", record, LOCK_TTL)
-    assert await postgres_store.complete("ключ-🔑", finished, TTL)
+    assert await postgres_store.finish("ключ-🔑", finished, TTL)
 
     stored = await postgres_store.get("ключ-🔑")
     assert stored is not None
@@ -307,7 +307,7 @@ async def test_works_without_prepared_statement_cache(
         record = pending("owner-1")
         assert (await store.try_acquire("k", record, LOCK_TTL)).acquired
         assert not (await store.try_acquire("k", pending("owner-2"), LOCK_TTL)).acquired
-        assert await store.complete("k", completed(record), TTL)
+        assert await store.finish("k", completed(record), TTL)
         assert await store.get("k") is not None
         assert await store.release("k", "owner-1")
         assert await store.purge_expired() == 0
@@ -368,7 +368,7 @@ async def test_store_error_while_server_is_down_and_recovery_after_restart(
         operations: list[Callable[[], Any]] = [
             lambda: store.get("k"),
             lambda: store.try_acquire("k2", pending("owner-2"), LOCK_TTL),
-            lambda: store.complete("k", completed(pending("owner-1")), TTL),
+            lambda: store.finish("k", completed(pending("owner-1")), TTL),
             lambda: store.renew("k", "owner-1", LOCK_TTL),
             lambda: store.release("k", "owner-1"),
             lambda: store.purge_expired(),
@@ -399,8 +399,8 @@ async def test_blocked_statement_raises_store_timeout_error(
         await store.try_acquire("k", record, LOCK_TTL)
         async with rows_locked(sql, postgres_table):
             with pytest.raises(StoreTimeoutError):
-                await store.complete("k", completed(record), TTL)
-        assert await store.complete("k", completed(record), TTL)  # the pool is fine after it
+                await store.finish("k", completed(record), TTL)
+        assert await store.finish("k", completed(record), TTL)  # the pool is fine after it
     finally:
         await store.aclose()
 
@@ -464,7 +464,7 @@ async def test_purge_expired_deletes_exactly_the_expired_rows_in_batches(
             record = pending(f"racer-{n}", key=f"new{n}")
             outcomes.append((await store.try_acquire(f"new{n}", record, LOCK_TTL)).acquired)
             outcomes.append(not (await store.try_acquire(f"live{n + 1}", record, 5)).acquired)
-            written = await store.complete(f"new{n}", completed(record), TTL)
+            written = await store.finish(f"new{n}", completed(record), TTL)
             outcomes.append(written is FencedWrite.WRITTEN)
         return outcomes
 

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from starlette_idempotency.stores.base import CheckableStore, StoreFinding
 from starlette_idempotency.stores.redis import DriverName, RedisStore
 from starlette_idempotency.stores.redis import _check as redis_check
-from starlette_idempotency.testing.redis_server import RedisClusterServers, RedisServer
+from starlette_idempotency.testing._redis_server import RedisClusterServers, RedisServer
 from tests.support.stores import DRIVERS, glide_client
 
 pytestmark = pytest.mark.redis

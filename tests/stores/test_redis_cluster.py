@@ -17,8 +17,8 @@ from redis.crc import key_slot
 
 from starlette_idempotency.stores.redis import AcquireStrategy, RedisStore
 from starlette_idempotency.stores.redis._driver import lua_source
-from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
-from starlette_idempotency.testing.redis_server import RedisClusterServers
+from starlette_idempotency.testing._isolation import delete_prefixed, unique_prefix
+from starlette_idempotency.testing._redis_server import RedisClusterServers
 from tests.support.conditions import eventually
 from tests.support.records import finished, pending
 from tests.support.stores import STRATEGIES, replica_waiting_store, timed_acquire
@@ -106,7 +106,7 @@ async def test_scripts_reload_on_every_node_after_script_flush(
         record = pending(key, "owner-a")
         assert (await store.try_acquire(key, record, LOCK_TTL)).acquired
         assert await store.renew(key, "owner-a", LOCK_TTL)
-        assert await store.complete(key, finished(record), 60)
+        assert await store.finish(key, finished(record), 60)
         assert await store.release(key, "owner-a")
 
 

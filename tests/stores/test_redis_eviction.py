@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from starlette_idempotency._record import RecordStatus
 from starlette_idempotency.stores.base import FencedWrite
 from starlette_idempotency.stores.redis import DriverName, RedisStore
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing._redis_server import RedisServer
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished, pending
 from tests.support.stores import DRIVERS
 
@@ -77,7 +77,7 @@ async def test_a_vanished_lock_is_noticed_taken_back_and_reclaimed(
         await vanish(admin, "p:k", how)
 
         done = finished(record)
-        assert await store.complete("k", done, RETENTION_TTL) is FencedWrite.RECLAIMED
+        assert await store.finish("k", done, RETENTION_TTL) is FencedWrite.RECLAIMED
         stored = await store.get("k")
         assert stored is not None
         assert stored.status is RecordStatus.COMPLETED

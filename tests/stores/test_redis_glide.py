@@ -21,7 +21,7 @@ from starlette_idempotency._record import Checkpoint, dump_record, record_to_dic
 from starlette_idempotency.errors import ConfigurationError, StoreError
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.stores.redis._glide import config_from_url
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing._redis_server import RedisServer
 from tests.support.conditions import eventually
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished, pending
 from tests.support.stores import (
@@ -105,11 +105,11 @@ async def test_a_request_takes_the_same_commands_as_on_redis_py(
     store = RedisStore(private_glide, key_prefix="p", acquire=acquire)
     warm = pending("warm", "a")
     await store.try_acquire("warm", warm, 30)  # loads the scripts once
-    await store.complete("warm", finished(warm), 60)
+    await store.finish("warm", finished(warm), 60)
     record = pending("k", "a")
 
     first = await commands_sent(admin, lambda: store.try_acquire("k", record, 30))
-    done = await commands_sent(admin, lambda: store.complete("k", finished(record), 60))
+    done = await commands_sent(admin, lambda: store.finish("k", finished(record), 60))
     replay = await commands_sent(admin, lambda: store.try_acquire("k", pending("k", "b"), 30))
 
     if acquire == "setnx":
@@ -254,7 +254,7 @@ async def test_concurrent_waiters_share_one_subscriber_connection(
             message="one connection subscribed to every key",
         )
         for key, record in records.items():
-            assert await other.complete(key, finished(record), RETENTION_TTL)
+            assert await other.finish(key, finished(record), RETENTION_TTL)
         async with asyncio.timeout(5):
             await asyncio.gather(*waiters)
     finally:

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from starlette_idempotency import IdempotencyMiddleware, RedisStore, idempotent
 from starlette_idempotency.stores.redis import DriverName
 from starlette_idempotency.stores.redis._redis_py import RedisPyDriver
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing._redis_server import RedisServer
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
 from tests.support.stores import DRIVERS, answers
@@ -247,7 +247,7 @@ async def test_wait_for_change_returns_on_another_processs_notice(
         assert not waiter.done()  # nothing happened to the key yet: no return
         if finish == "complete":
             done = record.finished(RecordStatus.COMPLETED, StoredResponse(200, (), b"{}"), 1e10)
-            assert await other_store.complete("k", done, 60)
+            assert await other_store.finish("k", done, 60)
         else:
             assert await other_store.release("k", "owner")
         async with asyncio.timeout(5):

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from starlette_idempotency._record import Checkpoint
 from starlette_idempotency.stores.base import AcquireResult
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
-from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
+from starlette_idempotency.testing._isolation import delete_prefixed, unique_prefix
 from tests.support.records import pending
 from tests.support.stores import DRIVERS, STRATEGIES
 

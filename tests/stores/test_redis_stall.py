@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, dump_record
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.stores.redis._driver import Arg
-from starlette_idempotency.testing.redis_server import RedisServer, encode_command
+from starlette_idempotency.testing._redis_server import RedisServer, encode_command
 from tests.support.conditions import eventually
 from tests.support.records import pending
 from tests.support.stores import DRIVERS, STRATEGIES, command_calls

@@ -32,7 +32,7 @@ from starlette_idempotency._record import (
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
-from starlette_idempotency.testing.redis_server import RedisServer, encode_command
+from starlette_idempotency.testing._redis_server import RedisServer, encode_command
 from tests.support.conditions import eventually
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished, pending
 from tests.support.stores import (
@@ -109,7 +109,7 @@ async def test_value_is_exactly_the_record_wire_form(
     assert 0 < await client.pttl(f"{redis_key_prefix}:k") <= LOCK_TTL * 1000
 
     done = finished(record, body=b"\x00\xffbinary")
-    assert await store.complete("k", done, RETENTION_TTL)
+    assert await store.finish("k", done, RETENTION_TTL)
     raw = await client.get(f"{redis_key_prefix}:k")
     assert raw == dump_record(done)
     assert orjson.loads(raw)["responseBodyEncoding"] == "base64"
@@ -147,7 +147,7 @@ async def test_client_with_decoded_responses(
         conflict = await store.try_acquire("k", pending("k", "owner-b"), LOCK_TTL)
         assert conflict.record is not None
         assert conflict.record.owner_token == "owner-a"
-        assert await store.complete("k", finished(first, body=b"\xfe"), RETENTION_TTL)
+        assert await store.finish("k", finished(first, body=b"\xfe"), RETENTION_TTL)
         stored = await store.get("k")
         assert stored is not None
         assert stored.response is not None
@@ -249,7 +249,7 @@ async def test_scripts_are_reloaded_after_script_flush(
 
     assert not (await store.try_acquire("k", pending("k", "owner-b"), 30)).acquired
     assert await store.renew("k", "owner-a", 30)
-    assert await store.complete("k", finished(record), 60)
+    assert await store.finish("k", finished(record), 60)
     assert await store.release("k", "owner-a")
 
 
@@ -272,7 +272,7 @@ async def test_malformed_or_foreign_values_raise_store_error(
         with pytest.raises(StoreError):
             await store.try_acquire(key, record, LOCK_TTL)
         with pytest.raises(StoreError):
-            await store.complete(key, finished(record), RETENTION_TTL)
+            await store.finish(key, finished(record), RETENTION_TTL)
         with pytest.raises(StoreError):
             await store.release(key, "owner-a")
         with pytest.raises(StoreError):
@@ -284,8 +284,8 @@ def all_operations(store: RedisStore) -> list[Callable[[], Awaitable[Any]]]:
     record = pending("k", "owner-a")
     return [
         lambda: store.try_acquire("k", record, LOCK_TTL),
-        lambda: store.complete("k", finished(record), RETENTION_TTL),
-        lambda: store.fail("k", finished(record, status=RecordStatus.FAILED), RETENTION_TTL),
+        lambda: store.finish("k", finished(record), RETENTION_TTL),
+        lambda: store.finish("k", finished(record, status=RecordStatus.FAILED), RETENTION_TTL),
         lambda: store.release("k", "owner-a"),
         lambda: store.renew("k", "owner-a", LOCK_TTL),
         lambda: store.get("k"),
@@ -326,7 +326,7 @@ async def test_a_stopped_server_raises_store_error_and_the_store_recovers(
         await eventually(lambda: answers(store), timeout=10, message="the store to reconnect")
         record = pending("k", "owner-a")
         assert (await store.try_acquire("k", record, LOCK_TTL)).acquired
-        assert await store.complete("k", finished(record), RETENTION_TTL)
+        assert await store.finish("k", finished(record), RETENTION_TTL)
         stored = await store.get("k")
         assert stored is not None
         assert stored.status is RecordStatus.COMPLETED

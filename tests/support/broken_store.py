@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from starlette_idempotency.stores import AcquireResult, FencedWrite, IdempotencyRecord, MemoryStore
+from starlette_idempotency import MemoryStore
+from starlette_idempotency.stores import AcquireResult, FencedWrite, IdempotencyRecord
 
 
 class BrokenStore(MemoryStore):

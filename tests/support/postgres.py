@@ -7,9 +7,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from starlette_idempotency.stores import IdempotencyRecord, RecordStatus, StoredResponse
+from starlette_idempotency import StoredResponse
+from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
 from starlette_idempotency.stores.postgres import PostgresStore
-from starlette_idempotency.testing.isolation import run_admin
+from starlette_idempotency.testing._isolation import run_admin
 from tests.support import records
 from tests.support.conditions import eventually, eventually_sync
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from starlette_idempotency.stores import IdempotencyRecord, RecordStatus, StoredResponse
+from starlette_idempotency import StoredResponse
+from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
 
 #: The lock and retention TTLs the store tests arrange and write records with.
 LOCK_TTL = 30.0

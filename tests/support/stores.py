@@ -24,8 +24,8 @@ from starlette_idempotency.stores.memory import MemoryStore
 from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.testing import FakeClock
-from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
-from starlette_idempotency.testing.redis_server import RedisClusterServers
+from starlette_idempotency.testing._isolation import delete_prefixed, unique_prefix
+from starlette_idempotency.testing._redis_server import RedisClusterServers
 from tests.support.conditions import eventually
 from tests.support.records import LOCK_TTL
 

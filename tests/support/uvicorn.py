@@ -17,7 +17,7 @@ from typing import Literal, Self
 import uvicorn
 from starlette.types import ASGIApp
 
-from starlette_idempotency.testing.processes import Managed, free_port, stop_process
+from starlette_idempotency.testing._processes import Managed, free_port, stop_process
 from tests.support.conditions import eventually_sync
 
 HttpImplementation = Literal["h11", "httptools"]

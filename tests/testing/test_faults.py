@@ -104,7 +104,7 @@ async def test_a_stalled_call_can_be_cancelled_by_its_caller(store: FaultyStore)
 async def test_a_stall_then_a_failure(store: FaultyStore) -> None:
     store.fail_next("finish")
     async with store.stall("finish") as stall:
-        completing = asyncio.create_task(store.complete("k", pending("k"), 60))
+        completing = asyncio.create_task(store.finish("k", pending("k"), 60))
         await stall.wait_for_calls()
     with pytest.raises(StoreError):
         await completing

@@ -19,8 +19,8 @@ import asyncpg  # type: ignore[import-untyped]  # noqa: F401 - see below
 import pytest
 import redis.asyncio as aioredis
 
-from starlette_idempotency.testing import services
-from starlette_idempotency.testing.isolation import run_admin
+from starlette_idempotency.testing import _services as services
+from starlette_idempotency.testing._isolation import run_admin
 
 # asyncpg and redis are imported above, before any test: pytester takes modules first imported
 # during a test out of sys.modules again, and asyncpg's extension modules crash the process
@@ -137,7 +137,7 @@ def test_the_environment_urls_are_used_and_left_clean(
 
 #: In the user's conftest: whatever Docker this machine has, the plugin finds none.
 NO_DOCKER = """
-from starlette_idempotency.testing import services
+from starlette_idempotency.testing import _services as services
 
 services.docker_engine_answers = lambda: False
 """
@@ -152,7 +152,7 @@ import types
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from starlette_idempotency.testing import services
+from starlette_idempotency.testing import _services as services
 
 EVENTS = Path("container-events.txt").resolve()
 

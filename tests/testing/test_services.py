@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from starlette_idempotency.testing import services
-from starlette_idempotency.testing.redis_server import RedisServer, redis_command
-from starlette_idempotency.testing.services import (
+from starlette_idempotency.testing import _services as services
+from starlette_idempotency.testing._redis_server import RedisServer, redis_command
+from starlette_idempotency.testing._services import (
     Choice,
     Probes,
     Source,
@@ -94,7 +94,7 @@ def test_machine_probes_read_this_process(monkeypatch: pytest.MonkeyPatch) -> No
     choice = choose_source("REDIS_URL", services.machine_probes(services.REDIS_CONTAINERS))
     assert choice.url == "redis://from-env:6379/0"
     assert not services.module_installed("no_such_package_here.redis")
-    assert services.module_installed("starlette_idempotency.testing.services")
+    assert services.module_installed("starlette_idempotency.testing._services")
 
 
 # --- the Docker probe -------------------------------------------------------------------------

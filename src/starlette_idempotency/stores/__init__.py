@@ -1,29 +1,40 @@
-"""Store backends, and what a store implementer needs: the protocol, its base and its types
-(and :class:`IdempotencyPolicy`, the merged options of a route, for tools that inspect them).
+"""What a store implementer needs: the protocol's base, its types and its capabilities.
 
-``RedisStore`` lives in :mod:`.redis` and ``PostgresStore`` in :mod:`.postgres` (each needs its
-extra); both are also exported, lazily, from the package root.
+The stores an application uses are exported from the package root (``MemoryStore``,
+``RedisStore``, ``PostgresStore``), with the protocol ``IdempotencyStore`` and
+``StoredResponse``; ``RedisStore`` lives in :mod:`.redis` and ``PostgresStore`` in
+:mod:`.postgres` (each needs its extra).
 """
 
 from __future__ import annotations
 
-from starlette_idempotency._options import IdempotencyPolicy
-from starlette_idempotency._record import (
-    Checkpoint,
-    IdempotencyRecord,
-    RecordStatus,
-    StoredResponse,
-)
+import typing as _typing
+
+from starlette_idempotency._deprecation import moved as _moved
+from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
 from starlette_idempotency.stores.base import (
     AcquireResult,
     ChangeNotifyingStore,
     CheckableStore,
     FencedWrite,
-    IdempotencyStore,
     StoreBase,
     StoreFinding,
 )
-from starlette_idempotency.stores.memory import MemoryStore
+
+# Each of these has one home elsewhere; the names exported here before still resolve.
+_MOVED = {
+    "IdempotencyPolicy": "starlette_idempotency.middleware",
+    "IdempotencyStore": "starlette_idempotency",
+    "MemoryStore": "starlette_idempotency",
+    "StoredResponse": "starlette_idempotency",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    if name in _MOVED:
+        return _moved(name, __name__, _MOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AcquireResult",
@@ -31,12 +42,8 @@ __all__ = [
     "CheckableStore",
     "Checkpoint",
     "FencedWrite",
-    "IdempotencyPolicy",
     "IdempotencyRecord",
-    "IdempotencyStore",
-    "MemoryStore",
     "RecordStatus",
     "StoreBase",
     "StoreFinding",
-    "StoredResponse",
 ]

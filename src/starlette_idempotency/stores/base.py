@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from starlette_idempotency._deprecation import deprecated
 from starlette_idempotency._record import IdempotencyRecord, RecordStatus, StoredResponse
 
 DEFAULT_KEY_PREFIX = "idempotency"
@@ -156,7 +157,7 @@ STORE_OPERATIONS = (
 
 
 #: The protocol's first spelling of ``finish`` for each final status (``complete``, ``fail``):
-#: what metrics and spans call it, and what :class:`StoreBase` still answers to.
+#: what metrics and spans call it, and, until 0.3.0, what :class:`StoreBase` still answers to.
 FINISH_SPELLINGS = {RecordStatus.COMPLETED: "complete", RecordStatus.FAILED: "fail"}
 
 
@@ -185,11 +186,15 @@ class StoreBase(IdempotencyStore):
         return False
 
     async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        """:meth:`finish`, named for a ``Completed`` record (the protocol's first spelling)."""
+        """Deprecated (removed in 0.3.0): :meth:`finish`, the protocol's first spelling for a
+        ``Completed`` record."""
+        deprecated(f"{type(self).__name__}.complete() is finish()")
         return await self.finish(key, record, ttl)
 
     async def fail(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        """:meth:`finish`, named for a ``Failed`` record (a replayable business failure)."""
+        """Deprecated (removed in 0.3.0): :meth:`finish`, the protocol's first spelling for a
+        ``Failed`` record."""
+        deprecated(f"{type(self).__name__}.fail() is finish()")
         return await self.finish(key, record, ttl)
 
 

@@ -5,8 +5,9 @@
 - :class:`FaultyStore` wraps a store and makes chosen operations fail or stall, to test what the
   app answers when its store is down or slow.
 - :mod:`.pytest_plugin` (opt in with ``pytest_plugins``) has fixtures for a Redis, a PostgreSQL
-  and a store on each; :mod:`.redis_server` and :mod:`.postgres_server` start throwaway servers
-  from local binaries.
+  and a store on each (from an env URL, testcontainers or a throwaway local server).
+
+What the plugin builds on (the server launchers, the isolation of tests) is private.
 """
 
 from __future__ import annotations

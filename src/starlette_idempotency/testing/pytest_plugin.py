@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import pytest
 import pytest_asyncio
 
-from starlette_idempotency.testing import isolation
-from starlette_idempotency.testing.services import (
+from starlette_idempotency.testing import _isolation as isolation
+from starlette_idempotency.testing._services import (
     DATABASE_ENV,
     POSTGRES_CONTAINERS,
     REDIS_CONTAINERS,

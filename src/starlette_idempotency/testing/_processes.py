@@ -1,12 +1,6 @@
-"""Helpers for tests that start processes: free ports, waiting on a condition, finding and
-stopping server binaries.
-
-The throwaway Redis and PostgreSQL launchers are built on them, and a test that runs its app
-in a real server (uvicorn in a subprocess, say) can use them the same way::
-
-    port = free_port()
-    server = subprocess.Popen(["uvicorn", "app:app", "--port", str(port)])
-    wait_until(lambda: not port_is_free(port), timeout=10, what="uvicorn to listen")
+"""Starting processes for tests: free ports, waiting on a condition, finding and stopping
+server binaries. The throwaway Redis and PostgreSQL launchers, the pytest plugin behind them
+and the project's own tests and benchmarks build on it; it is private, not an API.
 """
 
 from __future__ import annotations

@@ -28,11 +28,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from starlette_idempotency.testing.postgres_server import PostgresServer
-from starlette_idempotency.testing.processes import Managed
-from starlette_idempotency.testing.redis_server import RedisServer
+from starlette_idempotency.testing._postgres_server import PostgresServer
+from starlette_idempotency.testing._processes import Managed
+from starlette_idempotency.testing._redis_server import RedisServer
 
-logger = logging.getLogger(__name__)
+# Named for the public package, as httpx names its loggers, not for this private module.
+logger = logging.getLogger("starlette_idempotency.testing")
 
 _Server = TypeVar("_Server", bound=Managed)
 

@@ -1,0 +1,107 @@
+"""The public surface: each package's ``__all__`` is exactly what it defines (as httpx tests
+its own), every name has one home, and the optional halves load only what they need."""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import starlette_idempotency
+import starlette_idempotency.client
+import starlette_idempotency.stores
+import starlette_idempotency.testing
+
+PACKAGES = [
+    starlette_idempotency,
+    starlette_idempotency.stores,
+    starlette_idempotency.testing,
+    starlette_idempotency.client,
+]
+
+
+def public_names(package: ModuleType) -> list[str]:
+    """What ``package`` offers by name: everything not private, its submodules and
+    ``from __future__ import annotations`` aside, and ``__version__``."""
+    names = []
+    for name in dir(package):
+        value = getattr(package, name)
+        if isinstance(value, ModuleType) or value is __future__.annotations:
+            continue
+        if not name.startswith("_") or name == "__version__":
+            names.append(name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda package: package.__name__)
+def test_all_is_exactly_what_the_package_offers(package: ModuleType) -> None:
+    assert sorted(package.__all__) == public_names(package)
+
+
+def test_the_root_and_the_stores_export_no_name_twice() -> None:
+    root, stores, testing = (set(p.__all__) for p in PACKAGES[:3])
+    assert root & stores == set()
+    assert (root | stores) & testing == set()
+
+
+def test_the_root_declares_each_name_for_type_checkers_where_it_loads_it_from() -> None:
+    """The root loads its names on first use (``_HOMES``); what type checkers and IDEs read
+    is the ``if TYPE_CHECKING`` imports, which must say the same."""
+    source = Path(starlette_idempotency.__file__).read_text(encoding="utf-8")
+    declared = {
+        alias.name: node.module
+        for block in ast.parse(source).body
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert declared == starlette_idempotency._HOMES
+    assert set(declared) == set(starlette_idempotency.__all__) - {"__version__"}
+
+
+def loaded_by(statement: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after ``statement``."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"import sys; {statement}; print('\\n'.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return set(done.stdout.split())
+
+
+def test_the_client_loads_httpx_and_never_starlette() -> None:
+    modules = loaded_by("import starlette_idempotency.client")
+    assert "httpx" in modules
+    assert {m for m in modules if m.split(".")[0] in ("starlette", "fastapi", "redis")} == set()
+    ours = {m for m in modules if m.startswith("starlette_idempotency")}
+    assert ours == {
+        "starlette_idempotency",
+        "starlette_idempotency._deprecation",
+        "starlette_idempotency._types",
+        "starlette_idempotency.client",
+        "starlette_idempotency.client._retry_policy",
+        "starlette_idempotency.client._transports",
+        "starlette_idempotency.errors",
+    }
+
+
+def test_a_root_name_loads_on_first_use_and_stays() -> None:
+    modules = loaded_by(
+        "import starlette_idempotency as s; assert 'MemoryStore' not in vars(s); "
+        "s.MemoryStore; assert 'MemoryStore' in vars(s)"
+    )
+    assert "starlette_idempotency.stores.memory" in modules
+    assert "starlette" not in loaded_by("import starlette_idempotency")
+
+
+def test_a_public_submodule_is_an_attribute_of_the_root() -> None:
+    assert starlette_idempotency.errors.StoreError is starlette_idempotency.StoreError
+    assert not hasattr(starlette_idempotency, "no_such_name")
+    assert not hasattr(starlette_idempotency, "_no_such_module")
