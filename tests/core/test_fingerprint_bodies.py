@@ -114,8 +114,11 @@ class Apps:
         self.runs: Counter[str] = Counter()
         guarded = BUILDERS[kind](mode, self.runs)
         guarded.add_middleware(IdempotencyMiddleware, store=MemoryStore())
-        self.client = make_client(guarded)
-        self.bare = make_client(unguarded(BUILDERS[kind](mode, Counter())))
+        # Both answer an app's own exception (a body it cannot parse) with a 500: compared.
+        self.client = make_client(guarded, raise_app_exceptions=False)
+        self.bare = make_client(
+            unguarded(BUILDERS[kind](mode, Counter())), raise_app_exceptions=False
+        )
         self.keys = 0
 
     async def post(self, path: str, body: bytes, headers: dict[str, str], key: str = "") -> Any:

@@ -14,7 +14,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from starlette_idempotency.stores import RecordStatus
 from tests.support.asgi import payments_scope
-from tests.support.guarded import GuardedApp, make_guarded_app
+from tests.support.guarded import GuardedApp, make_client, make_guarded_app
 
 PAYMENT = {"amount": "10.00", "currency": "EUR"}
 
@@ -229,11 +229,14 @@ async def test_transient_statuses_release_the_key(harness: GuardedApp, code: int
 
 
 async def test_unhandled_exception_releases_the_key_and_propagates(harness: GuardedApp) -> None:
-    first = await harness.client.post("/crash", headers=key_headers())
-    assert first.status_code == 500
+    with pytest.raises(RuntimeError, match="handler crashed"):
+        await harness.client.post("/crash", headers=key_headers())
     assert len(harness.store) == 0
-    await harness.client.post("/crash", headers=key_headers())
+    with pytest.raises(RuntimeError, match="handler crashed"):
+        await harness.client.post("/crash", headers=key_headers())
     assert harness.ledger.executions["crash"] == 2
+    server = make_client(harness.app, raise_app_exceptions=False)  # as a server answers it
+    assert (await server.post("/crash", headers=key_headers())).status_code == 500
 
 
 async def test_exception_reaches_the_app_error_handling(harness: GuardedApp) -> None:
@@ -252,9 +255,10 @@ async def test_mark_retryable_releases_the_key(harness: GuardedApp) -> None:
 
 
 async def test_error_after_the_response_keeps_the_record(harness: GuardedApp) -> None:
-    first = await harness.client.post("/background", headers=key_headers())
+    client = make_client(harness.app, raise_app_exceptions=False)  # the task fails after it
+    first = await client.post("/background", headers=key_headers())
     assert first.status_code == 200
-    replay = await harness.client.post("/background", headers=key_headers())
+    replay = await client.post("/background", headers=key_headers())
     assert replay.headers["x-idempotent-replay"] == "true"
     assert harness.ledger.executions["background"] == 1
 

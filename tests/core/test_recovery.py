@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from starlette_idempotency import (
+    ConfigurationError,
     IdempotencyMiddleware,
     MemoryStore,
     StoredResponse,
@@ -180,7 +181,8 @@ async def test_checkpoint_needs_a_store_that_keeps_recovery_points() -> None:
 
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
     client = make_client(IdempotencyMiddleware(app, store=PlainStore()))
-    assert (await client.post("/pay", json={}, headers=HEADERS)).status_code == 500
+    with pytest.raises(ConfigurationError, match="PlainStore cannot keep recovery points"):
+        await client.post("/pay", json={}, headers=HEADERS)
 
 
 def test_context_outside_a_guarded_request_is_an_error() -> None:

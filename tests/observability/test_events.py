@@ -111,7 +111,8 @@ async def test_outcome_results() -> None:
     client = harness.client
     await client.post("/status/404", headers={"Idempotency-Key": "f"})
     await client.post("/status/500", headers={"Idempotency-Key": "r"})
-    await client.post("/crash", headers={"Idempotency-Key": "x"})
+    with pytest.raises(RuntimeError, match="handler crashed"):
+        await client.post("/crash", headers={"Idempotency-Key": "x"})
     outcomes = [(e.result, e.status_code) for e in sink.events if e.event == "idempotency_outcome"]
     assert outcomes == [("FAILED", 404), ("RELEASED", 500), ("RELEASED", None)]
 

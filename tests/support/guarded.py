@@ -33,9 +33,11 @@ class GuardedApp:
     app: Any
 
 
-def make_client(app: ASGIApp) -> httpx.AsyncClient:
-    """A client that calls ``app`` in-process; an exception in the app becomes a 500."""
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+def make_client(app: ASGIApp, *, raise_app_exceptions: bool = True) -> httpx.AsyncClient:
+    """A client that calls ``app`` in-process. An exception in the app is raised in the test,
+    as Starlette's ``TestClient`` and httpx's ``ASGITransport`` do, so a test fails with its
+    cause; a test that wants the server's 500 instead passes ``raise_app_exceptions=False``."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
     return httpx.AsyncClient(transport=transport, base_url="http://testserver")
 
 
