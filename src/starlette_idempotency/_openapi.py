@@ -45,7 +45,7 @@ from starlette_idempotency import _openapi_schemas as fragments
 from starlette_idempotency._options import IdempotencyPolicy
 from starlette_idempotency._responses import ErrorFormat, Problem
 from starlette_idempotency._routing import RouteResolver, iter_routes, routes_for
-from starlette_idempotency._types import REPLAY_HEADER, ASGIApp, Scope
+from starlette_idempotency._types import ASGIApp, Scope
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -87,6 +87,7 @@ class OpenAPIDocumenter:
         max_body_bytes: int,
         error_format: ErrorFormat,
         problem_type: str,
+        replay_header_name: str,
     ) -> None:
         self._app = app
         self._resolver = resolver
@@ -94,6 +95,8 @@ class OpenAPIDocumenter:
         self._methods = frozenset(method.upper() for method in methods)
         self._max_key_length = max_key_length
         self._max_body_bytes = max_body_bytes
+        self._replay_header_name = replay_header_name
+        self._success_headers = fragments.success_headers(replay_header_name)
         self._media_type = "application/json"
         if callable(error_format):
             self._error_schema = fragments.CUSTOM_ERROR
@@ -103,7 +106,8 @@ class OpenAPIDocumenter:
             )
             problem["properties"]["type"] = {
                 "type": "string",
-                "description": f"A URI reference naming the problem type (`{problem_type}`).",
+                "description": "A URI reference naming the problem type: one per `code`.",
+                "enum": sorted({problem.type_uri(problem_type) for problem in Problem}),
             }
             self._media_type, self._error_schema = "application/problem+json", problem
         else:
@@ -181,7 +185,7 @@ class OpenAPIDocumenter:
                 and isinstance(response, Mapping)
                 and "$ref" not in response
             ):
-                responses[code] = _with_headers(response, fragments.SUCCESS_HEADERS)
+                responses[code] = _with_headers(response, self._success_headers)
         error = _component(schemas, self._error_schema)
         for status, description, headers in self._errors(policy):
             responses[str(status)] = _merged(
@@ -212,7 +216,7 @@ class OpenAPIDocumenter:
         else:
             retry = (
                 "a retry of a finished request gets its first response back, marked "
-                f"`{REPLAY_HEADER}: true`, instead of running again"
+                f"`{self._replay_header_name}: true`, instead of running again"
             )
         description = (
             "Makes this request safe to retry: send a new unique key (a UUID, say) with each "

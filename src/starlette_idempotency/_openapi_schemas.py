@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from starlette_idempotency._responses import BODY_OMITTED_HEADER, Problem
-from starlette_idempotency._types import REPLAY_HEADER
 
 Schema = dict[str, Any]
 
@@ -73,18 +72,24 @@ LOCATION = {
     "description": "The Location of the first response, when it had one.",
     "schema": {"type": "string"},
 }
-SUCCESS_HEADERS = {
-    REPLAY_HEADER: {
-        "description": "`true` when this is the stored response of an earlier request with the "
-        "same key, replayed instead of running the request again.",
-        "schema": {"type": "string", "enum": ["true"]},
-    },
-    BODY_OMITTED_HEADER[0].title(): {
-        "description": "`true` on a replay whose stored body was left out (it was larger than "
-        "the route's max_response_bytes): the status and headers are the first response's.",
-        "schema": {"type": "string", "enum": ["true"]},
-    },
-}
+
+
+def success_headers(replay_header_name: str) -> Schema:
+    """The headers a replay adds to a 2xx or 3xx answer."""
+    return {
+        replay_header_name: {
+            "description": "`true` when this is the stored response of an earlier request with "
+            "the same key, replayed instead of running the request again.",
+            "schema": {"type": "string", "enum": ["true"]},
+        },
+        BODY_OMITTED_HEADER[0].title(): {
+            "description": "`true` on a replay whose stored body was left out (it was larger "
+            "than the route's max_response_bytes): the status and headers are the first "
+            "response's.",
+            "schema": {"type": "string", "enum": ["true"]},
+        },
+    }
+
 
 # Why each error happens; the statuses and titles are the Problem's own.
 CAUSES = {

@@ -18,10 +18,10 @@ from starlette_idempotency._capture import ReplayingReceive, ResponseCapture
 from starlette_idempotency._context import CONTEXT_SCOPE_KEY, IdempotencyContext
 from starlette_idempotency._loop_timers import PerLoop
 from starlette_idempotency._marks import MARKS_SCOPE_KEY, RequestMarks, current_marks
+from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
 from starlette_idempotency._renewal import LockRenewal
 from starlette_idempotency._request_events import RequestEvents
-from starlette_idempotency._responses import stored_response
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._types import ASGIApp, Clock, Receive, Scope, Send
@@ -47,6 +47,7 @@ class OwnedKey:
         "_clock",
         "_events",
         "_marks",
+        "_responses",
         "_route",
         "_store",
         "_store_key",
@@ -63,8 +64,10 @@ class OwnedKey:
         route: GuardedRoute,
         store_key: str,
         record: IdempotencyRecord,
+        responses: ResponseKeeper,
     ) -> None:
         self._store = store
+        self._responses = responses
         self._clock = clock
         self._events = events
         self._route = route
@@ -205,7 +208,7 @@ class OwnedKey:
         ttl = self._route.policy.ttl_seconds
         record = self.record.finished(
             RecordStatus.COMPLETED if completed else RecordStatus.FAILED,
-            stored_response(status, raw_headers, None if chunks is None else b"".join(chunks)),
+            self._responses.keep(status, raw_headers, None if chunks is None else b"".join(chunks)),
             expires_at=self._clock() + ttl,
         )
         try:

@@ -269,6 +269,7 @@ class GuardedRequest:
             route=self._route,
             store_key=self._store_key,
             record=self._owned_record(pending, acquired.record),
+            responses=services.responses,
         )
         await self._events.decided(
             CheckResult.ACQUIRED, note="recovering" if owned.record.checkpoints else None
@@ -416,4 +417,8 @@ class GuardedRequest:
             )
         else:
             await self._events.decided(CheckResult.REPLAYED, note=note)
-            await send_replay(self._send, replay_for(record.response, self._scope["headers"]))
+            await send_replay(
+                self._send,
+                replay_for(record.response, self._scope["headers"]),
+                self._services.responses.replay_header,
+            )

@@ -26,6 +26,7 @@ from starlette_idempotency._options import (
     check_option,
     unknown_option_error,
 )
+from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._renewal import RENEWAL_RESOLUTION
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
@@ -35,6 +36,7 @@ from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy, refuse_startup
 from starlette_idempotency._types import (
     DEFAULT_HEADER_NAME,
+    REPLAY_HEADER,
     ASGIApp,
     Clock,
     Receive,
@@ -85,12 +87,15 @@ def _check_own_options(options: dict[str, Any]) -> None:
     for name in ("max_key_length", "max_waiters"):
         if options.get(name, 1) < 1:
             raise ConfigurationError(f"{name} must be at least 1, not {options[name]!r}")
-    header_name = options.get("header_name", DEFAULT_HEADER_NAME)
-    if not isinstance(header_name, str) or not _TOKEN.fullmatch(header_name):
-        raise ConfigurationError(
-            f"header_name must be an HTTP header name such as {DEFAULT_HEADER_NAME!r}, "
-            f"not {header_name!r}"
-        )
+    for option, example in (
+        ("header_name", DEFAULT_HEADER_NAME),
+        ("replay_header_name", REPLAY_HEADER),
+    ):
+        name = options.get(option, example)
+        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+            raise ConfigurationError(
+                f"{option} must be an HTTP header name such as {example!r}, not {name!r}"
+            )
     methods = options.get("methods", ())
     if isinstance(methods, str | bytes) or not all(
         isinstance(method, str) and _TOKEN.fullmatch(method) for method in methods
@@ -206,6 +211,7 @@ class IdempotencyMiddleware:
         protect_all: bool = False,
         error_format: ErrorFormat = "json",
         problem_type: str = "about:blank",
+        replay_header_name: str = REPLAY_HEADER,
         max_body_bytes: int = 1024 * 1024,
         store_timeout_seconds: float = 1.0,
         max_waiters: int = 1000,
@@ -237,6 +243,7 @@ class IdempotencyMiddleware:
             max_body_bytes=max_body_bytes,
             error_format=error_format,
             problem_type=problem_type,
+            replay_header_name=replay_header_name,
         )
         self.observer = Observer(
             pod_id=pod_id, log_keys=log_keys, on_event=on_event, metrics=metrics
@@ -261,6 +268,7 @@ class IdempotencyMiddleware:
             ),
             clock=clock,
             errors=errors,
+            responses=ResponseKeeper(replay_header_name=replay_header_name),
             observer=self.observer,
             store=bounded,
             key_scope=KeyScopeResolver(key_scope),

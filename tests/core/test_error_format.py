@@ -63,7 +63,7 @@ class App:
     """Two guarded routes (``/pay`` can be held, ``/once`` answers replays with 409) and one
     request per problem."""
 
-    def __init__(self, error_format: ErrorFormat) -> None:
+    def __init__(self, error_format: ErrorFormat, **options: Any) -> None:
         self.entered, self.release = asyncio.Event(), asyncio.Event()
 
         @idempotent()
@@ -81,7 +81,7 @@ class App:
             routes=[Route("/pay", pay, methods=["POST"]), Route("/once", once, methods=["POST"])]
         )
         middleware = IdempotencyMiddleware(
-            app, store=DownForOneKey(), max_body_bytes=100, error_format=error_format
+            app, store=DownForOneKey(), max_body_bytes=100, error_format=error_format, **options
         )
         self.client = make_client(middleware)
 
@@ -150,6 +150,39 @@ async def test_problem_format_carries_the_code(problem: Problem) -> None:
     body = checked_body(await App("problem").answer(problem), problem, "application/problem+json")
     assert list(body) == ["type", "title", "status", "detail", "code"]
     assert (body["status"], body["code"]) == (problem.status, problem.code)
+
+
+# The type URI of each problem below problem_type: clients and gateways route on these.
+TYPE_SEGMENTS = {
+    Problem.MISSING_KEY: "key-missing",
+    Problem.INVALID_KEY: "key-invalid",
+    Problem.INVALID_REQUEST: "request-malformed",
+    Problem.BODY_TOO_LARGE: "request-body-too-large",
+    Problem.IN_PROGRESS: "key-in-use",
+    Problem.ALREADY_PROCESSED: "key-already-processed",
+    Problem.MISMATCH: "key-reused",
+    Problem.STORE_UNAVAILABLE: "store-unavailable",
+}
+
+
+@PROBLEMS
+@pytest.mark.parametrize(
+    "base",
+    ["https://errors.example.com/idempotency", "https://errors.example.com/idempotency/"],
+    ids=["base", "trailing-slash"],
+)
+async def test_each_problem_has_its_own_type_below_problem_type(
+    problem: Problem, base: str
+) -> None:
+    app = App("problem", problem_type=base)
+    body = checked_body(await app.answer(problem), problem, "application/problem+json")
+    assert body["type"] == f"https://errors.example.com/idempotency/{TYPE_SEGMENTS[problem]}"
+
+
+@PROBLEMS
+async def test_about_blank_stays_the_type_of_every_problem(problem: Problem) -> None:
+    body = checked_body(await App("problem").answer(problem), problem, "application/problem+json")
+    assert body["type"] == "about:blank"
 
 
 @PROBLEMS

@@ -218,7 +218,10 @@ async def test_header_name_key_length_and_problem_format() -> None:
     }
     problem = error_schema(schema, responses["409"], "application/problem+json")
     assert problem["required"] == ["type", "title", "status", "detail"]
-    assert "https://errors.example/idempotency" in problem["properties"]["type"]["description"]
+    types = problem["properties"]["type"]["enum"]
+    assert len(types) == len(Problem)
+    assert "https://errors.example/idempotency/key-in-use" in types
+    assert all(uri.startswith("https://errors.example/idempotency/") for uri in types)
 
 
 @pytest.mark.parametrize("error_format", ["json", "problem", "stripe"])
