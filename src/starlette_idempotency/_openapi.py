@@ -235,7 +235,8 @@ class OpenAPIDocumenter:
             "in": "header",
             "required": policy.required,
             "description": description,
-            "schema": {"type": "string", "minLength": 1, "maxLength": self._max_key_length},
+            "schema": fragments.key_schema(self._max_key_length),
+            "example": fragments.KEY_EXAMPLE,
         }
 
     def _errors(self, policy: IdempotencyPolicy) -> list[tuple[int, str, Schema]]:

@@ -5,11 +5,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette_idempotency._keys import key_pattern
 from starlette_idempotency._responses import BODY_OMITTED_HEADER, Problem
 
 Schema = dict[str, Any]
 
-CODE = {"type": "string", "description": "What went wrong, for programs: a stable code."}
+CODE = {
+    "type": "string",
+    "description": "What went wrong, for programs: a stable code.",
+    "enum": [problem.code for problem in Problem],
+}
+KEY_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+
+
+def key_schema(max_key_length: int) -> Schema:
+    """The schema of the key header's value: exactly the values the middleware accepts."""
+    return {
+        "type": "string",
+        "minLength": 1,
+        # the longest quoted string: every character escaped, between the quotes
+        "maxLength": 2 * max_key_length + 2,
+        "pattern": key_pattern(max_key_length),
+    }
+
+
 JSON_ERROR: Schema = {
     "title": "IdempotencyError",
     "type": "object",

@@ -21,6 +21,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Host, Mount, Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency._keys import key_pattern
+from starlette_idempotency._openapi_schemas import key_schema
 from starlette_idempotency._responses import Problem
 from starlette_idempotency._routing import find_leaf, iter_routes
 
@@ -134,7 +136,9 @@ async def test_a_decorated_route_shows_the_key_header_and_the_middleware_answers
     (parameter,) = key_parameters(operation)
     assert parameter["in"] == "header"
     assert parameter["required"] is True
-    assert parameter["schema"] == {"type": "string", "minLength": 1, "maxLength": 255}
+    assert parameter["schema"] == key_schema(255)
+    assert parameter["schema"]["minLength"] == 1
+    assert parameter["example"] == "8e03978e-40d5-43e8-bc93-6894a57f9324"
     assert "48 hours" in parameter["description"]
     responses = operation["responses"]
     assert list(responses) == ["201", "400", "409", "413", "422", "503"]
@@ -206,7 +210,7 @@ async def test_header_name_key_length_and_problem_format() -> None:
     operation = schema["paths"]["/payments"]["post"]
     assert not key_parameters(operation)
     (parameter,) = [p for p in operation["parameters"] if p["name"] == "X-Request-Key"]
-    assert parameter["schema"]["maxLength"] == 64
+    assert parameter["schema"]["pattern"] == key_pattern(64)
     assert "at most 64 characters" in parameter["description"]
     responses = operation["responses"]
     assert "X-Request-Key is missing" in responses["400"]["description"]
@@ -236,6 +240,12 @@ async def test_the_body_schema_accepts_what_the_middleware_sends(error_format: s
     response = schema["paths"]["/payments"]["post"]["responses"]["400"]
     body_schema = error_schema(schema, response, media_type)
     assert accepts(body_schema, missing.json())
+    body, properties = missing.json(), body_schema["properties"]
+    if error_format == "stripe":
+        body, properties = body["error"], properties["error"]["properties"]
+    assert properties["code"]["enum"] == [problem.code for problem in Problem]  # to switch on
+    body["code"] = "made_up"
+    assert not accepts(body_schema, body if error_format != "stripe" else {"error": body})
     # ``code`` is optional: bodies from before it was added are valid too
     if error_format == "json":
         assert accepts(body_schema, {"error": "Idempotency-Key header is required"})
