@@ -12,13 +12,14 @@ import inspect
 import logging
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
 from starlette_idempotency._key_scope import KeyScope, KeyScopeResolver
 from starlette_idempotency._loop_timers import PerLoop
 from starlette_idempotency._marks import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
 from starlette_idempotency._openapi import OpenAPIDocumenter
+from starlette_idempotency._openapi_install import document_middleware
 from starlette_idempotency._options import (
     ROUTE_OPTIONS,
     IdempotencyPolicy,
@@ -78,7 +79,7 @@ def _declared_option_types() -> dict[str, Any]:
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
-def _check_own_options(options: dict[str, Any]) -> None:
+def _check_own_options(options: Mapping[str, Any]) -> None:
     """Refuse a middleware option given with a wrong type or value, naming it."""
     declared = _declared_option_types()
     for name, value in options.items():
@@ -109,7 +110,7 @@ def _check_own_options(options: dict[str, Any]) -> None:
         )
 
 
-def _check_options(options: dict[str, Any]) -> None:
+def _check_options(options: Mapping[str, Any]) -> None:
     """Refuse, naming it, any option the middleware would not work with."""
     known = _option_names()
     unknown = options.keys() - known
@@ -134,6 +135,11 @@ def _built_by_starlette() -> bool:
     """Whether ``IdempotencyMiddleware(...)`` was called by Starlette's (or FastAPI's)
     ``build_middleware_stack``: frame 1 is ``__new__``, frame 2 its caller."""
     return sys._getframe(2).f_code.co_name == "build_middleware_stack"
+
+
+def _route_resolver(route_defaults: Mapping[str, Any], *, protect_all: bool) -> RouteResolver:
+    """The middleware's route lookup: its route options are every route's defaults."""
+    return RouteResolver(IdempotencyPolicy().merged(route_defaults), protect_all=protect_all)
 
 
 _CAPABILITIES = ("name", "supports_recovery", "never_blocks")
@@ -199,6 +205,21 @@ class IdempotencyMiddleware:
             raise
         return super().__new__(cls)
 
+    @classmethod
+    def openapi_documenter(cls, app: ASGIApp, options: Mapping[str, Any]) -> OpenAPIDocumenter:
+        """What a middleware built around ``app`` with ``options`` adds to the OpenAPI schema,
+        for an app whose middleware stack is not built yet (see ``_openapi``)."""
+        _check_options(options)
+        bound = inspect.signature(cls.__init__).bind(None, app, **options)
+        bound.apply_defaults()
+        values = bound.arguments
+        documented = inspect.signature(OpenAPIDocumenter).parameters.values()
+        return OpenAPIDocumenter(
+            app,
+            _route_resolver(values["route_defaults"], protect_all=values["protect_all"]),
+            **{p.name: values[p.name] for p in documented if p.kind is p.KEYWORD_ONLY},
+        )
+
     def __init__(
         self,
         app: ASGIApp,
@@ -228,8 +249,7 @@ class IdempotencyMiddleware:
         self.store = store
         self.header_name = header_name
         self._methods = frozenset(method.upper() for method in methods)
-        defaults = IdempotencyPolicy().merged(route_defaults)
-        self._resolver = RouteResolver(defaults, protect_all=protect_all)
+        self._resolver = _route_resolver(route_defaults, protect_all=protect_all)
         errors = ErrorResponder(
             header_name=header_name, error_format=error_format, problem_type=problem_type
         )
@@ -348,3 +368,6 @@ class RefusedMiddleware(IdempotencyMiddleware):
         if scope["type"] == "lifespan":
             await refuse_startup(self.refusal, receive, send)
         raise self.refusal
+
+
+document_middleware(IdempotencyMiddleware)
