@@ -82,8 +82,10 @@ class OpenAPIDocumenter:
         error_format: ErrorFormat,
         problem_type: str,
         replay_header_name: str,
+        encryption: object | None,
     ) -> None:
         self._app = app
+        self._encrypts = encryption is not None
         self._resolver = resolver
         self._header_name = header_name
         self._methods = frozenset(method.upper() for method in methods)
@@ -238,6 +240,8 @@ class OpenAPIDocumenter:
             problems.append(Problem.ALREADY_PROCESSED)
         if policy.on_store_error == "fail_closed":
             problems.append(Problem.STORE_UNAVAILABLE)
+        if self._encrypts:
+            problems.append(Problem.RESPONSE_UNREADABLE)
         statuses = sorted({problem.status for problem in problems})
         errors = []
         for status in statuses:
@@ -250,7 +254,10 @@ class OpenAPIDocumenter:
                 if problem.status == status
             ]
             headers: Schema = {}
-            if Problem.IN_PROGRESS.status == status or Problem.STORE_UNAVAILABLE.status == status:
+            if any(
+                problem in problems and problem.status == status
+                for problem in (Problem.IN_PROGRESS, Problem.STORE_UNAVAILABLE)
+            ):
                 headers["Retry-After"] = fragments.RETRY_AFTER
             if Problem.ALREADY_PROCESSED in problems and Problem.ALREADY_PROCESSED.status == status:
                 headers["Location"] = fragments.LOCATION

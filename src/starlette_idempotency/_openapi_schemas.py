@@ -125,4 +125,6 @@ CAUSES = {
     Problem.MISMATCH: "this key was already used with a different request.",
     Problem.STORE_UNAVAILABLE: "the idempotency store cannot be reached; retry with the same "
     "key after Retry-After seconds.",
+    Problem.RESPONSE_UNREADABLE: "the stored response of this key cannot be decrypted (its key "
+    "id is no longer configured); the request is not run again.",
 }

@@ -205,10 +205,15 @@ class OwnedKey:
             await self.release(status)
             return
         completed = status < 400
-        ttl = self._route.policy.ttl_seconds
+        policy = self._route.policy
+        ttl = policy.ttl_seconds
+        body = None if chunks is None else b"".join(chunks)
+        kept, note = self._responses.keep(
+            policy.stored_parts, self._store_key, status, raw_headers, body
+        )
         record = self.record.finished(
             RecordStatus.COMPLETED if completed else RecordStatus.FAILED,
-            self._responses.keep(status, raw_headers, None if chunks is None else b"".join(chunks)),
+            kept,
             expires_at=self._clock() + ttl,
         )
         try:
@@ -238,7 +243,7 @@ class OwnedKey:
             )
             await self._events.lock_lost("complete_found_gone", "reclaimed", status)
         await self._events.ended(
-            OutcomeResult.COMPLETED if completed else OutcomeResult.FAILED, status
+            OutcomeResult.COMPLETED if completed else OutcomeResult.FAILED, status, note
         )
 
     def _should_store(self, status: int) -> bool:

@@ -61,6 +61,12 @@ class Problem(enum.Enum):
         "api_error",
         "Idempotency store is unavailable",
     )
+    RESPONSE_UNREADABLE = (
+        503,
+        "idempotency_response_unreadable",
+        "api_error",
+        "Stored response cannot be read",
+    )
 
     status: int
     code: str
@@ -117,6 +123,10 @@ ALREADY_PROCESSED_MESSAGE = (
     "A request with this idempotency key was already processed; its response is not replayed."
 )
 STORE_UNAVAILABLE_MESSAGE = "The idempotency store is unavailable. Retry later with the same key."
+RESPONSE_UNREADABLE_MESSAGE = (
+    "The stored response for this idempotency key cannot be decrypted; the request is not run "
+    "again. Retry later with the same key."
+)
 
 # A duplicate is told to come back after this share of the time the first request has run.
 _RETRY_AFTER_SHARE = 0.25
@@ -232,51 +242,9 @@ async def send_replay(send: Send, response: StoredResponse, replay_header: bytes
     await send({"type": "http.response.body", "body": response.body})
 
 
-_NOT_STORED_HEADERS = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "date",
-        "server",
-        "set-cookie",
-    }
-)
-
-
-_BODY_HEADERS = frozenset({"content-length", "content-type", "content-encoding"})
+#: The headers that describe a response's body: kept or dropped with it.
+BODY_HEADERS = frozenset({"content-length", "content-type", "content-encoding"})
 BODY_OMITTED_HEADER = ("x-idempotent-body-omitted", "true")
-
-
-def stored_response(
-    status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes | None, replay_header: str
-) -> StoredResponse:
-    """The response as it is stored: no hop-by-hop headers, no Date, Server or Set-Cookie,
-    no ``replay_header`` (lower case).
-
-    ``body`` is ``None`` when it outgrew ``max_response_bytes``: then the status and headers
-    are kept, the body headers dropped, and ``X-Idempotent-Body-Omitted: true`` added.
-    """
-    headers = []
-    for raw_name, raw_value in raw_headers:
-        name = raw_name.decode("latin-1").lower()
-        if (
-            name in _NOT_STORED_HEADERS
-            or name == replay_header
-            or (body is None and name in _BODY_HEADERS)
-        ):
-            continue
-        headers.append((name, raw_value.decode("latin-1")))
-    if body is None:
-        headers.append(BODY_OMITTED_HEADER)
-    content_type = next((value for name, value in headers if name == "content-type"), None)
-    return StoredResponse(status, tuple(headers), body or b"", content_type)
 
 
 # A stored body decoded for a client that did not accept its encoding may grow this far.
@@ -330,7 +298,7 @@ def replay_for(
             decoded = None
         if decoded is not None and decoder.eof and not decoder.unconsumed_tail:
             body = decoded
-    headers = [(name, value) for name, value in response.headers if name not in _BODY_HEADERS]
+    headers = [(name, value) for name, value in response.headers if name not in BODY_HEADERS]
     if body is None:
         headers.append(BODY_OMITTED_HEADER)
     else:

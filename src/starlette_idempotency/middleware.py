@@ -27,7 +27,7 @@ from starlette_idempotency._options import (
     check_option,
     unknown_option_error,
 )
-from starlette_idempotency._protection import ResponseKeeper
+from starlette_idempotency._protection import ResponseEncryption, ResponseKeeper
 from starlette_idempotency._renewal import RENEWAL_RESOLUTION
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
@@ -103,6 +103,12 @@ def _check_own_options(options: Mapping[str, Any]) -> None:
     ):
         raise ConfigurationError(
             f"methods must be a list of HTTP methods such as ['POST', 'PATCH'], not {methods!r}"
+        )
+    encryption = options.get("encryption")
+    if encryption is not None and not isinstance(encryption, ResponseEncryption):
+        raise ConfigurationError(
+            "encryption must be a ResponseEncryption({key_id: key}, current=key_id) or None, "
+            f"not {type(encryption).__name__}"
         )
     if not isinstance(options.get("problem_type", ""), str):
         raise ConfigurationError(
@@ -233,6 +239,7 @@ class IdempotencyMiddleware:
         error_format: ErrorFormat = "json",
         problem_type: str = "about:blank",
         replay_header_name: str = REPLAY_HEADER,
+        encryption: ResponseEncryption | None = None,
         max_body_bytes: int = 1024 * 1024,
         store_timeout_seconds: float = 1.0,
         max_waiters: int = 1000,
@@ -264,6 +271,7 @@ class IdempotencyMiddleware:
             error_format=error_format,
             problem_type=problem_type,
             replay_header_name=replay_header_name,
+            encryption=encryption,
         )
         self.observer = Observer(
             pod_id=pod_id, log_keys=log_keys, on_event=on_event, metrics=metrics
@@ -288,7 +296,7 @@ class IdempotencyMiddleware:
             ),
             clock=clock,
             errors=errors,
-            responses=ResponseKeeper(replay_header_name=replay_header_name),
+            responses=ResponseKeeper(replay_header_name=replay_header_name, encryption=encryption),
             observer=self.observer,
             store=bounded,
             key_scope=KeyScopeResolver(key_scope),

@@ -24,6 +24,7 @@ from starlette.routing import Host, Mount, Route
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from starlette_idempotency._keys import key_pattern
 from starlette_idempotency._openapi_schemas import key_schema
+from starlette_idempotency._protection import ResponseEncryption
 from starlette_idempotency._responses import Problem
 from starlette_idempotency._routing import find_leaf, iter_routes
 
@@ -68,8 +69,11 @@ async def served_schema(app: Any, url: str = "/openapi.json") -> Schema:
     return schema
 
 
-async def one_route_schema(path: str, **options: Any) -> Schema:
-    """The schema served by an app whose one route, ``POST path``, is ``idempotent(**options)``."""
+async def one_route_schema(
+    path: str, middleware: dict[str, Any] | None = None, **options: Any
+) -> Schema:
+    """The schema served by an app whose one route, ``POST path``, is ``idempotent(**options)``
+    (and the middleware's options ``middleware``)."""
     app = FastAPI()
 
     @app.post(path)
@@ -77,7 +81,7 @@ async def one_route_schema(path: str, **options: Any) -> Schema:
     async def endpoint() -> dict[str, str]:
         return {}
 
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), **(middleware or {}))
     return await served_schema(app)
 
 
@@ -298,6 +302,16 @@ async def test_replay_reject_documents_already_processed_with_its_location() -> 
     assert "X-Idempotent-Replay" not in operation["responses"]["200"].get("headers", {})
 
 
+async def test_the_unreadable_503_is_documented_only_with_encryption() -> None:
+    plain = await one_route_schema("/open", on_store_error="fail_open")
+    assert "503" not in plain["paths"]["/open"]["post"]["responses"]
+    encryption = ResponseEncryption({"k": ResponseEncryption.generate_key()})
+    sealed = await one_route_schema("/open", {"encryption": encryption}, on_store_error="fail_open")
+    unreadable = sealed["paths"]["/open"]["post"]["responses"]["503"]
+    assert "cannot be read" in unreadable["description"]
+    assert "Retry-After" not in unreadable.get("headers", {})  # that one sends none
+
+
 async def test_fail_open_routes_have_no_503() -> None:
     app = FastAPI()
 
@@ -327,7 +341,8 @@ async def test_hold_on_recovery_documents_the_202() -> None:
 
 
 async def test_every_problem_the_middleware_can_send_is_documented() -> None:
-    schema = await one_route_schema("/all", replay="reject")
+    encryption = ResponseEncryption({"k": ResponseEncryption.generate_key()})
+    schema = await one_route_schema("/all", {"encryption": encryption}, replay="reject")
     responses = schema["paths"]["/all"]["post"]["responses"]
     for problem in Problem:
         described = responses[str(problem.status)]["description"]
