@@ -373,12 +373,14 @@ class GuardedRequest:
             logger.warning(
                 "idempotency store unavailable, running %s unprotected (fail_open): %s",
                 self._events.endpoint,
-                exc,
+                self._events.shown_error(exc),
             )
             await self._events.decided(CheckResult.FAIL_OPEN)
             await self._services.app(self._scope, ReplayingReceive(body, self._receive), self._send)
             return
-        logger.error("idempotency store unavailable, answering 503: %s", exc)
+        logger.error(
+            "idempotency store unavailable, answering 503: %s", self._events.shown_error(exc)
+        )
         await self._reject(
             Problem.STORE_UNAVAILABLE,
             STORE_UNAVAILABLE_MESSAGE,
