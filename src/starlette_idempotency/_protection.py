@@ -141,6 +141,10 @@ class StoredParts:
         return self._allowed is None or name in self._allowed or name in BODY_HEADERS
 
 
+#: The one header of a sealed copy: its scheme and key id (never a valid HTTP field name).
+SEALED_HEADER = ":sealed"
+
+
 class ResponseEncryption:
     """Encrypts stored response headers and bodies at rest with AES-GCM.
 
@@ -233,10 +237,6 @@ class ResponseEncryption:
         return StoredResponse(sealed.status_code, headers, body, _content_type(headers))
 
 
-#: The one header of a sealed copy: its scheme and key id (never a valid HTTP field name).
-SEALED_HEADER = ":sealed"
-
-
 def _key_bytes(key_id: str, key: bytes | str) -> bytes:
     raw: bytes | None = key if isinstance(key, bytes) else None
     if isinstance(key, str):
@@ -279,11 +279,6 @@ class ResponseKeeper:
         self.replay_header = self._replay_header_name.encode("latin-1")
         self._encryption = encryption
 
-    @property
-    def encrypts(self) -> bool:
-        """Whether stored copies are sealed (and so may fail to open)."""
-        return self._encryption is not None
-
     def keep(
         self,
         parts: StoredParts,
@@ -321,6 +316,8 @@ class ResponseKeeper:
             body = bytes(redacted.body)
             headers = []
             for name, value in redacted.headers:
+                if not isinstance(name, str) or not isinstance(value, str):
+                    raise TypeError(f"its header {name!r}: {value!r} is not a pair of strings")
                 name = name.lower()
                 if name == "content-length":
                     value = str(len(body))

@@ -180,7 +180,15 @@ def _not_a_response(response: StoredResponse) -> Any:
     return {"body": b"masked"}
 
 
-@pytest.mark.parametrize("redactor", [_raises, _not_a_response], ids=["raises", "wrong-type"])
+def _bytes_headers(response: StoredResponse) -> StoredResponse:
+    return dataclasses.replace(response, headers=((b"x-masked", b"yes"),))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "redactor",
+    [_raises, _not_a_response, _bytes_headers],
+    ids=["raises", "wrong-type", "wrong-headers"],
+)
 async def test_a_failing_redactor_stores_the_status_only_and_keeps_the_key(
     redactor: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
