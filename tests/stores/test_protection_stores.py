@@ -17,7 +17,7 @@ from starlette_idempotency import ResponseEncryption
 from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.stores.redis import RedisStore
-from starlette_idempotency.testing.isolation import delete_prefixed, unique_prefix
+from starlette_idempotency.testing._isolation import delete_prefixed, unique_prefix
 from tests.core.test_protection import CARD, KEY_1, KEY_2, Payments
 
 # What the server holds for each record: (headers, body, content type) as stored.
