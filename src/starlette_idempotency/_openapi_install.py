@@ -23,8 +23,8 @@ to complete, so nothing is documented twice.
 
 What the class-level wrapper cannot reach: an ``app.openapi`` override that builds its schema
 with ``get_openapi()`` without calling ``FastAPI.openapi``, and an app that only uses
-``protect_all`` when this package was imported before FastAPI (no ``@idempotent`` runs to find
-FastAPI). Those are completed from the first scope on.
+``protect_all`` when it imported ``IdempotencyMiddleware`` before FastAPI (no ``@idempotent``
+runs to find FastAPI). Those are completed from the first scope on.
 
 Why a module of its own: ``@idempotent`` calls :func:`hook_fastapi`, and the documenter's
 module depends on the decorator's (through the route lookup).

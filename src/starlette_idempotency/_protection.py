@@ -85,7 +85,11 @@ def never_stored(name: str) -> bool:
     return (
         name in NEVER_STORED_HEADERS
         or name.startswith(":")  # not a field name; the sealed copy's own marker
-        or any(part in name for part in NEVER_STORED_PARTS)
+        # CORS headers describe the response, not a credential (Allow-Credentials included)
+        or (
+            not name.startswith("access-control-")
+            and any(part in name for part in NEVER_STORED_PARTS)
+        )
     )
 
 
