@@ -5,6 +5,7 @@ options declared once."""
 from __future__ import annotations
 
 import ast
+import types
 import typing
 from collections import abc
 from collections.abc import Iterator
@@ -103,9 +104,11 @@ def test_nothing_below_the_middleware_imports_it() -> None:
 
 def _option_type(annotation: object) -> object:
     """Sequences compare by their items: the policy keeps a tuple of what the keywords accept
-    as any sequence."""
+    as any sequence (optional ones too)."""
     if typing.get_origin(annotation) in (tuple, abc.Sequence):
         return ("a sequence of", typing.get_args(annotation)[0])
+    if isinstance(annotation, types.UnionType):
+        return frozenset(_option_type(member) for member in typing.get_args(annotation))
     return annotation
 
 

@@ -52,7 +52,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message
 
-from starlette_idempotency import IdempotencyMiddleware, IdempotencyStore, MemoryStore, idempotent
+from starlette_idempotency import (
+    IdempotencyMiddleware,
+    IdempotencyStore,
+    MemoryStore,
+    ResponseEncryption,
+    idempotent,
+)
 from starlette_idempotency.testing._isolation import delete_prefixed, unique_prefix
 from tests.support.readme_blocks import (
     Block,
@@ -161,6 +167,14 @@ async def _test_postgres(run: Run) -> str:
     return f"{run.fixture('postgres_dsn')!r}, table={run.fixture('postgres_table')!r}"
 
 
+async def _test_encryption_key(run: Run) -> str:
+    run.monkeypatch.setenv("IDEMPOTENCY_KEY_2026_12", ResponseEncryption.generate_key())
+    return _ENCRYPTION_KEY
+
+
+_ENCRYPTION_KEY = 'os.environ["IDEMPOTENCY_KEY_2026_12"]'
+
+
 @dataclass(frozen=True)
 class Substitution:
     literal: str
@@ -174,6 +188,11 @@ SUBSTITUTIONS = (
         "the tests' Redis (REDIS_URL or a server of the run), under a key prefix of the "
         "test's own that is deleted after it",
         _test_redis,
+    ),
+    Substitution(
+        _ENCRYPTION_KEY,
+        "unchanged: the environment variable is set to a new key for the block",
+        _test_encryption_key,
     ),
     Substitution(
         '"postgresql://app@localhost/app"',

@@ -24,6 +24,7 @@ if _typing.TYPE_CHECKING:
     from starlette_idempotency._decorator import idempotent
     from starlette_idempotency._fingerprint import storage_key
     from starlette_idempotency._marks import mark_retryable
+    from starlette_idempotency._protection import ResponseEncryption
     from starlette_idempotency._record import StoredResponse
     from starlette_idempotency._responses import IdempotencyProblem
     from starlette_idempotency.client import AsyncIdempotentTransport, IdempotentTransport
@@ -72,6 +73,7 @@ _HOMES = {
     "PostgresStore": "starlette_idempotency.stores.postgres",
     "PrometheusMetrics": "starlette_idempotency.prometheus",
     "RedisStore": "starlette_idempotency.stores.redis",
+    "ResponseEncryption": "starlette_idempotency._protection",
     "StoreError": "starlette_idempotency.errors",
     "StoreTimeoutError": "starlette_idempotency.errors",
     "StoredResponse": "starlette_idempotency._record",
@@ -131,6 +133,7 @@ __all__ = [
     "PostgresStore",
     "PrometheusMetrics",
     "RedisStore",
+    "ResponseEncryption",
     "StoreError",
     "StoreTimeoutError",
     "StoredResponse",

@@ -71,3 +71,18 @@ def parse_key(raw: bytes, *, header_name: str, max_length: int) -> str | Invalid
     if len(key) > max_length:
         return InvalidKey(f"{header_name} must not exceed {max_length} characters", too_long=True)
     return key
+
+
+def key_pattern(max_length: int) -> str:
+    """A regular expression (ECMA-262 and Python alike) that matches exactly the header values
+    :func:`parse_key` accepts with ``max_length``, once the field's surrounding whitespace is
+    gone (HTTP strips it): for the ``pattern`` of the header's OpenAPI schema.
+
+    A token starts with anything visible but the comma and ``"`` (a value starting with
+    ``"`` is a quoted string), and goes on with anything visible but the comma; a quoted
+    string holds printable ASCII, ``"`` and ``\\`` only escaped. Either holds 1 to
+    ``max_length`` characters of key.
+    """
+    first, rest = r"[!#-+\--~]", r"[!-+\--~]"
+    quoted = r'(?:[ !#-\[\]-~]|\\["\\])'
+    return rf'^(?:{first}{rest}{{0,{max_length - 1}}}|"{quoted}{{1,{max_length}}}")$'

@@ -3,12 +3,10 @@
 FastAPI documents what its routes declare, and the middleware answers before them. So on the
 first ASGI scope the middleware sees (the lifespan's, or the first request's), when
 ``scope["app"]`` is a FastAPI app whose routes are the ones this middleware guards,
-:meth:`OpenAPIDocumenter.install` puts a wrapper in ``app.openapi`` around whatever was there
-(FastAPI's method or the user's own override: composed, never replaced) and drops
-``app.openapi_schema``, so that a schema an earlier ``app.openapi()`` cached is built again. The
-wrapper completes each schema object the inner function returns, once, copying what it changes.
-A Starlette app has no OpenAPI and is left alone; so is a FastAPI app whose routes this
-middleware does not guard (a middleware given to one ``Mount``). A FastAPI app mounted inside
+:meth:`OpenAPIDocumenter.install` has its ``app.openapi()`` completed with what this
+middleware does (:func:`~starlette_idempotency._openapi_install.install`). A Starlette app has
+no OpenAPI and is left alone; so is a FastAPI app whose routes this middleware does not guard
+(a middleware given to one ``Mount``). A FastAPI app mounted inside
 another is documented by its own middleware, at its own first request (mounted apps get no
 lifespan), which fetching its ``/openapi.json`` is.
 
@@ -24,28 +22,24 @@ its policy (a 503 only when it fails closed, the "already processed" 409 only un
 declares at the same status (FastAPI's validation 422 stays; the bodies become ``anyOf`` both),
 and the replay headers on its 2xx and 3xx responses.
 
-Before the app has started, the middleware does not exist yet: Starlette builds the middleware
-stack on the first ASGI call, and ``add_middleware`` only records the class and its options. So
-``app.openapi()`` called before then (a script exporting the schema at import time, say) returns
-FastAPI's schema without any of this; no hook runs earlier without patching FastAPI itself,
-which this module does not do. Nothing stale survives: the first scope drops the schema cached
-by that call. To export the complete schema, start the app first (run its lifespan, e.g.
-``with TestClient(app): app.openapi()``) or send it one request.
+Before the app has started there is no middleware yet, so no first scope: how the schema is
+completed then, and how the two ways meet, is :mod:`~starlette_idempotency._openapi_install`'s.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from starlette.routing import BaseRoute, compile_path
 
 from starlette_idempotency import _openapi_schemas as fragments
+from starlette_idempotency._openapi_install import install
 from starlette_idempotency._options import IdempotencyPolicy
 from starlette_idempotency._responses import ErrorFormat, Problem
 from starlette_idempotency._routing import RouteResolver, iter_routes, routes_for
-from starlette_idempotency._types import REPLAY_HEADER, ASGIApp, Scope
+from starlette_idempotency._types import ASGIApp, Scope
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -87,13 +81,18 @@ class OpenAPIDocumenter:
         max_body_bytes: int,
         error_format: ErrorFormat,
         problem_type: str,
+        replay_header_name: str,
+        encryption: object | None,
     ) -> None:
         self._app = app
+        self._encrypts = encryption is not None
         self._resolver = resolver
         self._header_name = header_name
         self._methods = frozenset(method.upper() for method in methods)
         self._max_key_length = max_key_length
         self._max_body_bytes = max_body_bytes
+        self._replay_header_name = replay_header_name
+        self._success_headers = fragments.success_headers(replay_header_name)
         self._media_type = "application/json"
         if callable(error_format):
             self._error_schema = fragments.CUSTOM_ERROR
@@ -103,7 +102,8 @@ class OpenAPIDocumenter:
             )
             problem["properties"]["type"] = {
                 "type": "string",
-                "description": f"A URI reference naming the problem type (`{problem_type}`).",
+                "description": "A URI reference naming the problem type: one per `code`.",
+                "enum": sorted({problem.type_uri(problem_type) for problem in Problem}),
             }
             self._media_type, self._error_schema = "application/problem+json", problem
         else:
@@ -117,12 +117,7 @@ class OpenAPIDocumenter:
         app = _fastapi_app(scope.get("app"))
         if app is None or routes_for(scope, self._app) is not app.routes:
             return
-        current = app.openapi
-        if isinstance(current, _DocumentedOpenAPI):  # a middleware stack built again
-            current.use(self)
-        else:
-            app.openapi = _DocumentedOpenAPI(app, current, self)  # type: ignore[method-assign]
-        app.openapi_schema = None
+        install(app, self)
 
     def document(self, schema: Mapping[str, Any], routes: Iterable[BaseRoute]) -> Schema:
         """``schema`` with the guarded operations among ``routes`` documented; ``schema``
@@ -181,7 +176,7 @@ class OpenAPIDocumenter:
                 and isinstance(response, Mapping)
                 and "$ref" not in response
             ):
-                responses[code] = _with_headers(response, fragments.SUCCESS_HEADERS)
+                responses[code] = _with_headers(response, self._success_headers)
         error = _component(schemas, self._error_schema)
         for status, description, headers in self._errors(policy):
             responses[str(status)] = _merged(
@@ -212,7 +207,7 @@ class OpenAPIDocumenter:
         else:
             retry = (
                 "a retry of a finished request gets its first response back, marked "
-                f"`{REPLAY_HEADER}: true`, instead of running again"
+                f"`{self._replay_header_name}: true`, instead of running again"
             )
         description = (
             "Makes this request safe to retry: send a new unique key (a UUID, say) with each "
@@ -231,7 +226,8 @@ class OpenAPIDocumenter:
             "in": "header",
             "required": policy.required,
             "description": description,
-            "schema": {"type": "string", "minLength": 1, "maxLength": self._max_key_length},
+            "schema": fragments.key_schema(self._max_key_length),
+            "example": fragments.KEY_EXAMPLE,
         }
 
     def _errors(self, policy: IdempotencyPolicy) -> list[tuple[int, str, Schema]]:
@@ -244,6 +240,8 @@ class OpenAPIDocumenter:
             problems.append(Problem.ALREADY_PROCESSED)
         if policy.on_store_error == "fail_closed":
             problems.append(Problem.STORE_UNAVAILABLE)
+        if self._encrypts:
+            problems.append(Problem.RESPONSE_UNREADABLE)
         statuses = sorted({problem.status for problem in problems})
         errors = []
         for status in statuses:
@@ -256,7 +254,10 @@ class OpenAPIDocumenter:
                 if problem.status == status
             ]
             headers: Schema = {}
-            if Problem.IN_PROGRESS.status == status or Problem.STORE_UNAVAILABLE.status == status:
+            if any(
+                problem in problems and problem.status == status
+                for problem in (Problem.IN_PROGRESS, Problem.STORE_UNAVAILABLE)
+            ):
                 headers["Retry-After"] = fragments.RETRY_AFTER
             if Problem.ALREADY_PROCESSED in problems and Problem.ALREADY_PROCESSED.status == status:
                 headers["Location"] = fragments.LOCATION
@@ -301,33 +302,3 @@ def _merged(
         "content": content,
     }
     return _with_headers(merged, headers) if headers else merged
-
-
-class _DocumentedOpenAPI:
-    """``app.openapi`` as it was, its schema completed by an :class:`OpenAPIDocumenter`."""
-
-    def __init__(
-        self, app: FastAPI, inner: Callable[[], dict[str, Any]], documenter: OpenAPIDocumenter
-    ) -> None:
-        self._app = app
-        self._inner = inner
-        self._documenter = documenter
-        self._source: object = None
-        self._documented: Schema = {}
-
-    def use(self, documenter: OpenAPIDocumenter) -> None:
-        """Complete schemas with ``documenter`` from now on (the middleware stack was built
-        again, and its new middleware documents the app)."""
-        self._documenter = documenter
-        self._source = None
-
-    def __call__(self) -> dict[str, Any]:
-        schema = self._inner()
-        if schema is self._documented:  # an override returned the app.openapi_schema we set
-            return schema
-        if schema is not self._source:
-            self._documented = self._documenter.document(schema, self._app.routes)
-            self._source = schema
-        # FastAPI's own openapi() and the documented overrides return the cached schema
-        self._app.openapi_schema = self._documented
-        return self._documented

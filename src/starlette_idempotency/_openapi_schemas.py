@@ -5,12 +5,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette_idempotency._keys import key_pattern
 from starlette_idempotency._responses import BODY_OMITTED_HEADER, Problem
-from starlette_idempotency._types import REPLAY_HEADER
 
 Schema = dict[str, Any]
 
-CODE = {"type": "string", "description": "What went wrong, for programs: a stable code."}
+CODE = {
+    "type": "string",
+    "description": "What went wrong, for programs: a stable code.",
+    "enum": [problem.code for problem in Problem],
+}
+KEY_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+
+
+def key_schema(max_key_length: int) -> Schema:
+    """The schema of the key header's value: exactly the values the middleware accepts."""
+    return {
+        "type": "string",
+        "minLength": 1,
+        # the longest quoted string: every character escaped, between the quotes
+        "maxLength": 2 * max_key_length + 2,
+        "pattern": key_pattern(max_key_length),
+    }
+
+
 JSON_ERROR: Schema = {
     "title": "IdempotencyError",
     "type": "object",
@@ -73,18 +91,24 @@ LOCATION = {
     "description": "The Location of the first response, when it had one.",
     "schema": {"type": "string"},
 }
-SUCCESS_HEADERS = {
-    REPLAY_HEADER: {
-        "description": "`true` when this is the stored response of an earlier request with the "
-        "same key, replayed instead of running the request again.",
-        "schema": {"type": "string", "enum": ["true"]},
-    },
-    BODY_OMITTED_HEADER[0].title(): {
-        "description": "`true` on a replay whose stored body was left out (it was larger than "
-        "the route's max_response_bytes): the status and headers are the first response's.",
-        "schema": {"type": "string", "enum": ["true"]},
-    },
-}
+
+
+def success_headers(replay_header_name: str) -> Schema:
+    """The headers a replay adds to a 2xx or 3xx answer."""
+    return {
+        replay_header_name: {
+            "description": "`true` when this is the stored response of an earlier request with "
+            "the same key, replayed instead of running the request again.",
+            "schema": {"type": "string", "enum": ["true"]},
+        },
+        BODY_OMITTED_HEADER[0].title(): {
+            "description": "`true` on a replay whose stored body was left out (it was larger "
+            "than the route's max_response_bytes): the status and headers are the first "
+            "response's.",
+            "schema": {"type": "string", "enum": ["true"]},
+        },
+    }
+
 
 # Why each error happens; the statuses and titles are the Problem's own.
 CAUSES = {
@@ -101,4 +125,6 @@ CAUSES = {
     Problem.MISMATCH: "this key was already used with a different request.",
     Problem.STORE_UNAVAILABLE: "the idempotency store cannot be reached; retry with the same "
     "key after Retry-After seconds.",
+    Problem.RESPONSE_UNREADABLE: "the stored response of this key cannot be decrypted (its key "
+    "id is no longer configured); the request is not run again.",
 }

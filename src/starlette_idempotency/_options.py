@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypedDict, TypeGuard
 
+from starlette_idempotency._protection import Redactor, StoredParts
 from starlette_idempotency.errors import ConfigurationError
 
 StoreErrorPolicy = Literal["fail_closed", "fail_open"]
@@ -101,9 +102,14 @@ class IdempotencyPolicy:
     replay: ReplayPolicy = "response"
     max_response_bytes: int = 1024 * 1024
     on_recovery: RecoveryPolicy = "handler"
+    stored_headers: tuple[str, ...] | None = None
+    never_stored_headers: tuple[str, ...] = ()
+    redact_response: Redactor | None = None
     # Derived once, for the hot path: lower-cased names as the fingerprint matches them.
     excluded_field_names: frozenset[str] = field(init=False, repr=False, compare=False)
     fingerprint_header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
+    #: What of this route's responses is stored (the three options above, checked).
+    stored_parts: StoredParts = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, declared in _declared_types().items():
@@ -124,6 +130,10 @@ class IdempotencyPolicy:
             raise ConfigurationError(
                 f"fingerprint_headers must not include {', '.join(sorted(forbidden))}"
             )
+        parts = StoredParts(self.stored_headers, self.never_stored_headers, self.redact_response)
+        object.__setattr__(self, "stored_headers", parts.stored_headers)
+        object.__setattr__(self, "never_stored_headers", parts.never_stored_headers)
+        object.__setattr__(self, "stored_parts", parts)
         object.__setattr__(
             self, "excluded_field_names", frozenset(name.lower() for name in self.exclude_fields)
         )
@@ -165,3 +175,6 @@ class RouteOptions(TypedDict, total=False):
     replay: ReplayPolicy
     max_response_bytes: int
     on_recovery: RecoveryPolicy
+    stored_headers: Sequence[str] | None
+    never_stored_headers: Sequence[str]
+    redact_response: Redactor | None

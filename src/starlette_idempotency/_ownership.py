@@ -18,10 +18,10 @@ from starlette_idempotency._capture import ReplayingReceive, ResponseCapture
 from starlette_idempotency._context import CONTEXT_SCOPE_KEY, IdempotencyContext
 from starlette_idempotency._loop_timers import PerLoop
 from starlette_idempotency._marks import MARKS_SCOPE_KEY, RequestMarks, current_marks
+from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
 from starlette_idempotency._renewal import LockRenewal
 from starlette_idempotency._request_events import RequestEvents
-from starlette_idempotency._responses import stored_response
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._types import ASGIApp, Clock, Receive, Scope, Send
@@ -47,6 +47,7 @@ class OwnedKey:
         "_clock",
         "_events",
         "_marks",
+        "_responses",
         "_route",
         "_store",
         "_store_key",
@@ -63,8 +64,10 @@ class OwnedKey:
         route: GuardedRoute,
         store_key: str,
         record: IdempotencyRecord,
+        responses: ResponseKeeper,
     ) -> None:
         self._store = store
+        self._responses = responses
         self._clock = clock
         self._events = events
         self._route = route
@@ -94,9 +97,7 @@ class OwnedKey:
         capture = ResponseCapture(send, self, policy.max_response_bytes)
         renewal = None
         if policy.renew_lock:
-            renewal = LockRenewal(
-                self.renew, self.record.key, policy.lock_ttl_seconds, renewal_timers
-            )
+            renewal = LockRenewal(self.renew, self._events, policy.lock_ttl_seconds, renewal_timers)
         self.renewal = renewal
         token = current_marks.set(marks)
         try:
@@ -175,7 +176,7 @@ class OwnedKey:
             logger.warning(
                 "the lock for idempotency key %r was taken over by another request while its "
                 "handler ran; its response will not be stored",
-                record.key,
+                self._events.shown_key,
             )
             await self._events.lock_lost("lock_lost", "taken_over")
             return False
@@ -186,7 +187,7 @@ class OwnedKey:
             "the lock for idempotency key %r vanished while its handler ran (evicted, deleted, "
             "or expired while the process stalled) and was taken back; a retry in between may "
             "have run the handler again. Run Redis with maxmemory-policy noeviction",
-            record.key,
+            self._events.shown_key,
         )
         await self._events.lock_lost("renewal_found_gone", "reclaimed")
         return True
@@ -202,10 +203,15 @@ class OwnedKey:
             await self.release(status)
             return
         completed = status < 400
-        ttl = self._route.policy.ttl_seconds
+        policy = self._route.policy
+        ttl = policy.ttl_seconds
+        body = None if chunks is None else b"".join(chunks)
+        kept, note = self._responses.keep(
+            policy.stored_parts, self._store_key, status, raw_headers, body
+        )
         record = self.record.finished(
             RecordStatus.COMPLETED if completed else RecordStatus.FAILED,
-            stored_response(status, raw_headers, None if chunks is None else b"".join(chunks)),
+            kept,
             expires_at=self._clock() + ttl,
         )
         try:
@@ -214,15 +220,15 @@ class OwnedKey:
             logger.error(
                 "could not store the response for idempotency key %r; a retry is answered 409 "
                 "until the lock expires and then runs again: %s",
-                record.key,
-                exc,
+                self._events.shown_key,
+                self._events.shown_error(exc),
             )
             stored = FencedWrite.WRITTEN  # not lost to another owner: still this request's
         if not stored:
             logger.warning(
                 "lock for idempotency key %r was lost to another request; its response was "
                 "sent to this client but not stored",
-                record.key,
+                self._events.shown_key,
             )
             await self._events.lock_lost("lock_lost", "taken_over", status)
             return
@@ -231,11 +237,11 @@ class OwnedKey:
                 "the lock for idempotency key %r had vanished before its response was stored "
                 "(evicted, deleted, or expired while the process stalled); stored anyway, but a "
                 "retry in between may have run the handler again",
-                record.key,
+                self._events.shown_key,
             )
             await self._events.lock_lost("complete_found_gone", "reclaimed", status)
         await self._events.ended(
-            OutcomeResult.COMPLETED if completed else OutcomeResult.FAILED, status
+            OutcomeResult.COMPLETED if completed else OutcomeResult.FAILED, status, note
         )
 
     def _should_store(self, status: int) -> bool:
@@ -254,13 +260,17 @@ class OwnedKey:
         try:
             released = await self._store.release(self._store_key, self.record.owner_token)
         except StoreError as exc:
-            logger.error("could not release idempotency key %r: %s", self.record.key, exc)
+            logger.error(
+                "could not release idempotency key %r: %s",
+                self._events.shown_key,
+                self._events.shown_error(exc),
+            )
             released = True
         if released:
             await self._events.ended(OutcomeResult.RELEASED, status)
         else:
             logger.warning(
-                "lock for %r was taken over before it could be released", self.record.key
+                "lock for %r was taken over before it could be released", self._events.shown_key
             )
             await self._events.lock_lost("lock_lost", "taken_over", status)
 
@@ -272,7 +282,11 @@ class OwnedKey:
             await self._events.lock_lost("lock_lost", "taken_over", status)
             return
         except StoreError as exc:
-            logger.error("could not end the lease of idempotency key %r: %s", self.record.key, exc)
+            logger.error(
+                "could not end the lease of idempotency key %r: %s",
+                self._events.shown_key,
+                self._events.shown_error(exc),
+            )
         await self._events.ended(OutcomeResult.RELEASED, status)
 
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from starlette_idempotency._loop_timers import PerLoop
+from starlette_idempotency._request_events import RequestEvents
 from starlette_idempotency.errors import StoreError
 
 logger = logging.getLogger(__name__)
@@ -26,15 +27,19 @@ class LockRenewal:
     round trip and no timer of its own. A failed renewal never aborts the handler.
     """
 
-    __slots__ = ("_context", "_interval", "_key", "_renew", "_task", "_timer", "due", "fired")
+    __slots__ = ("_context", "_events", "_interval", "_renew", "_task", "_timer", "due", "fired")
 
     def __init__(
-        self, renew: Callable[[], Awaitable[bool]], key: str, lock_ttl: float, timers: PerLoop
+        self,
+        renew: Callable[[], Awaitable[bool]],
+        events: RequestEvents,
+        lock_ttl: float,
+        timers: PerLoop,
     ) -> None:
         """Call ``renew`` every third of ``lock_ttl`` until it answers false (the key is held
-        by someone else) or :meth:`stop`; ``key`` names the lock in warnings."""
+        by someone else) or :meth:`stop`; ``events`` shows the key in warnings."""
         self._renew = renew
-        self._key = key
+        self._events = events
         self._interval = interval = lock_ttl / 3
         self._timer = timer = timers.get(asyncio.get_running_loop())
         if interval / 10 < timer.resolution:  # a short lock TTL needs a finer check
@@ -56,7 +61,11 @@ class LockRenewal:
             try:
                 held = await self._renew()
             except StoreError as exc:
-                logger.warning("could not renew the lock for %r: %s", self._key, exc)
+                logger.warning(
+                    "could not renew the lock for %r: %s",
+                    self._events.shown_key,
+                    self._events.shown_error(exc),
+                )
             else:
                 if not held:  # another request holds the key; renew reported it
                     return

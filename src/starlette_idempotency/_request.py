@@ -30,6 +30,7 @@ from starlette_idempotency._responses import (
     ALREADY_PROCESSED_MESSAGE,
     IN_PROGRESS_MESSAGE,
     MISMATCH_MESSAGE,
+    RESPONSE_UNREADABLE_MESSAGE,
     STORE_UNAVAILABLE_MESSAGE,
     Problem,
     replay_for,
@@ -269,6 +270,7 @@ class GuardedRequest:
             route=self._route,
             store_key=self._store_key,
             record=self._owned_record(pending, acquired.record),
+            responses=services.responses,
         )
         await self._events.decided(
             CheckResult.ACQUIRED, note="recovering" if owned.record.checkpoints else None
@@ -371,12 +373,14 @@ class GuardedRequest:
             logger.warning(
                 "idempotency store unavailable, running %s unprotected (fail_open): %s",
                 self._events.endpoint,
-                exc,
+                self._events.shown_error(exc),
             )
             await self._events.decided(CheckResult.FAIL_OPEN)
             await self._services.app(self._scope, ReplayingReceive(body, self._receive), self._send)
             return
-        logger.error("idempotency store unavailable, answering 503: %s", exc)
+        logger.error(
+            "idempotency store unavailable, answering 503: %s", self._events.shown_error(exc)
+        )
         await self._reject(
             Problem.STORE_UNAVAILABLE,
             STORE_UNAVAILABLE_MESSAGE,
@@ -406,14 +410,32 @@ class GuardedRequest:
             await send_requires_recovery(self._send, record.checkpoints[-1].name)
         elif record.status is RecordStatus.IN_PROGRESS or record.response is None:
             await self._reject_in_progress(record, note)
+        elif (response := self._services.responses.read(record.response, self._store_key)) is None:
+            # A sealed copy no configured key opens: the handler ran, so it must not run again,
+            # and nothing unverified is sent.
+            logger.error(
+                "the stored response of a request to %s cannot be decrypted (its key id is not "
+                "among ResponseEncryption's keys, or the record was altered): answering 503",
+                self._events.endpoint,
+            )
+            await self._reject(
+                Problem.RESPONSE_UNREADABLE,
+                RESPONSE_UNREADABLE_MESSAGE,
+                CheckResult.STORE_ERROR,
+                note="response_unreadable",
+            )
         elif self._policy.replay == "reject":
             await self._reject(
                 Problem.ALREADY_PROCESSED,
                 ALREADY_PROCESSED_MESSAGE,
                 CheckResult.REPLAYED,
                 note="replay_rejected",
-                location=record.response.header("location"),
+                location=response.header("location"),
             )
         else:
             await self._events.decided(CheckResult.REPLAYED, note=note)
-            await send_replay(self._send, replay_for(record.response, self._scope["headers"]))
+            await send_replay(
+                self._send,
+                replay_for(response, self._scope["headers"]),
+                self._services.responses.replay_header,
+            )

@@ -21,6 +21,15 @@ class RequestEvents:
         self.key: str | None = None
 
     @property
+    def shown_key(self) -> str | None:
+        """The key as log messages may show it (``log_keys``)."""
+        return self._observer.shown_key(self.key)
+
+    def shown_error(self, exc: BaseException) -> str:
+        """A store error as log messages may show it (``log_keys``)."""
+        return self._observer.shown_error(exc)
+
+    @property
     def endpoint(self) -> str:
         """``"POST /payments"``: the method and the route's template."""
         return f"{self._method} {self._template}"

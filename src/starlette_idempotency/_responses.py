@@ -18,10 +18,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from starlette_idempotency._record import IdempotencyRecord, StoredResponse
-from starlette_idempotency._types import REPLAY_HEADER, Receive, Scope, Send
+from starlette_idempotency._types import Receive, Scope, Send
 from starlette_idempotency.errors import ConfigurationError
 
-_REPLAY_HEADER = (REPLAY_HEADER.lower().encode("latin-1"), b"true")
 # The middleware's own answers hold for this request only: no shared cache may keep a 409.
 _NO_STORE = (b"cache-control", b"no-store")
 
@@ -62,6 +61,12 @@ class Problem(enum.Enum):
         "api_error",
         "Idempotency store is unavailable",
     )
+    RESPONSE_UNREADABLE = (
+        503,
+        "idempotency_response_unreadable",
+        "api_error",
+        "Stored response cannot be read",
+    )
 
     status: int
     code: str
@@ -73,6 +78,15 @@ class Problem(enum.Enum):
         self.code = code
         self.error_type = error_type
         self.title = title
+
+    def type_uri(self, base: str) -> str:
+        """This problem's ``type`` under ``error_format="problem"``: ``base`` followed by the
+        code's own segment (``https://errors.example.com/idempotency/key-in-use``), or
+        ``about:blank`` for that base, which names no type of its own (RFC 9457 4.2.1)."""
+        if base == "about:blank":
+            return base
+        segment = self.code.removeprefix("idempotency_").replace("_", "-")
+        return f"{base.rstrip('/')}/{segment}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +123,10 @@ ALREADY_PROCESSED_MESSAGE = (
     "A request with this idempotency key was already processed; its response is not replayed."
 )
 STORE_UNAVAILABLE_MESSAGE = "The idempotency store is unavailable. Retry later with the same key."
+RESPONSE_UNREADABLE_MESSAGE = (
+    "The stored response for this idempotency key cannot be decrypted; the request is not run "
+    "again. Retry later with the same key."
+)
 
 # A duplicate is told to come back after this share of the time the first request has run.
 _RETRY_AFTER_SHARE = 0.25
@@ -146,7 +164,7 @@ class ErrorResponder:
         self._problem = error_format == "problem"
         self._stripe = error_format == "stripe"
         self._json = error_format == "json"
-        self._problem_type = problem_type
+        self._types = {problem: problem.type_uri(problem_type) for problem in Problem}
         self._titles = {problem: problem.title.format(header=header_name) for problem in Problem}
         self._content_type = b"application/problem+json" if self._problem else b"application/json"
         if self._build is not None:
@@ -172,7 +190,7 @@ class ErrorResponder:
             )
         if self._problem:
             return {
-                "type": self._problem_type,
+                "type": self._types[problem],
                 "title": self._titles[problem],
                 "status": problem.status,
                 "detail": detail,
@@ -213,57 +231,20 @@ class ErrorResponder:
         await send({"type": "http.response.body", "body": body})
 
 
-async def send_replay(send: Send, response: StoredResponse) -> None:
-    """Replay a stored response byte for byte, marked with ``X-Idempotent-Replay: true``."""
+async def send_replay(send: Send, response: StoredResponse, replay_header: bytes) -> None:
+    """Replay a stored response byte for byte, marked with ``replay_header: true`` (the
+    lower-case name of the middleware's ``replay_header_name``)."""
     headers = [
         (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
     ]
-    headers.append(_REPLAY_HEADER)
+    headers.append((replay_header, b"true"))
     await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": response.body})
 
 
-_NOT_STORED_HEADERS = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "date",
-        "server",
-        "set-cookie",
-        REPLAY_HEADER.lower(),
-    }
-)
-
-
-_BODY_HEADERS = frozenset({"content-length", "content-type", "content-encoding"})
+#: The headers that describe a response's body: kept or dropped with it.
+BODY_HEADERS = frozenset({"content-length", "content-type", "content-encoding"})
 BODY_OMITTED_HEADER = ("x-idempotent-body-omitted", "true")
-
-
-def stored_response(
-    status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes | None
-) -> StoredResponse:
-    """The response as it is stored: no hop-by-hop headers, no Date, Server or Set-Cookie.
-
-    ``body`` is ``None`` when it outgrew ``max_response_bytes``: then the status and headers
-    are kept, the body headers dropped, and ``X-Idempotent-Body-Omitted: true`` added.
-    """
-    headers = []
-    for raw_name, raw_value in raw_headers:
-        name = raw_name.decode("latin-1").lower()
-        if name in _NOT_STORED_HEADERS or (body is None and name in _BODY_HEADERS):
-            continue
-        headers.append((name, raw_value.decode("latin-1")))
-    if body is None:
-        headers.append(BODY_OMITTED_HEADER)
-    content_type = next((value for name, value in headers if name == "content-type"), None)
-    return StoredResponse(status, tuple(headers), body or b"", content_type)
 
 
 # A stored body decoded for a client that did not accept its encoding may grow this far.
@@ -317,7 +298,7 @@ def replay_for(
             decoded = None
         if decoded is not None and decoder.eof and not decoder.unconsumed_tail:
             body = decoded
-    headers = [(name, value) for name, value in response.headers if name not in _BODY_HEADERS]
+    headers = [(name, value) for name, value in response.headers if name not in BODY_HEADERS]
     if body is None:
         headers.append(BODY_OMITTED_HEADER)
     else:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from starlette_idempotency._key_scope import KeyScopeResolver
 from starlette_idempotency._loop_timers import PerLoop
+from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._responses import ErrorResponder
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._types import ASGIApp, Clock
@@ -37,6 +38,8 @@ class RequestServices:
     limits: RequestLimits
     clock: Clock
     errors: ErrorResponder
+    #: What a finished response leaves in the store, and how a replay reads it back.
+    responses: ResponseKeeper
     observer: Observer
     store: BoundedStore
     key_scope: KeyScopeResolver

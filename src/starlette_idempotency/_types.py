@@ -14,6 +14,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_HEADER_NAME = "Idempotency-Key"
 REPLAY_HEADER = "X-Idempotent-Replay"
+#: The replay header of Stripe's API and of the peers that follow it (``replay_header_name``).
+STRIPE_REPLAY_HEADER = "Idempotent-Replayed"
 
 
 class Clock(Protocol):

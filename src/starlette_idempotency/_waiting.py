@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from starlette_idempotency._record import IdempotencyRecord, RecordStatus
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency.errors import StoreError
+from starlette_idempotency.observability import error_summary
 from starlette_idempotency.stores.base import ChangeNotifyingStore
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class KeyWatch:
             except TimeoutError:
                 return
             except Exception as exc:  # notices are an optimisation: without them, poll
-                logger.debug("no change notifications for %r, polling: %s", self._key, exc)
+                logger.debug("no change notifications, polling: %s", error_summary(exc))
             else:
                 return
         await asyncio.sleep(delay)
@@ -69,7 +70,9 @@ class KeyWatch:
             try:
                 record = await self._store.get(self._key)
             except StoreError as exc:
-                logger.debug("watching %r: %s", self._key, exc)
+                logger.debug(
+                    "a look at the key a duplicate waits for failed: %s", error_summary(exc)
+                )
             else:
                 self._look(record)
             await self._next_tick(delay)

@@ -12,13 +12,14 @@ import inspect
 import logging
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
 from starlette_idempotency._key_scope import KeyScope, KeyScopeResolver
 from starlette_idempotency._loop_timers import PerLoop
 from starlette_idempotency._marks import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
 from starlette_idempotency._openapi import OpenAPIDocumenter
+from starlette_idempotency._openapi_install import document_middleware
 from starlette_idempotency._options import (
     ROUTE_OPTIONS,
     IdempotencyPolicy,
@@ -26,6 +27,7 @@ from starlette_idempotency._options import (
     check_option,
     unknown_option_error,
 )
+from starlette_idempotency._protection import ResponseEncryption, ResponseKeeper
 from starlette_idempotency._renewal import RENEWAL_RESOLUTION
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
@@ -35,6 +37,7 @@ from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy, refuse_startup
 from starlette_idempotency._types import (
     DEFAULT_HEADER_NAME,
+    REPLAY_HEADER,
     ASGIApp,
     Clock,
     Receive,
@@ -76,7 +79,7 @@ def _declared_option_types() -> dict[str, Any]:
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
-def _check_own_options(options: dict[str, Any]) -> None:
+def _check_own_options(options: Mapping[str, Any]) -> None:
     """Refuse a middleware option given with a wrong type or value, naming it."""
     declared = _declared_option_types()
     for name, value in options.items():
@@ -85,12 +88,15 @@ def _check_own_options(options: dict[str, Any]) -> None:
     for name in ("max_key_length", "max_waiters"):
         if options.get(name, 1) < 1:
             raise ConfigurationError(f"{name} must be at least 1, not {options[name]!r}")
-    header_name = options.get("header_name", DEFAULT_HEADER_NAME)
-    if not isinstance(header_name, str) or not _TOKEN.fullmatch(header_name):
-        raise ConfigurationError(
-            f"header_name must be an HTTP header name such as {DEFAULT_HEADER_NAME!r}, "
-            f"not {header_name!r}"
-        )
+    for option, example in (
+        ("header_name", DEFAULT_HEADER_NAME),
+        ("replay_header_name", REPLAY_HEADER),
+    ):
+        name = options.get(option, example)
+        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+            raise ConfigurationError(
+                f"{option} must be an HTTP header name such as {example!r}, not {name!r}"
+            )
     methods = options.get("methods", ())
     if isinstance(methods, str | bytes) or not all(
         isinstance(method, str) and _TOKEN.fullmatch(method) for method in methods
@@ -98,13 +104,19 @@ def _check_own_options(options: dict[str, Any]) -> None:
         raise ConfigurationError(
             f"methods must be a list of HTTP methods such as ['POST', 'PATCH'], not {methods!r}"
         )
+    encryption = options.get("encryption")
+    if encryption is not None and not isinstance(encryption, ResponseEncryption):
+        raise ConfigurationError(
+            "encryption must be a ResponseEncryption({key_id: key}, current=key_id) or None, "
+            f"not {type(encryption).__name__}"
+        )
     if not isinstance(options.get("problem_type", ""), str):
         raise ConfigurationError(
             f"problem_type must be a URI string, not {options['problem_type']!r}"
         )
 
 
-def _check_options(options: dict[str, Any]) -> None:
+def _check_options(options: Mapping[str, Any]) -> None:
     """Refuse, naming it, any option the middleware would not work with."""
     known = _option_names()
     unknown = options.keys() - known
@@ -129,6 +141,11 @@ def _built_by_starlette() -> bool:
     """Whether ``IdempotencyMiddleware(...)`` was called by Starlette's (or FastAPI's)
     ``build_middleware_stack``: frame 1 is ``__new__``, frame 2 its caller."""
     return sys._getframe(2).f_code.co_name == "build_middleware_stack"
+
+
+def _route_resolver(route_defaults: Mapping[str, Any], *, protect_all: bool) -> RouteResolver:
+    """The middleware's route lookup: its route options are every route's defaults."""
+    return RouteResolver(IdempotencyPolicy().merged(route_defaults), protect_all=protect_all)
 
 
 _CAPABILITIES = ("name", "supports_recovery", "never_blocks")
@@ -194,6 +211,21 @@ class IdempotencyMiddleware:
             raise
         return super().__new__(cls)
 
+    @classmethod
+    def openapi_documenter(cls, app: ASGIApp, options: Mapping[str, Any]) -> OpenAPIDocumenter:
+        """What a middleware built around ``app`` with ``options`` adds to the OpenAPI schema,
+        for an app whose middleware stack is not built yet (see ``_openapi``)."""
+        _check_options(options)
+        bound = inspect.signature(cls.__init__).bind(None, app, **options)
+        bound.apply_defaults()
+        values = bound.arguments
+        documented = inspect.signature(OpenAPIDocumenter).parameters.values()
+        return OpenAPIDocumenter(
+            app,
+            _route_resolver(values["route_defaults"], protect_all=values["protect_all"]),
+            **{p.name: values[p.name] for p in documented if p.kind is p.KEYWORD_ONLY},
+        )
+
     def __init__(
         self,
         app: ASGIApp,
@@ -206,6 +238,8 @@ class IdempotencyMiddleware:
         protect_all: bool = False,
         error_format: ErrorFormat = "json",
         problem_type: str = "about:blank",
+        replay_header_name: str = REPLAY_HEADER,
+        encryption: ResponseEncryption | None = None,
         max_body_bytes: int = 1024 * 1024,
         store_timeout_seconds: float = 1.0,
         max_waiters: int = 1000,
@@ -222,8 +256,7 @@ class IdempotencyMiddleware:
         self.store = store
         self.header_name = header_name
         self._methods = frozenset(method.upper() for method in methods)
-        defaults = IdempotencyPolicy().merged(route_defaults)
-        self._resolver = RouteResolver(defaults, protect_all=protect_all)
+        self._resolver = _route_resolver(route_defaults, protect_all=protect_all)
         errors = ErrorResponder(
             header_name=header_name, error_format=error_format, problem_type=problem_type
         )
@@ -237,6 +270,8 @@ class IdempotencyMiddleware:
             max_body_bytes=max_body_bytes,
             error_format=error_format,
             problem_type=problem_type,
+            replay_header_name=replay_header_name,
+            encryption=encryption,
         )
         self.observer = Observer(
             pod_id=pod_id, log_keys=log_keys, on_event=on_event, metrics=metrics
@@ -261,6 +296,7 @@ class IdempotencyMiddleware:
             ),
             clock=clock,
             errors=errors,
+            responses=ResponseKeeper(replay_header_name=replay_header_name, encryption=encryption),
             observer=self.observer,
             store=bounded,
             key_scope=KeyScopeResolver(key_scope),
@@ -340,3 +376,6 @@ class RefusedMiddleware(IdempotencyMiddleware):
         if scope["type"] == "lifespan":
             await refuse_startup(self.refusal, receive, send)
         raise self.refusal
+
+
+document_middleware(IdempotencyMiddleware)

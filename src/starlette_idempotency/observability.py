@@ -109,10 +109,16 @@ class Observer:
             or logger.isEnabledFor(logging.INFO)
         )
 
-    def _shown_key(self, key: str | None) -> str | None:
+    def shown_key(self, key: str | None) -> str | None:
+        """``key`` as events and log messages show it (``log_keys``)."""
         if key is None or not self._hash_keys:
             return key
         return "sha256:" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    def shown_error(self, exc: BaseException) -> str:
+        """A store error as log messages show it: its message names the storage key, which
+        holds the key, so under ``log_keys="hashed"`` only its type and cause are shown."""
+        return error_summary(exc) if self._hash_keys else str(exc)
 
     async def emit(
         self,
@@ -127,7 +133,7 @@ class Observer:
     ) -> None:
         event = IdempotencyEvent(
             event=kind,
-            idempotency_key=self._shown_key(key),
+            idempotency_key=self.shown_key(key),
             endpoint=endpoint,
             result=result.value,
             pod_id=self.pod_id,
@@ -150,6 +156,15 @@ class Observer:
     def processing_timeout(self, endpoint: str, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.observe_processing_timeout(endpoint, reason)
+
+
+def error_summary(exc: BaseException) -> str:
+    """An error's type and its cause's (a driver's error: a refused connection, a timeout),
+    without its own message, which may name a key."""
+    cause = exc.__cause__
+    if cause is None:
+        return type(exc).__name__
+    return f"{type(exc).__name__} ({type(cause).__name__}: {cause})"
 
 
 class StoreCallTracer:

@@ -92,8 +92,8 @@ def status(code: int, **headers: str) -> httpx.Response:
     return httpx.Response(code, headers=headers, json={"status": code})
 
 
-def replay(code: int) -> httpx.Response:
-    return httpx.Response(code, headers={"X-Idempotent-Replay": "true"}, json={"stored": code})
+def replay(code: int, header: str = "X-Idempotent-Replay") -> httpx.Response:
+    return httpx.Response(code, headers={header: "true"}, json={"stored": code})
 
 
 @dataclass
@@ -276,9 +276,10 @@ async def test_other_statuses_are_final(rig: Rig, code: int) -> None:
     assert script.attempts == 1
 
 
+@pytest.mark.parametrize("header", ["X-Idempotent-Replay", "Idempotent-Replayed"])
 @pytest.mark.parametrize("code", [201, 409, 500, 503])
-async def test_a_replay_is_final_whatever_its_status(rig: Rig, code: int) -> None:
-    script = Script(replay(code))
+async def test_a_replay_is_final_whatever_its_status(rig: Rig, code: int, header: str) -> None:
+    script = Script(replay(code, header))
     response = await rig.send(script, json={})
     assert response.status_code == code
     assert response.json() == {"stored": code}

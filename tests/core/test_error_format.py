@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency._protection import ResponseEncryption
 from starlette_idempotency._responses import ErrorFormat, IdempotencyProblem, Problem
 from starlette_idempotency.stores import IdempotencyRecord
 from starlette_idempotency.stores.base import AcquireResult
@@ -30,6 +31,7 @@ CODES = {
     Problem.ALREADY_PROCESSED: (409, "idempotency_key_already_processed"),
     Problem.MISMATCH: (422, "idempotency_key_reused"),
     Problem.STORE_UNAVAILABLE: (503, "idempotency_store_unavailable"),
+    Problem.RESPONSE_UNREADABLE: (503, "idempotency_response_unreadable"),
 }
 
 
@@ -63,7 +65,7 @@ class App:
     """Two guarded routes (``/pay`` can be held, ``/once`` answers replays with 409) and one
     request per problem."""
 
-    def __init__(self, error_format: ErrorFormat) -> None:
+    def __init__(self, error_format: ErrorFormat, **options: Any) -> None:
         self.entered, self.release = asyncio.Event(), asyncio.Event()
 
         @idempotent()
@@ -80,10 +82,16 @@ class App:
         app = Starlette(
             routes=[Route("/pay", pay, methods=["POST"]), Route("/once", once, methods=["POST"])]
         )
+        store = DownForOneKey()
         middleware = IdempotencyMiddleware(
-            app, store=DownForOneKey(), max_body_bytes=100, error_format=error_format
+            app, store=store, max_body_bytes=100, error_format=error_format, **options
         )
         self.client = make_client(middleware)
+        # Another deploy, which sealed its responses with a key this one does not have.
+        sealing = ResponseEncryption({"retired": ResponseEncryption.generate_key()})
+        self.sealing_client = make_client(
+            IdempotencyMiddleware(app, store=store, encryption=sealing)
+        )
 
     async def post(
         self, path: str = "/pay", key: str | None = "k", **kwargs: Any
@@ -103,6 +111,9 @@ class App:
         if problem is Problem.ALREADY_PROCESSED:
             await self.post("/once", json={})
             return await self.post("/once", json={})
+        if problem is Problem.RESPONSE_UNREADABLE:
+            await self.sealing_client.post("/pay", json={}, headers={"Idempotency-Key": "k"})
+            return await self.post(json={})
         if problem is Problem.MISMATCH:
             await self.post(json={"amount": 1})
             return await self.post(json={"amount": 2})
@@ -150,6 +161,40 @@ async def test_problem_format_carries_the_code(problem: Problem) -> None:
     body = checked_body(await App("problem").answer(problem), problem, "application/problem+json")
     assert list(body) == ["type", "title", "status", "detail", "code"]
     assert (body["status"], body["code"]) == (problem.status, problem.code)
+
+
+# The type URI of each problem below problem_type: clients and gateways route on these.
+TYPE_SEGMENTS = {
+    Problem.MISSING_KEY: "key-missing",
+    Problem.INVALID_KEY: "key-invalid",
+    Problem.INVALID_REQUEST: "request-malformed",
+    Problem.BODY_TOO_LARGE: "request-body-too-large",
+    Problem.IN_PROGRESS: "key-in-use",
+    Problem.ALREADY_PROCESSED: "key-already-processed",
+    Problem.MISMATCH: "key-reused",
+    Problem.STORE_UNAVAILABLE: "store-unavailable",
+    Problem.RESPONSE_UNREADABLE: "response-unreadable",
+}
+
+
+@PROBLEMS
+@pytest.mark.parametrize(
+    "base",
+    ["https://errors.example.com/idempotency", "https://errors.example.com/idempotency/"],
+    ids=["base", "trailing-slash"],
+)
+async def test_each_problem_has_its_own_type_below_problem_type(
+    problem: Problem, base: str
+) -> None:
+    app = App("problem", problem_type=base)
+    body = checked_body(await app.answer(problem), problem, "application/problem+json")
+    assert body["type"] == f"https://errors.example.com/idempotency/{TYPE_SEGMENTS[problem]}"
+
+
+@PROBLEMS
+async def test_about_blank_stays_the_type_of_every_problem(problem: Problem) -> None:
+    body = checked_body(await App("problem").answer(problem), problem, "application/problem+json")
+    assert body["type"] == "about:blank"
 
 
 @PROBLEMS

@@ -339,7 +339,7 @@ async def test_problem_details_format(kind: str) -> None:
     missing = await harness.client.post("/payments", json=PAYMENT)
     assert missing.headers["content-type"] == "application/problem+json"
     assert missing.json() == {
-        "type": "https://e.x/idem",
+        "type": "https://e.x/idem/key-missing",
         "title": "Idempotency-Key is missing",
         "status": 400,
         "detail": "Idempotency-Key header is required",

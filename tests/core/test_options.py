@@ -118,6 +118,8 @@ def test_wrong_option_values_name_the_option_and_what_it_accepts(
         ({"header_name": 5}, "header_name must be an HTTP header name such as"),
         ({"header_name": ""}, "header_name must be an HTTP header name such as"),
         ({"header_name": "Idempotency Key"}, "header_name must be an HTTP header name such as"),
+        ({"replay_header_name": "Idempotent Replayed"}, "replay_header_name must be an HTTP"),
+        ({"replay_header_name": None}, "replay_header_name must be an HTTP header name such as"),
         ({"methods": "POST"}, "methods must be a list of HTTP methods such as ['POST', 'PATCH']"),
         ({"methods": ["POST", ""]}, "methods must be a list of HTTP methods such as"),
         ({"problem_type": 3}, "problem_type must be a URI string, not 3"),

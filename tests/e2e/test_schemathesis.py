@@ -6,7 +6,9 @@ type, and a body and headers that match the documented schema. The demo runs in-
 (schemathesis's ASGI client runs its lifespan) on this run's PostgreSQL database, with
 ``PostgresStore`` as the idempotency store and the demo delay capped at a few milliseconds.
 
-Two phases: every call with a fresh ``Idempotency-Key``; then keys reused, so that calls meet
+Two phases: every call with the ``Idempotency-Key`` schemathesis draws from the header's own
+schema (which says exactly what the middleware accepts, so no drawn key may be refused with a
+400); then keys reused, so that calls meet
 the middleware's replays (the same request again) and its 422 (a key reused with another
 request). Examples are derandomized and bounded (:data:`EXAMPLES` per operation and phase), so
 a run is repeatable and short. The last tests pin what schemathesis found in the demo.
@@ -87,9 +89,10 @@ def demo(postgres_dsn: str) -> Iterator[OpenApiSchema]:
         shutdown_lifespans()
 
 
-def call(case: Example, key: str) -> Response:
-    """Send ``case`` with ``key`` and check the response; returns the response."""
-    response = case.call(headers={KEY: key}, timeout=10)
+def call(case: Example, key: str | None) -> Response:
+    """Send ``case`` with ``key`` (``None``: the key schemathesis drew, if any) and check the
+    response; returns the response."""
+    response = case.call(headers=None if key is None else {KEY: key}, timeout=10)
     case.validate_response(response, checks=CHECKS)
     return response
 
@@ -116,12 +119,23 @@ def _examples_of(
     return run
 
 
-def test_the_demo_answers_as_documented_with_a_fresh_key_per_call(demo: OpenApiSchema) -> None:
+def test_the_demo_answers_as_documented_with_the_keys_its_schema_allows(
+    demo: OpenApiSchema,
+) -> None:
+    drawn: set[str] = set()
+
     def test(operation: Operation, case: Example) -> None:
-        response = call(case, str(uuid.uuid4()))
-        assert not refused_key(operation, response)
+        headers: dict[str, Any] = dict(case.headers or {})
+        key = headers.get(KEY)
+        if key is not None:
+            drawn.add(key)
+        response = call(case, None)
+        assert not refused_key(operation, response), (key, response.text)
 
     for_each_operation(demo, test)
+    # the draws reached the corners of the grammar: quoted strings, and the longest keys
+    assert any(key.startswith('"') for key in drawn)
+    assert any(key.startswith('"') and "\\" in key for key in drawn)
 
 
 def test_the_demo_answers_as_documented_when_keys_are_reused(demo: OpenApiSchema) -> None:

@@ -18,6 +18,7 @@ timeout, connection error, dropped reply     yes         same key (the handler m
 ``Retry-After`` above ``max_retry_after``    no          final: returned at once
 a wait that would end after ``deadline``     no          final: returned (or raised) at once
 ``X-Idempotent-Replay: true`` (any status)   no          final: the stored answer
+``Idempotent-Replayed: true`` (Stripe's)     no          final: the stored answer
 409 without a readable ``Retry-After``       no          final
 400, 401, 403, 422                           never       fix the request, then use a new key
 any other status                             no          final

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from starlette_idempotency._types import REPLAY_HEADER
+from starlette_idempotency._types import REPLAY_HEADER, STRIPE_REPLAY_HEADER
 from starlette_idempotency.errors import ConfigurationError
 
 try:
@@ -135,7 +135,10 @@ class RetryPolicy:
         ``max_retry_after``. Ignores ``max_attempts`` and ``deadline``; see :meth:`next_delay`.
         ``now`` is epoch seconds, for a ``Retry-After`` HTTP-date.
         """
-        if response.headers.get(REPLAY_HEADER, "").strip().lower() == "true":
+        if any(
+            response.headers.get(name, "").strip().lower() == "true"
+            for name in (REPLAY_HEADER, STRIPE_REPLAY_HEADER)
+        ):
             return None  # the stored answer, whatever its status
         if response.status_code not in self.retry_statuses:
             return None
