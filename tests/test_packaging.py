@@ -48,6 +48,14 @@ def test_the_sdist_carries_the_license_and_no_tests_or_results(dist: Path) -> No
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     assert {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml"} <= names
     assert "src/starlette_idempotency/py.typed" in names
+    # The operator's kit: the Grafana dashboard, the alerting rules and their promtool tests.
+    monitoring = {path.relative_to(ROOT).as_posix() for path in (ROOT / "monitoring").iterdir()}
+    assert monitoring == {
+        "monitoring/grafana-dashboard.json",
+        "monitoring/prometheus-alerts.yml",
+        "monitoring/prometheus-alerts.test.yml",
+    }
+    assert monitoring <= names
     assert not [n for n in names if n.startswith(("tests/", "bench/", "examples/", ".ci/"))]
 
 

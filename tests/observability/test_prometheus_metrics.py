@@ -31,6 +31,7 @@ from starlette_idempotency.observability import (
     OutcomeResult,
 )
 from tests.support.conditions import eventually
+from tests.support.prometheus import ALERTS, DASHBOARD
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "starlette_idempotency"
 GUARDED = ("PATCH /members/{member_id}", "POST /payments")
@@ -209,3 +210,17 @@ async def test_a_failing_declare_is_logged_and_never_stops_the_app(
     async with running(payments_app(FailingDeclareSink())) as client:
         assert (await client.get("/healthz")).status_code == 200
     assert any("declare() failed" in record.getMessage() for record in caplog.records)
+
+
+def test_every_metric_the_dashboard_and_the_alerts_read_exists_at_startup() -> None:
+    """What monitoring/ reads is what an app that has only started already exports."""
+    names = set(re.findall(r"\bidempotency_\w+", ALERTS.read_text() + DASHBOARD.read_text()))
+    assert names
+    registry = CollectorRegistry()
+
+    async def started() -> set[str]:
+        async with running(payments_app(PrometheusMetrics(registry=registry))):
+            return {name for name, _ in series(registry)}
+
+    exported = asyncio.run(started())
+    assert names <= exported, names - exported
