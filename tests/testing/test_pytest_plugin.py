@@ -211,6 +211,7 @@ services.docker_engine_answers = lambda: True
 """
 
 
+@pytest.mark.services  # it starts a redis-server and a PostgreSQL of its own
 def test_without_urls_or_docker_local_servers_are_started_and_stopped(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
