@@ -218,7 +218,7 @@ def test_without_urls_or_docker_local_servers_are_started_and_stopped(
     """testcontainers is installed here (the test dependencies carry it) and, where no Docker
     engine answers, its probe is the real one: the fallback to local servers, with warnings as
     errors (a probe that leaked a socket would fail the run)."""
-    assert services.module_installed(services.REDIS_CONTAINERS[0])
+    assert services.machine_probes(services.REDIS_CONTAINERS).testcontainers_installed()
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("DATABASE_URL", raising=False)
     conftest = NO_DOCKER if services.docker_engine_answers() else ""
