@@ -24,6 +24,68 @@ pytest_plugins = [
     "starlette_idempotency.testing.pytest_plugin",
 ]
 
+#: Fixtures that reach a server process (Redis, PostgreSQL, the demo's pods and nginx).
+SERVER_FIXTURES = frozenset(
+    {
+        "redis_url",
+        "postgres_admin_dsn",
+        "private_redis",
+        "private_postgres",
+        "redis_cluster",
+        "clusters",
+    }
+)
+#: Modules whose names, imported by a test module, start servers: Redis, PostgreSQL,
+#: uvicorn, nginx, Prometheus, or the command line against a database.
+SERVER_MODULES = frozenset(
+    {
+        "examples.payments.cluster",
+        "starlette_idempotency.testing._postgres_server",
+        "starlette_idempotency.testing._redis_server",
+        "tests.support.cli",
+        "tests.support.live_server",
+        "tests.support.prometheus",
+        "tests.support.uvicorn",
+    }
+)
+
+
+#: Markers of tests that need a server (the store parameters carry them).
+SERVER_MARKERS = ("redis", "postgres", "cluster", "e2e")
+#: The plugin's fixtures on a server, as tests name them to ``request.getfixturevalue``.
+SERVER_BACKED = SERVER_FIXTURES | {
+    "redis_store",
+    "redis_key_prefix",
+    "postgres_store",
+    "postgres_dsn",
+}
+
+
+def _starts_servers(item: pytest.Item) -> bool:
+    if any(item.get_closest_marker(name) for name in SERVER_MARKERS):
+        return True
+    if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and SERVER_BACKED.intersection(
+        value for value in callspec.params.values() if isinstance(value, str)
+    ):
+        return True
+    module = getattr(item, "module", None)
+    if module is None:
+        return False
+    return any(
+        getattr(value, "__module__", None) in SERVER_MODULES for value in vars(module).values()
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``services`` every test that needs a server process, so that ``task test:unit``
+    (``-m "not services and not slow"``) runs the rest in seconds."""
+    for item in items:
+        if _starts_servers(item):
+            item.add_marker(pytest.mark.services)
+
 
 @pytest.fixture
 def private_redis() -> Iterator[RedisServer]:

@@ -48,6 +48,14 @@ def test_the_sdist_carries_the_license_and_no_tests_or_results(dist: Path) -> No
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     assert {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml"} <= names
     assert "src/starlette_idempotency/py.typed" in names
+    # The operator's kit: the Grafana dashboard, the alerting rules and their promtool tests.
+    monitoring = {path.relative_to(ROOT).as_posix() for path in (ROOT / "monitoring").iterdir()}
+    assert monitoring == {
+        "monitoring/grafana-dashboard.json",
+        "monitoring/prometheus-alerts.yml",
+        "monitoring/prometheus-alerts.test.yml",
+    }
+    assert monitoring <= names
     assert not [n for n in names if n.startswith(("tests/", "bench/", "examples/", ".ci/"))]
 
 
@@ -81,3 +89,19 @@ def test_the_wheel_installs_and_every_public_name_imports(dist: Path, tmp_path: 
         [str(python), "-c", script], check=True, capture_output=True, text=True, cwd=tmp_path
     )
     assert result.stdout.strip() == starlette_idempotency.__version__
+
+
+def test_the_classifiers_list_the_pythons_ci_runs() -> None:
+    """The main run's Python (requires-python's floor) and .ci/other-pythons' versions."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = {
+        classifier.rsplit(" :: ", 1)[1]
+        for classifier in project["classifiers"]
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", classifier)
+    }
+    (floor,) = re.findall(r">=(3\.\d+)", project["requires-python"])
+    (others,) = re.findall(r"PYTHONS:-([\d. ]+)\}", (ROOT / ".ci" / "other-pythons").read_text())
+    assert listed == {floor, *others.split()}

@@ -13,9 +13,11 @@ code as "pod-a" and "pod-b"::
     DEMO_MAX_DELAY_MS           the longest demo delay a request may ask for (default 60000)
 
 Run it with ``uvicorn --factory examples.payments.app:create_app``. The tables are created at
-startup. A request header ``X-Demo-Delay-Ms`` makes ``POST /payments`` sleep before it writes
-to the ledger, so concurrent retries and crashes can be shown by hand; it is not part of the
-request fingerprint (only headers named in ``fingerprint_headers`` are).
+startup. ``GET /metrics/`` serves the middleware's Prometheus metrics (monitoring/ has the
+dashboard and the alerts that read them). A request header ``X-Demo-Delay-Ms`` makes
+``POST /payments`` sleep before it writes to the ledger, so concurrent retries and crashes can
+be shown by hand; it is not part of the request fingerprint (only headers named in
+``fingerprint_headers`` are).
 
 ``POST /charges`` is the same payment through a (fake) payment provider, with recovery
 points: ``X-Demo-Delay-After-Provider-Ms`` makes it sleep after the provider charged and before
@@ -40,6 +42,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, make_asgi_app
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 from starlette.datastructures import MutableHeaders
@@ -51,6 +54,8 @@ from starlette_idempotency import (
     IdempotencyMiddleware,
     IdempotencyStore,
     KeyScope,
+    MetricsSink,
+    PrometheusMetrics,
     checkpoint,
     idempotency_context,
     idempotent,
@@ -266,12 +271,19 @@ class LateIdempotencyMiddleware:
     again when a new lifespan opened another store (a test client that restarts the app)."""
 
     def __init__(
-        self, app: ASGIApp, *, slot: StoreSlot, pod_id: str, key_scope: KeyScope | None = None
+        self,
+        app: ASGIApp,
+        *,
+        slot: StoreSlot,
+        pod_id: str,
+        key_scope: KeyScope | None = None,
+        metrics: MetricsSink | None = None,
     ) -> None:
         self.app = app
         self.slot = slot
         self.pod_id = pod_id
         self.key_scope = key_scope
+        self.metrics = metrics
         self._inner: IdempotencyMiddleware | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -283,7 +295,11 @@ class LateIdempotencyMiddleware:
             raise RuntimeError("the idempotency store is not open: did the lifespan run?")
         if self._inner is None or self._inner.store is not store:
             self._inner = IdempotencyMiddleware(
-                self.app, store=store, pod_id=self.pod_id, key_scope=self.key_scope
+                self.app,
+                store=store,
+                pod_id=self.pod_id,
+                key_scope=self.key_scope,
+                metrics=self.metrics,
             )
         await self._inner(scope, receive, send)
 
@@ -540,5 +556,14 @@ def build_api(settings: Settings) -> FastAPI:
         )
         return [_order(row) for row in rows]
 
-    app.add_middleware(LateIdempotencyMiddleware, slot=slot, pod_id=pod, key_scope=_key_scope)
+    # A registry per app: tests build several apps in one process.
+    registry = CollectorRegistry()
+    app.mount("/metrics", make_asgi_app(registry=registry))
+    app.add_middleware(
+        LateIdempotencyMiddleware,
+        slot=slot,
+        pod_id=pod,
+        key_scope=_key_scope,
+        metrics=PrometheusMetrics(registry=registry),
+    )
     return app

@@ -30,6 +30,17 @@ from starlette_idempotency.stores.base import (
 _T = TypeVar("_T")
 
 
+#: The operations store calls are timed and traced as (``finish`` as the outcome it writes).
+OBSERVED_OPERATIONS = (
+    "try_acquire",
+    *FINISH_SPELLINGS.values(),
+    "save_progress",
+    "release",
+    "renew",
+    "get",
+)
+
+
 class BoundedStore:
     """The store's primitives, each bounded to ``timeout`` seconds, timed and traced."""
 

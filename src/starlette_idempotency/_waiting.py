@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette_idempotency._record import IdempotencyRecord, RecordStatus
 from starlette_idempotency._store_calls import BoundedStore
@@ -98,9 +98,15 @@ class KeyWatch:
 class Waiters:
     """The waiting duplicates of one middleware instance, at most ``max_waiters`` at once."""
 
-    def __init__(self, store: BoundedStore, max_waiters: int) -> None:
+    def __init__(
+        self,
+        store: BoundedStore,
+        max_waiters: int,
+        observe: Callable[[int], None] = lambda delta: None,
+    ) -> None:
         self._store = store
         self._max_waiters = max_waiters
+        self._observe = observe
         self._count = 0
         self._watches: dict[str, KeyWatch] = {}
 
@@ -119,11 +125,13 @@ class Waiters:
         if watch is None:
             watch = self._watches[key] = KeyWatch(key, self._store)
         self._count += 1
+        self._observe(1)
         watch.users += 1
         try:
             yield watch
         finally:
             self._count -= 1
+            self._observe(-1)
             watch.users -= 1
             if watch.users == 0:
                 watch.close()

@@ -1,10 +1,12 @@
 """``starlette-idempotency``: the store chores that run outside the app.
 
-``migrate`` creates the PostgreSQL table and its index (at deploy time; safe to repeat),
+``migrate`` creates the PostgreSQL table and its index (at deploy time; safe to repeat; with
+``--sql`` it prints the DDL instead, for a migration tool and without connecting),
 ``purge`` deletes expired rows (from cron; expired rows are already ignored, this only frees
 space) and ``doctor`` runs the store check the middleware runs at startup, from a shell::
 
     starlette-idempotency migrate --dsn postgresql://app@db/app
+    starlette-idempotency migrate --sql --table billing.idempotency_keys > V7__idempotency.sql
     DATABASE_URL=postgresql://app@db/app starlette-idempotency purge --batch-size 5000
     starlette-idempotency doctor --redis redis://cache:6379/0
     starlette-idempotency doctor --dsn postgresql://app@db/app --strict
@@ -32,6 +34,7 @@ from starlette_idempotency.stores.postgres import (
     DEFAULT_OPERATION_TIMEOUT,
     DEFAULT_TABLE,
     PostgresStore,
+    schema_sql,
 )
 
 if TYPE_CHECKING:
@@ -79,8 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_OPERATION_TIMEOUT,
         help=f"seconds to wait for the connection and each statement ({DEFAULT_OPERATION_TIMEOUT})",
     )
-    commands.add_parser(
+    migrate = commands.add_parser(
         "migrate", parents=[common], help="create the table and its index if missing"
+    )
+    migrate.add_argument(
+        "--sql",
+        action="store_true",
+        help="print the DDL instead of running it (for Alembic, Flyway or a DBA's review); "
+        "connects to nothing",
     )
     purge = commands.add_parser("purge", parents=[common], help="delete expired rows")
     purge.add_argument(
@@ -132,6 +141,11 @@ async def _chore(args: argparse.Namespace) -> str:
                 raise
             raise _Failed(f"{store.describe()} does not exist: {_migrate_hint(args)}") from exc
         return f"purge: deleted {deleted} expired row(s) from {args.table}"
+
+
+def _ddl(table: str) -> str:
+    """``migrate --sql``: the statements ``migrate`` runs, under a line naming their source."""
+    return f"-- {PROG} {__version__}: migrate --table {table}\n{schema_sql(table)}"
 
 
 def _migrate_hint(args: argparse.Namespace) -> str:
@@ -200,6 +214,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("pass --redis or --dsn, not both")
     if doctor_redis and args.table != DEFAULT_TABLE:
         parser.error("--table is for a PostgreSQL store (--dsn)")
+    if args.command == "migrate" and args.sql:
+        if args.dsn:
+            parser.error("--sql prints the DDL without connecting: drop --dsn")
+        try:
+            print(_ddl(args.table), end="")
+        except ConfigurationError as exc:
+            parser.error(_one_line(exc))
+        return 0
     if not doctor_redis:
         args.dsn = args.dsn or os.environ.get("DATABASE_URL")
         if not args.dsn:

@@ -31,7 +31,7 @@ from starlette_idempotency._protection import ResponseEncryption, ResponseKeeper
 from starlette_idempotency._renewal import RENEWAL_RESOLUTION
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
-from starlette_idempotency._routing import RouteResolver, routes_for
+from starlette_idempotency._routing import RouteResolver, iter_routes, routes_for
 from starlette_idempotency._services import RequestLimits, RequestServices
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy, refuse_startup
@@ -283,7 +283,7 @@ class IdempotencyMiddleware:
             tracer=StoreCallTracer() if tracing else None,
         )
         #: The duplicates waiting for a first request (``on_in_progress="wait"``).
-        self.waiters = Waiters(bounded, max_waiters)
+        self.waiters = Waiters(bounded, max_waiters, self.observer.waiting)
         #: Where running handlers wait for their first lock renewal (one timer per loop).
         self.renewal_timers = PerLoop(RENEWAL_RESOLUTION)
         self._services = RequestServices(
@@ -352,6 +352,14 @@ class IdempotencyMiddleware:
         routes = routes_for(scope, self.app)
         if routes is not None:
             self._resolver.check(routes, self._methods)
+            # The guarded endpoints, as events name them: metrics can exist at zero from now.
+            endpoints = {
+                f"{method} {entry.template}"
+                for entry in iter_routes(routes)
+                if self._resolver.policy_for(entry.handler) is not None
+                for method in (entry.methods or self._methods) & self._methods
+            }
+            self.observer.declare(sorted(endpoints), self._services.store.name)
 
 
 class RefusedMiddleware(IdempotencyMiddleware):

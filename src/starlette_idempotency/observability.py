@@ -13,7 +13,7 @@ import hashlib
 import inspect
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
@@ -71,8 +71,24 @@ EventHook = Callable[[IdempotencyEvent], "Awaitable[None] | None"]
 """Receives every event; sync or async. Exceptions it raises are logged and ignored."""
 
 
+#: Why a lock ran out, as ``observe_processing_timeout`` is told.
+PROCESSING_TIMEOUT_REASONS = (
+    "lock_lost",
+    "renewal_found_gone",
+    "complete_found_gone",
+    "expired_lease_taken_over",
+)
+
+
 class MetricsSink(Protocol):
-    """Where counters and timings go (see :class:`~starlette_idempotency.PrometheusMetrics`)."""
+    """Where counters and timings go (see :class:`~starlette_idempotency.PrometheusMetrics`).
+
+    Two methods are optional, called when the sink has them: ``declare(endpoints, store)``
+    once the routes are known (at startup, or at the first request without a lifespan), with
+    every guarded ``"METHOD /template"`` and the store's name, so that counters can exist at
+    zero before anything happens; and ``observe_waiting(delta)`` when a duplicate starts
+    (``+1``) or stops (``-1``) waiting for the first request (``on_in_progress="wait"``).
+    """
 
     def observe_event(self, event: IdempotencyEvent) -> None:
         """Count a check or outcome event."""
@@ -99,6 +115,8 @@ class Observer:
         self._hash_keys = log_keys == "hashed"
         self._on_event = on_event
         self.metrics = metrics
+        self._declare = getattr(metrics, "declare", None)
+        self._observe_waiting = getattr(metrics, "observe_waiting", None)
 
     @property
     def wants_events(self) -> bool:
@@ -156,6 +174,19 @@ class Observer:
     def processing_timeout(self, endpoint: str, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.observe_processing_timeout(endpoint, reason)
+
+    def declare(self, endpoints: Iterable[str], store: str) -> None:
+        """Tell the metrics sink the guarded endpoints and the store, once they are known."""
+        if self._declare is not None:
+            try:
+                self._declare(list(endpoints), store)
+            except Exception:
+                logger.exception("the metrics sink's declare() failed; the app goes on")
+
+    def waiting(self, delta: int) -> None:
+        """One more (``+1``) or one fewer (``-1``) duplicate waiting for a first request."""
+        if self._observe_waiting is not None:
+            self._observe_waiting(delta)
 
 
 def error_summary(exc: BaseException) -> str:

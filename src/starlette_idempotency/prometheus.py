@@ -1,14 +1,23 @@
 """Prometheus metrics for the middleware (``pip install starlette-idempotency[prometheus]``).
 
 Pass your own ``registry`` when two apps share a process, so their metrics do not collide on
-the default one.
+the default one. Every series exists at zero from the app's startup (the middleware declares its
+guarded endpoints and its store then), so a rate reads 0 rather than "no data" and the first
+increase of a counter is seen by ``rate()`` and ``increase()``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from starlette_idempotency.observability import IdempotencyEvent
+from starlette_idempotency._store_calls import OBSERVED_OPERATIONS
+from starlette_idempotency.observability import (
+    PROCESSING_TIMEOUT_REASONS,
+    CheckResult,
+    IdempotencyEvent,
+    OutcomeResult,
+)
 
 try:
     import prometheus_client
@@ -27,6 +36,8 @@ class PrometheusMetrics:
     - ``idempotency_processing_timeout_total{endpoint,reason}``: locks that ran out.
     - ``idempotency_store_errors_total{store,operation}``: failed or timed-out store calls.
     - ``idempotency_store_latency_seconds{store,operation}``: store call latency.
+    - ``idempotency_waiting_requests``: duplicates waiting for a first request now
+      (``on_in_progress="wait"``).
     """
 
     def __init__(self, registry: Any = None, *, namespace: str = "") -> None:
@@ -69,6 +80,26 @@ class PrometheusMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             **common,
         )
+        self.waiting = prometheus_client.Gauge(
+            "idempotency_waiting_requests",
+            "Duplicates waiting for the first request to finish (on_in_progress='wait').",
+            **common,
+        )
+
+    def declare(self, endpoints: Iterable[str], store: str) -> None:
+        """Create every series of ``endpoints`` and ``store`` at zero (the middleware calls it
+        once it knows its routes: at startup, or at the first request without a lifespan)."""
+        for endpoint in endpoints:
+            for check in CheckResult:
+                self.requests.labels(endpoint, check.value)
+            for outcome in OutcomeResult:
+                self.outcomes.labels(endpoint, outcome.value)
+            self.conflicts.labels(endpoint)
+            for reason in PROCESSING_TIMEOUT_REASONS:
+                self.processing_timeouts.labels(endpoint, reason)
+        for operation in OBSERVED_OPERATIONS:
+            self.store_latency.labels(store, operation)
+            self.store_errors.labels(store, operation)
 
     def observe_event(self, event: IdempotencyEvent) -> None:
         if event.event == "idempotency_check":
@@ -85,3 +116,6 @@ class PrometheusMetrics:
 
     def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
         self.processing_timeouts.labels(endpoint, reason).inc()
+
+    def observe_waiting(self, delta: int) -> None:
+        self.waiting.inc(delta)

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 
 from starlette_idempotency import IdempotencyStore, MemoryStore
 from starlette_idempotency.testing import Executions, FakeClock, FaultyStore
@@ -42,7 +43,7 @@ def store(request: pytest.FixtureRequest) -> FaultyStore:
     return FaultyStore(request.getfixturevalue(request.param))
 
 
-@pytest.fixture
+@pytest_asyncio.fixture
 async def client(store: FaultyStore, executions: Executions) -> AsyncIterator[httpx.AsyncClient]:
     # A stalled store turns into a 503 after store_timeout_seconds (1 s by default). Keep it
     # well above a first connection to a busy server, or a slow connect is a 503 too.
@@ -50,6 +51,7 @@ async def client(store: FaultyStore, executions: Executions) -> AsyncIterator[ht
         yield client
 
 
+@pytest.mark.asyncio
 async def test_a_retry_gets_the_first_answer(
     client: httpx.AsyncClient, executions: Executions
 ) -> None:
@@ -62,6 +64,7 @@ async def test_a_retry_gets_the_first_answer(
     executions.assert_ran_once("order-1")
 
 
+@pytest.mark.asyncio
 async def test_concurrent_duplicates_charge_once(
     client: httpx.AsyncClient, executions: Executions
 ) -> None:
@@ -72,6 +75,7 @@ async def test_concurrent_duplicates_charge_once(
     executions.assert_ran_once("order-2")
 
 
+@pytest.mark.asyncio
 async def test_a_store_outage_answers_503_and_charges_nothing(
     client: httpx.AsyncClient, store: FaultyStore, executions: Executions
 ) -> None:
@@ -87,6 +91,7 @@ async def test_a_store_outage_answers_503_and_charges_nothing(
     executions.assert_ran_once("order-3")
 
 
+@pytest.mark.asyncio
 async def test_a_stalled_store_answers_503(
     client: httpx.AsyncClient, store: FaultyStore, executions: Executions
 ) -> None:
@@ -99,6 +104,7 @@ async def test_a_stalled_store_answers_503(
     executions.assert_ran_times("order-4", 0)
 
 
+@pytest.mark.asyncio
 async def test_a_key_is_reusable_once_its_record_expired(executions: Executions) -> None:
     clock = FakeClock()  # the memory store and the middleware share it: no waiting a day
     store = MemoryStore(clock=clock)

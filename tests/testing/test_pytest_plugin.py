@@ -73,18 +73,34 @@ async def test_postgres(postgres_admin_dsn, postgres_dsn, postgres_table, postgr
 """
 
 
+def run_project(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str
+) -> pytest.RunResult:
+    """Run pytest on ``pytester``'s project in a process of its own, with the plugins a user's
+    project has (loading every plugin installed here takes seconds), in pytest-asyncio's
+    default strict mode."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    return pytester.runpytest_subprocess(
+        "-p",
+        "pytest_asyncio.plugin",
+        "-p",
+        "no:cacheprovider",
+        # what pytest-asyncio asks every project to set (it warns otherwise)
+        "-o",
+        "asyncio_default_fixture_loop_scope=function",
+        *args,
+        timeout=180,
+    )
+
+
 def run_user_project(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, conftest: str = ""
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, conftest: str = "", *args: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run ``USER_TESTS`` in a pytest process of its own, with the plugin loaded from the
     project's conftest (plus ``conftest``); return what the Redis and the PostgreSQL test saw."""
     pytester.makeconftest(f"pytest_plugins = [{PLUGIN!r}]\n{conftest}")
     pytester.makepyfile(test_user=USER_TESTS)
-    # Only the plugins a user's project has: loading every plugin installed here takes seconds.
-    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-    result = pytester.runpytest_subprocess(
-        "-p", "pytest_asyncio.plugin", "-p", "no:cacheprovider", timeout=120
-    )
+    result = run_project(pytester, monkeypatch, *args)
     result.assert_outcomes(passed=2)
     redis, postgres = (
         json.loads(Path(pytester.path, f"{name}.json").read_text())
@@ -195,13 +211,19 @@ services.docker_engine_answers = lambda: True
 """
 
 
+@pytest.mark.services  # it starts a redis-server and a PostgreSQL of its own
 def test_without_urls_or_docker_local_servers_are_started_and_stopped(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """testcontainers is installed here (the test dependencies carry it) and, where no Docker
+    engine answers, its probe is the real one: the fallback to local servers, with warnings as
+    errors (a probe that leaked a socket would fail the run)."""
+    assert services.machine_probes(services.REDIS_CONTAINERS).testcontainers_installed()
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("DATABASE_URL", raising=False)
+    conftest = NO_DOCKER if services.docker_engine_answers() else ""
 
-    redis, postgres = run_user_project(pytester, monkeypatch, NO_DOCKER)
+    redis, postgres = run_user_project(pytester, monkeypatch, conftest, "-W", "error")
 
     assert redis["env"] is None
     assert postgres["env"] is None
@@ -236,3 +258,69 @@ def test_with_testcontainers_and_docker_containers_are_started_and_stopped(
     )
     assert asyncio.run(keys_under(redis_url, redis["prefix"])) == []
     assert not database_exists(postgres_admin_dsn, postgres["dsn"])
+
+
+#: A user's conftest on a machine without the drivers: their modules cannot be imported.
+WITHOUT_DRIVERS = f"""
+import sys
+
+sys.modules["asyncpg"] = None
+sys.modules["redis"] = None
+
+pytest_plugins = [{PLUGIN!r}]
+"""
+
+
+def test_without_the_extras_the_fixtures_name_them(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_url: str,
+    postgres_admin_dsn: str,
+) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("DATABASE_URL", postgres_admin_dsn)
+    pytester.makeconftest(WITHOUT_DRIVERS)
+    pytester.makepyfile(
+        test_user="""
+        import pytest
+
+        @pytest.mark.asyncio
+        async def test_redis(redis_store):
+            pass
+
+        @pytest.mark.asyncio
+        async def test_postgres(postgres_store):
+            pass
+        """
+    )
+    result = run_project(pytester, monkeypatch)
+    result.assert_outcomes(errors=2)
+    output = result.stdout.str()
+    for extra, module in (("redis", "redis"), ("postgres", "asyncpg")):
+        assert (
+            f"the {extra} fixtures of starlette_idempotency.testing need {module}: "
+            f"pip install 'starlette-idempotency[{extra}]'"
+        ) in output
+    result.stdout.no_fnmatch_line("*No module named*")
+
+
+def test_the_guides_example_passes_in_strict_mode(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_url: str,
+    postgres_admin_dsn: str,
+) -> None:
+    """docs/how-to/testing.md's example, copied into a project of its own as the guide lays it
+    out, run in pytest-asyncio's strict mode (its default) with warnings as errors."""
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("DATABASE_URL", postgres_admin_dsn)
+    pytester.makeconftest(f"pytest_plugins = [{PLUGIN!r}]")
+    here = Path(__file__).parent
+    package = pytester.mkpydir("tests").joinpath("testing")
+    package.mkdir()
+    package.joinpath("__init__.py").write_text("")
+    for name in ("guide_app.py", "test_guide.py"):
+        package.joinpath(name).write_text(here.joinpath(name).read_text())
+
+    result = run_project(pytester, monkeypatch, "-o", "asyncio_mode=strict", "-W", "error")
+    result.assert_outcomes(passed=9)  # four tests on each of the two stores, and one on memory

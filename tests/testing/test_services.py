@@ -195,8 +195,11 @@ def install_containers(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
 def containers(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> list[FakeContainer]:
-    """The containers made, with testcontainers' modules where 4.15+ has them or before."""
+    """The containers made, with testcontainers' modules where 4.15+ has them or before (the
+    newer layout, which testcontainers installed here has, hidden for the older one)."""
     FakeContainer.made = []
+    for name in (*services.REDIS_CONTAINERS, *services.POSTGRES_CONTAINERS):
+        monkeypatch.setitem(sys.modules, name, None)
     install_containers(monkeypatch, request.param)
     return FakeContainer.made
 

@@ -149,6 +149,13 @@ def _quote_table(table: str) -> tuple[str, str]:
     return quoted, f'"{stem}_expires_at_idx"'
 
 
+def schema_sql(table: str = DEFAULT_TABLE) -> str:
+    """The DDL :meth:`PostgresStore.create_schema` runs for ``table`` (what ``starlette-idempotency
+    migrate --sql`` prints, for a migration tool): every statement ``IF NOT EXISTS``."""
+    quoted, index = _quote_table(table)
+    return _sql_file("schema.sql").replace("{table}", quoted).replace("{index}", index)
+
+
 @cache
 def _sql_file(name: str) -> str:
     return (
@@ -308,16 +315,14 @@ class PostgresStore(StoreBase):
         self._pool = pool
         self._owned_pool: Any = None
         self._table_name = table
-        self._table, index = _quote_table(table)
+        self._table, _ = _quote_table(table)
         self._location = _pool_location(pool)
         self._prefix = f"{key_prefix}:"
         self._timeout = operation_timeout
         self._sql = {
             name: query.replace("{table}", self._table) for name, query in _named_queries().items()
         }
-        self._schema = (
-            _sql_file("schema.sql").replace("{table}", self._table).replace("{index}", index)
-        )
+        self._schema = schema_sql(table)
 
     @classmethod
     async def connect(

@@ -10,8 +10,9 @@ it is installed and a Docker engine answers, else from a throwaway local server 
 else on it (see :mod:`.isolation`): a Redis key prefix per test, whose keys are deleted after
 the test, and a PostgreSQL database per run, dropped at its end, with a table per test.
 
-The Redis fixtures need the ``redis`` extra and the PostgreSQL ones the ``postgres`` extra; a
-test that uses neither needs neither. The async fixtures are pytest-asyncio's, so they work in
+The Redis fixtures need the ``redis`` extra and the PostgreSQL ones the ``postgres`` extra (a
+test that asks for one without it fails, naming the extra); a test that uses neither needs
+neither. The async fixtures are pytest-asyncio's, so they work in
 its strict mode as in its auto mode.
 """
 
@@ -31,6 +32,7 @@ from starlette_idempotency.testing._services import (
     REDIS_ENV,
     choose_source,
     machine_probes,
+    module_installed,
     postgres_service,
     redis_service,
 )
@@ -38,6 +40,16 @@ from starlette_idempotency.testing._services import (
 if TYPE_CHECKING:
     from starlette_idempotency.stores.postgres import PostgresStore
     from starlette_idempotency.stores.redis import RedisStore
+
+
+def _require_extra(module: str, extra: str) -> None:
+    """Fail the test, naming the extra to install, when ``module`` cannot be imported."""
+    if not module_installed(module):
+        pytest.fail(
+            f"the {extra} fixtures of starlette_idempotency.testing need {module}: "
+            f"pip install 'starlette-idempotency[{extra}]'",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +62,7 @@ def redis_url() -> Iterator[str]:
 @pytest_asyncio.fixture
 async def redis_key_prefix(redis_url: str) -> AsyncIterator[str]:
     """A key prefix of the test's own on the shared Redis; its keys are deleted after it."""
+    _require_extra("redis", "redis")
     prefix = isolation.unique_prefix()
     yield prefix
     await isolation.delete_prefixed_at(redis_url, prefix)
@@ -78,6 +91,7 @@ def postgres_admin_dsn() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def postgres_dsn(postgres_admin_dsn: str) -> Iterator[str]:
     """A DSN of a database that exists for this test run only."""
+    _require_extra("asyncpg", "postgres")
     with isolation.run_database(postgres_admin_dsn) as dsn:
         yield dsn
 

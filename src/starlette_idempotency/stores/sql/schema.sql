@@ -1,6 +1,7 @@
 -- The PostgresStore table, created by PostgresStore.create_schema() and `starlette-idempotency
--- migrate`. Safe to run again: every statement is IF NOT EXISTS. "{table}" and "{index}" are
--- replaced by the validated, quoted table and index names.
+-- migrate`, and printed for migration tools by `starlette-idempotency migrate --sql`. Safe to
+-- run again: every statement is IF NOT EXISTS. The table and index names are validated and
+-- quoted when they are filled in.
 --
 -- key                   storage key ("<prefix>:<middleware key>"), the only uniqueness that matters
 -- idempotency_key       the client's Idempotency-Key, kept for inspection
