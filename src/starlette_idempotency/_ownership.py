@@ -25,7 +25,12 @@ from starlette_idempotency._responses import stored_response
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._types import ASGIApp, Clock, Receive, Scope, Send
-from starlette_idempotency.errors import ConfigurationError, LockLostError, StoreError
+from starlette_idempotency.errors import (
+    ConfigurationError,
+    IdempotencyError,
+    LockLostError,
+    StoreError,
+)
 from starlette_idempotency.observability import OutcomeResult
 from starlette_idempotency.stores.base import FencedWrite
 
@@ -45,6 +50,7 @@ class OwnedKey:
 
     __slots__ = (
         "_clock",
+        "_decided",
         "_events",
         "_marks",
         "_route",
@@ -70,9 +76,12 @@ class OwnedKey:
         self._route = route
         self._store_key = store_key
         self._marks = RequestMarks()
-        #: The record as this request last wrote it (its checkpoints, lease and owner token).
+        #: The record as this request last wrote it (its checkpoints and owner token; its
+        #: lease is the store's to keep).
         self.record = record
         self.renewal: LockRenewal | None = None
+        # Set once the outcome is being stored or the key freed: no recovery point after it.
+        self._decided = False
 
     async def run(
         self,
@@ -122,38 +131,38 @@ class OwnedKey:
                 f"{type(self._store.store).__name__} cannot keep recovery points: use "
                 "RedisStore, PostgresStore or MemoryStore"
             )
+        if self._decided:
+            raise IdempotencyError(
+                f"checkpoint({name!r}) came after the outcome of idempotency key "
+                f"{self.record.key!r} was decided (the response started, or the key was "
+                "freed): a recovery point can only be saved while the handler runs, before its "
+                "response (not from a background task that runs after it)"
+            )
         policy = self._route.policy
         now = self._clock()
         record = replace(
             self.record,
             checkpoints=(*self.record.checkpoints, Checkpoint(name, data, now)),
-            locked_until=now + policy.lock_ttl_seconds,
             expires_at=now + policy.ttl_seconds,
         )
-        await self._save_progress(record)
+        await self._save_progress(record, policy.lock_ttl_seconds)
 
-    async def _save_progress(self, record: IdempotencyRecord) -> None:
+    async def _save_progress(self, record: IdempotencyRecord, lease: float) -> None:
         saved = await self._store.save_progress(
-            self._store_key, record, self._route.policy.ttl_seconds
+            self._store_key, record, self._route.policy.ttl_seconds, lease
         )
         if not saved:
             raise LockLostError(f"the lock for idempotency key {record.key!r} was taken over")
         self.record = record
 
     async def renew(self) -> bool:
-        """Extend the lock, taking the key back if it vanished; false once another request
-        holds it (then there is nothing left to renew)."""
-        lock_ttl = self._route.policy.lock_ttl_seconds
-        if not self.record.checkpoints:
-            renewed = await self._store.renew(self._store_key, self.record.owner_token, lock_ttl)
-        else:
-            # A checkpointed record keeps its lease inside its value.
-            lease = self._clock() + lock_ttl
-            try:
-                await self._save_progress(replace(self.record, locked_until=lease))
-                renewed = True
-            except LockLostError:
-                renewed = False
+        """Extend the lock (for a record with recovery points, its lease), taking the key back
+        if it vanished; false once another request holds it (then there is nothing left to
+        renew)."""
+        policy = self._route.policy
+        renewed = await self._store.renew(
+            self._store_key, self.record, policy.lock_ttl_seconds, policy.ttl_seconds
+        )
         return renewed or await self._reclaim()
 
     async def _reclaim(self) -> bool:
@@ -166,10 +175,8 @@ class OwnedKey:
         policy = self._route.policy
         lock_ttl = policy.lock_ttl_seconds
         now = self._clock()
-        if self.record.checkpoints:
-            record = replace(self.record, locked_until=now + lock_ttl)
-        else:
-            record = replace(self.record, expires_at=now + lock_ttl)
+        # Held by the acquire's lock TTL, with no lease of its own until it is saved again.
+        record = replace(self.record, locked_until=None, expires_at=now + lock_ttl)
         result = await self._store.try_acquire(self._store_key, record, lock_ttl, recover=False)
         if not result.acquired:
             logger.warning(
@@ -181,7 +188,9 @@ class OwnedKey:
             return False
         self.record = record
         if record.checkpoints:  # back to the retention time that keeps recovery points
-            await self._save_progress(replace(record, expires_at=now + policy.ttl_seconds))
+            await self._save_progress(
+                replace(record, expires_at=now + policy.ttl_seconds), lock_ttl
+            )
         logger.warning(
             "the lock for idempotency key %r vanished while its handler ran (evicted, deleted, "
             "or expired while the process stalled) and was taken back; a retry in between may "
@@ -196,6 +205,7 @@ class OwnedKey:
     ) -> None:
         """Store the response as the key's outcome, or release the key (5xx, 408, 429, a
         retryable mark, a status from before the endpoint)."""
+        self._decided = True
         if self.renewal is not None:
             self.renewal.stop()  # a renewal now would find the record final, not the lock gone
         if not self._should_store(status):
@@ -247,6 +257,7 @@ class OwnedKey:
 
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
+        self._decided = True
         if self.record.checkpoints:
             # Recovery points mean a side effect may have happened: keep them for the retry.
             await self._keep_for_recovery(status)
@@ -267,7 +278,7 @@ class OwnedKey:
     async def _keep_for_recovery(self, status: int | None) -> None:
         """End the lease now, keeping the checkpoints, so a retry recovers at once."""
         try:
-            await self._save_progress(replace(self.record, locked_until=self._clock()))
+            await self._save_progress(self.record, 0.0)
         except LockLostError:
             await self._events.lock_lost("lock_lost", "taken_over", status)
             return

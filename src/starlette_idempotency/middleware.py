@@ -213,6 +213,7 @@ class IdempotencyMiddleware:
             timeout=store_timeout_seconds,
             metrics=metrics,
             tracer=StoreCallTracer() if tracing else None,
+            clock=clock,
         )
         #: The duplicates waiting for a first request (``on_in_progress="wait"``).
         self.waiters = Waiters(bounded, max_waiters)

@@ -111,7 +111,7 @@ async def test_own_row_with_checkpoints_comes_back_with_them(
     record = pending("owner-1")
     await postgres_store.try_acquire("k", record, LOCK_TTL)
     saved = replace(record, checkpoints=(Checkpoint("charged", {"id": 7}, at=1.0),))
-    assert await postgres_store.save_progress("k", saved, TTL)
+    assert await postgres_store.save_progress("k", saved, TTL, LOCK_TTL)
 
     again = await postgres_store.try_acquire("k", record, LOCK_TTL, recover=False)
     assert again.acquired

@@ -93,7 +93,7 @@ async def fail(store: PostgresStore) -> bool:
 
 async def save_progress(store: PostgresStore) -> bool:
     saved = replace(HELD, checkpoints=(Checkpoint("step", 1, at=1.0),))
-    return await store.save_progress("k", saved, TTL)
+    return await store.save_progress("k", saved, TTL, LOCK_TTL)
 
 
 async def release(store: PostgresStore) -> bool:

@@ -535,9 +535,8 @@ async def test_takeover_with_wait_after_script_flush(
     )
     dead = pending("k", "dead-owner")
     assert (await store.try_acquire("k", dead, 30)).acquired
-    now = time.time()
-    saved = replace(dead, checkpoints=(Checkpoint("sent", [], now),), locked_until=now - 1)
-    assert await store.save_progress("k", saved, 60)
+    saved = replace(dead, checkpoints=(Checkpoint("sent", [], time.time()),))
+    assert await store.save_progress("k", saved, 60, 0)  # its lease ends now
     await admin.script_flush()
 
     sent = await commands_sent(admin, lambda: store.try_acquire("k", pending("k", "b"), 30))

@@ -19,10 +19,11 @@ answering (``pg_terminate_backend``, a clean restart or switchover, ``idle_sessi
 see :func:`_never_ran`). The pool is then told to replace its other connections too, which
 usually ended the same way. A connection lost with no such word is an error, never retried.
 
-Expiry is decided by the database clock (``now()`` plus the TTL argument), so pods with skewed
-clocks agree. The record's own ``created_at`` and ``expires_at`` are stored and returned as the
-middleware set them, as data only. Expired rows are invisible at once and deleted by
-:meth:`PostgresStore.purge_expired` (run it from cron: ``starlette-idempotency purge``).
+Expiry, locks and leases are decided by the database clock (``now()`` plus the duration
+argument), so pods with skewed clocks agree. The record's own ``created_at`` and ``expires_at``
+are stored and returned as the middleware set them, as data only. Expired rows are invisible at
+once and deleted by :meth:`PostgresStore.purge_expired` (run it from cron:
+``starlette-idempotency purge``).
 
 Behind PgBouncer in transaction pooling mode, create the pool with
 ``statement_cache_size=0`` (asyncpg's named prepared statements do not survive a change of
@@ -357,8 +358,8 @@ class PostgresStore(StoreBase):
         """Run ``attempt`` within the operation timeout, driver errors mapped; once more, on a
         new connection, when the first try certainly had no effect (see :func:`_never_ran`).
 
-        Each statement of ``attempt`` must be its own implicit transaction, and ``attempt``
-        safe to start again after its earlier statements ran (they only read or fail to write).
+        Each statement of ``attempt`` must be its own transaction, and ``attempt`` safe to
+        start again after its earlier statements ran (they only read or fail to write).
         """
         try:
             async with asyncio.timeout(self._timeout):
@@ -382,11 +383,25 @@ class PostgresStore(StoreBase):
 
     def _fetchval(self, operation: str, query: str, *args: Any) -> Awaitable[Any]:
         """The first value of the named ``query``, run as ``operation`` (see :meth:`_run`)."""
-        return self._run(operation, lambda: self._pool.fetchval(self._sql[query], *args))
+        return self._run(operation, lambda: self._value(query, *args))
 
     def _fetchrow(self, operation: str, query: str, *args: Any) -> Awaitable[Any]:
         """The first row of the named ``query``, run as ``operation`` (see :meth:`_run`)."""
-        return self._run(operation, lambda: self._pool.fetchrow(self._sql[query], *args))
+        return self._run(operation, lambda: self._row(query, *args))
+
+    def _value(self, query: str, *args: Any) -> Awaitable[Any]:
+        """The first value of the named ``query``, run once (see :meth:`_statement`)."""
+        sql = self._sql[query]
+        return self._statement(lambda on: on.fetchval(sql, *args))
+
+    def _row(self, query: str, *args: Any) -> Awaitable[Any]:
+        """The first row of the named ``query``, run once (see :meth:`_statement`)."""
+        sql = self._sql[query]
+        return self._statement(lambda on: on.fetchrow(sql, *args))
+
+    async def _statement(self, run: Callable[[Any], Awaitable[_T]]) -> _T:
+        """``run`` one statement on the pool as its own transaction."""
+        return await run(self._pool)
 
     @staticmethod
     def _row_params(storage_key: str, record: IdempotencyRecord, ttl: float) -> tuple[Any, ...]:
@@ -433,9 +448,9 @@ class PostgresStore(StoreBase):
 
         async def acquire() -> AcquireResult | None:
             for _ in range(_ACQUIRE_ATTEMPTS):
-                if await self._pool.fetchval(self._sql["acquire_insert"], *params):
+                if await self._value("acquire_insert", *params):
                     return AcquireResult(acquired=True)
-                row = await self._pool.fetchrow(self._sql["acquire_takeover"], *params, recover)
+                row = await self._row("acquire_takeover", *params, recover)
                 if row is None or not (row["taken_over"] or row["live"]):
                     continue  # released or changed in between: insert again
                 found = _record_from_row(row)
@@ -444,7 +459,11 @@ class PostgresStore(StoreBase):
                     and found.status is RecordStatus.IN_PROGRESS
                 ):  # a finished record is an answer, not a lock its owner still holds
                     return AcquireResult(acquired=True, record=found if found.checkpoints else None)
-                return AcquireResult(acquired=row["taken_over"], record=found)
+                if row["taken_over"]:
+                    return AcquireResult(acquired=True, record=found)
+                return AcquireResult(
+                    acquired=False, record=found, lease_expired=row["lease_expired"]
+                )
             return None
 
         result = await self._run("try_acquire", acquire)
@@ -456,19 +475,16 @@ class PostgresStore(StoreBase):
         params = self._row_params(self._prefix + key, record, ttl)
         return FencedWrite(await self._fetchval("finish", "finish", *params))
 
-    async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        lease = (
-            None
-            if record.locked_until is None
-            else datetime.fromtimestamp(record.locked_until, UTC)
-        )
+    async def save_progress(
+        self, key: str, record: IdempotencyRecord, ttl: float, lease: float
+    ) -> bool:
         saved = await self._fetchval(
             "save_progress",
             "save_progress",
             self._prefix + key,
             record.owner_token,
             _checkpoints_json(record),
-            lease,
+            float(lease),
             datetime.fromtimestamp(record.expires_at, UTC),
             float(ttl),
         )

@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 #: A command argument: the store passes numbers as decimal strings.
 Arg = bytes | str
 
-_NEEDS_RECORD_PRELUDE = frozenset({"finish", "release", "renew"})
+_NEEDS_RECORD_PRELUDE = frozenset({"abandon", "finish", "progress", "recover", "release", "renew"})
 
 
 @functools.cache

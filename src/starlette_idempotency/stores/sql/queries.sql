@@ -38,7 +38,8 @@ RETURNING true;
 -- takeable and overwrites it; the others wait for that one, re-check the row, and drop it.
 -- Returns
 --   taken_over = true,  the old row's values                   -> the caller now owns the key;
---   taken_over = false, live = true,  the holder's values      -> the key is held;
+--   taken_over = false, live = true,  the holder's values      -> the key is held (and
+--     lease_expired says whether the holder is a dead handler's record with checkpoints);
 --   taken_over = false, live = false                           -> changed under us: start again
 --     (the read branch sees the statement's snapshot, older than the change prev waited for);
 --   no row                                                     -> the key vanished: start again.
@@ -71,7 +72,7 @@ WITH prev AS (
     WHERE t.key = prev.key
     RETURNING t.key
 )
-SELECT true AS taken_over, true AS live,
+SELECT true AS taken_over, true AS live, true AS lease_expired,
        prev.idempotency_key, prev.status, prev.request_fingerprint, prev.fingerprint_version,
        prev.owner_token, prev.response_status_code, prev.response_headers::text AS response_headers,
        prev.response_body, prev.response_content_type, prev.created_at,
@@ -81,6 +82,8 @@ SELECT true AS taken_over, true AS live,
 FROM prev
 UNION ALL
 SELECT false AS taken_over, cur.expires_at > now() AS live,
+       coalesce(cur.status = 'InProgress' AND cur.checkpoints IS NOT NULL
+                AND cur.locked_until <= now(), false) AS lease_expired,
        cur.idempotency_key, cur.status, cur.request_fingerprint, cur.fingerprint_version,
        cur.owner_token, cur.response_status_code, cur.response_headers::text AS response_headers,
        cur.response_body, cur.response_content_type, cur.created_at,
@@ -136,11 +139,12 @@ SELECT CASE
 END;
 
 -- name: save_progress
--- The owner's InProgress record gets new checkpoints ($3) and a lease ($4) inside it, and is
--- kept for the retention time ($6 seconds). $1 storage key, $2 owner token, $5 the record's
--- expires_at (kept as data). One row (true) while the owner holds the key.
+-- The owner's InProgress record gets new checkpoints ($3) and a lease of $4 seconds from now()
+-- (0 ends it now), and is kept for the retention time ($6 seconds). $1 storage key, $2 owner
+-- token, $5 the record's expires_at (kept as data). One row (true) while the owner holds the
+-- key InProgress: a late write never turns a finished record back.
 UPDATE {table}
-SET checkpoints = $3::text::jsonb, locked_until = $4,
+SET checkpoints = $3::text::jsonb, locked_until = now() + make_interval(secs => $4),
     record_expires_at = $5, expires_at = now() + make_interval(secs => $6)
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > now()
 RETURNING true;
@@ -159,10 +163,13 @@ SELECT EXISTS (SELECT 1 FROM gone)
     );
 
 -- name: renew
--- Extend the owner's live InProgress lock to $3 seconds from now. One row (true) when renewed.
+-- Extend the owner's live InProgress lock to $3 seconds from now: for a record with checkpoints,
+-- its lease, within a retention time that it keeps (or that the lock outlasts). One row (true)
+-- when renewed.
 UPDATE {table}
 SET locked_until = now() + make_interval(secs => $3),
-    expires_at = now() + make_interval(secs => $3)
+    expires_at = CASE WHEN checkpoints IS NULL THEN now() + make_interval(secs => $3)
+                      ELSE greatest(expires_at, now() + make_interval(secs => $3)) END
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > now()
 RETURNING true;
 
