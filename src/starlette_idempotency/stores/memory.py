@@ -87,6 +87,16 @@ def _unpack(packed: bytes) -> IdempotencyRecord:
 _STATUSES = {status.value: status for status in RecordStatus}
 
 
+class _Waiting:
+    """The waits for a change of one key, and how many there are."""
+
+    __slots__ = ("count", "event")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.count = 0
+
+
 class MemoryStore(StoreBase):
     """A dict of records with TTLs measured on an injectable monotonic clock.
 
@@ -123,7 +133,7 @@ class MemoryStore(StoreBase):
         self._monotonic = monotonic_for(clock) if monotonic is None else monotonic
         self._prefix = f"{key_prefix}:"
         self._entries: dict[str, _Entry] = {}
-        self._changes: dict[str, asyncio.Event] = {}
+        self._changes: dict[str, _Waiting] = {}
         self._next_sweep = self._monotonic() + _SWEEP_INTERVAL_SECONDS
 
     def __bool__(self) -> bool:
@@ -251,13 +261,22 @@ class MemoryStore(StoreBase):
 
     async def wait_for_change(self, key: str) -> None:
         """Return once the key is completed, failed, released or resolved (the caller bounds
-        the wait)."""
-        await self._changes.setdefault(key, asyncio.Event()).wait()
+        the wait). Nothing is left behind when the wait ends, however it ends."""
+        waiting = self._changes.get(key)
+        if waiting is None:
+            waiting = self._changes[key] = _Waiting()
+        waiting.count += 1
+        try:
+            await waiting.event.wait()
+        finally:
+            waiting.count -= 1
+            if not waiting.count and self._changes.get(key) is waiting:
+                del self._changes[key]
 
     def _notify(self, key: str) -> None:
-        event = self._changes.pop(key, None)
-        if event is not None:
-            event.set()
+        waiting = self._changes.pop(key, None)
+        if waiting is not None:
+            waiting.event.set()
 
     def describe(self) -> str:
         """Where the records are: in this process, shared with no other."""
