@@ -123,8 +123,11 @@ class RedisStore(StoreBase):
     round trip. When fewer than ``N`` replicas acknowledge in time the lock is still held and
     a warning is logged: ``WAIT`` is not a consensus protocol, and a failing request would not
     make the lock any safer. On a conflict nothing is written and ``WAIT`` returns at once
-    unless fewer than ``N`` replicas are connected. ``wait_replicas`` needs redis-py: on
-    valkey-glide's one multiplexed connection a ``WAIT`` would hold up every other caller.
+    unless fewer than ``N`` replicas are connected. The finishing write (the stored response)
+    is ``WAIT``-ed for the same way, before the client gets the response's last byte, so a
+    failover right after the response does not lose the record. ``wait_replicas`` needs
+    redis-py: on valkey-glide's one multiplexed connection a ``WAIT`` would hold up every other
+    caller.
     """
 
     name = "redis"
@@ -474,11 +477,26 @@ class RedisStore(StoreBase):
 
     async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         """Store the final record for ``ttl`` seconds unless another owner holds the key
-        (``LOST``); ``RECLAIMED`` when the key had vanished (evicted, deleted, lock expired)."""
+        (``LOST``); ``RECLAIMED`` when the key had vanished (evicted, deleted, lock expired).
+
+        With ``wait_replicas``, ``WAIT`` is pipelined behind it, as behind the acquire: the
+        response is not sent whole before the replicas have the record (or the wait timed out,
+        which is logged)."""
         skey = self.storage_key(key)
         args: list[Arg] = [dump_record(record), record.owner_token, str(_ms(ttl)), skey]
         with _DriverErrors(self._driver, "finish", key):
-            written = await self._driver.run_script("finish", skey, args)
+            if self._waiting is None:
+                written = await self._driver.run_script("finish", skey, args)
+            else:
+                written, acknowledged = await self._waiting.run_script_and_wait(
+                    "finish",
+                    skey,
+                    args,
+                    replicas=self._wait_replicas,
+                    timeout_ms=self._wait_timeout_ms,
+                )
+                if written:
+                    self._check_replicas(skey, acknowledged, "the response")
         return FencedWrite(int(written))
 
     async def save_progress(

@@ -1,0 +1,83 @@
+"""A TCP proxy whose link a test can hold and cut: a replication link that lags, then breaks.
+
+A Redis replica connects to its primary through it. While :meth:`LinkProxy.hold` is on, what
+the upstream server sends is kept back (the replica hears nothing, as behind a slow network);
+:meth:`release` forwards it, and :meth:`cut` drops it and closes every connection, as a
+primary that fails does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Self
+
+
+class LinkProxy:
+    """Forwards 127.0.0.1:``port`` to ``upstream_port``; holds the upstream's replies on demand."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.cut()
+
+    def hold(self) -> None:
+        """Keep back what the upstream sends from now on."""
+        self._open.clear()
+
+    def release(self) -> None:
+        """Forward what was kept back, and everything after it."""
+        self._open.set()
+
+    async def cut(self) -> None:
+        """Drop what was kept back and close every connection, taking no new one."""
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for writer in self._writers:
+            writer.transport.abort()
+        self._open.set()
+        await self._server.wait_closed()
+
+    async def _serve(self, client_in: asyncio.StreamReader, client: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        server_in, server = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._writers += [client, server]
+        try:
+            await asyncio.gather(
+                self._pipe(client_in, server, None), self._pipe(server_in, client, self._open)
+            )
+        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # cut, or closed by either end (a cut task ends quietly: it is ours)
+        finally:
+            self._tasks.discard(task)
+            for writer in (client, server):
+                writer.transport.abort()
+
+    @staticmethod
+    async def _pipe(
+        source: asyncio.StreamReader, sink: asyncio.StreamWriter, gate: asyncio.Event | None
+    ) -> None:
+        while data := await source.read(65536):
+            if gate is not None:
+                await gate.wait()
+            sink.write(data)
+            with contextlib.suppress(ConnectionError):
+                await sink.drain()
+        sink.transport.abort()
