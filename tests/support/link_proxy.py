@@ -1,9 +1,10 @@
-"""A TCP proxy whose link a test can hold and cut: a replication link that lags, then breaks.
+"""A TCP proxy whose link a test can hold and cut: a replication link that lags, then breaks,
+or a database whose replies come late.
 
-A Redis replica connects to its primary through it. While :meth:`LinkProxy.hold` is on, what
-the upstream server sends is kept back (the replica hears nothing, as behind a slow network);
-:meth:`release` forwards it, and :meth:`cut` drops it and closes every connection, as a
-primary that fails does.
+A Redis replica connects to its primary through it, or a store to PostgreSQL. While
+:meth:`LinkProxy.hold` is on, what the upstream server sends is kept back (the client hears
+nothing, as behind a slow network); :meth:`release` forwards it, and :meth:`cut` drops it and
+closes every connection, as a server that fails does.
 """
 
 from __future__ import annotations
@@ -11,12 +12,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from typing import Self
+from urllib.parse import urlsplit, urlunsplit
+
+
+def proxied(dsn: str, port: int) -> str:
+    """``dsn`` (a URL) with its host and port replaced by a proxy's on 127.0.0.1:``port``."""
+    parts = urlsplit(dsn)
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@127.0.0.1:{port}" if userinfo else f"127.0.0.1:{port}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class LinkProxy:
     """Forwards 127.0.0.1:``port`` to ``upstream_port``; holds the upstream's replies on demand."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1") -> None:
+        self.upstream_host = upstream_host
         self.upstream_port = upstream_port
         self.port = 0
         self._open = asyncio.Event()
@@ -32,6 +43,10 @@ class LinkProxy:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.cut()
+
+    def proxied(self, dsn: str) -> str:
+        """``dsn`` pointed at this proxy."""
+        return proxied(dsn, self.port)
 
     def hold(self) -> None:
         """Keep back what the upstream sends from now on."""
@@ -57,7 +72,7 @@ class LinkProxy:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
-        server_in, server = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        server_in, server = await asyncio.open_connection(self.upstream_host, self.upstream_port)
         self._writers += [client, server]
         try:
             await asyncio.gather(

@@ -8,6 +8,9 @@ Statements per operation (each one statement, so its own short transaction):
 * ``try_acquire``: 1 on a free key (``INSERT ... ON CONFLICT DO NOTHING``); 2 when a row is
   there (then one statement takes an expired row over, returning its old values, or reads the
   live holder). It starts again, a few times at most, only when the row changes in between.
+  An acquire its caller abandoned (cancelled by the middleware's deadline, timed out, or cut
+  off with its connection) is undone in the background by a statement fenced by its owner token (see
+  :meth:`PostgresStore._undo_abandoned`), so that no lock outlives a request that never ran.
 * ``finish``: 1, which locks the row, then writes it fenced by the owner token
   and says how (a :class:`~starlette_idempotency.stores.base.FencedWrite`).
 * ``save_progress`` / ``release`` / ``renew`` / ``get``: 1 each, no read first.
@@ -83,6 +86,9 @@ _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_$]{0,62}"
 _TABLE_NAME = re.compile(rf"(?:({_IDENTIFIER})\.)?({_IDENTIFIER})")
 _QUERY_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _HOST_PORT = re.compile(r"(.+):(\d+)")
+
+# How long the undo of an abandoned acquire waits before trying again while the database fails.
+_UNDO_RETRY_SECONDS = 0.1
 
 # The columns of schema.sql, all used by the queries (check() reports the missing ones).
 _COLUMNS = (
@@ -213,6 +219,17 @@ def _never_ran(exc: BaseException) -> bool:
     )
 
 
+def _may_have_run(exc: BaseException | None) -> bool:
+    """Whether the statement that failed with ``exc`` may still have committed: it was
+    abandoned when the operation timed out, or lost its connection with no word from the
+    server. An error the statement itself raised (a server-side ``statement_timeout``
+    included), or one before it was sent (no connection), left nothing behind."""
+    if isinstance(exc, TimeoutError):
+        return True
+    asyncpg = _asyncpg()
+    return isinstance(exc, asyncpg.ConnectionDoesNotExistError) and not _never_ran(exc)
+
+
 def _location(dsn: str | None, options: Mapping[str, Any]) -> str:
     """``host:port/database`` for messages, as the connect options, then the ``dsn`` URL,
     then the libpq environment give them; never the user or password."""
@@ -319,6 +336,7 @@ class PostgresStore(StoreBase):
         self._schema = (
             _sql_file("schema.sql").replace("{table}", self._table).replace("{index}", index)
         )
+        self._undoing: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(
@@ -466,10 +484,52 @@ class PostgresStore(StoreBase):
                 )
             return None
 
-        result = await self._run("try_acquire", acquire)
+        try:
+            result = await self._run("try_acquire", acquire)
+        except asyncio.CancelledError:
+            self._undo_abandoned(key, params, lock_ttl)
+            raise
+        except StoreError as exc:
+            if _may_have_run(exc.__cause__):
+                self._undo_abandoned(key, params, lock_ttl)
+            raise
         if result is None:
             raise StoreError(f"PostgreSQL try_acquire gave up on key {key!r}: it kept changing")
         return result
+
+    def _undo_abandoned(self, key: str, params: tuple[Any, ...], lock_ttl: float) -> None:
+        """Undo an acquire whose caller gave up (cancelled by the middleware's deadline, timed
+        out, or its connection lost with no word from the server): the caller will not run the
+        handler, so its lock must not answer retries 409 for ``lock_ttl``.
+
+        Its last statement may have committed just as the deadline fired; by the time the
+        cancellation reaches the caller asyncpg has waited for the server to finish that
+        statement, so the undo (``abandon`` in ``queries.sql``, fenced by the acquire's owner
+        token) runs after it, deletes the row, or ends the lease of a recovery takeover, and
+        leaves an expired row that makes an insert landing even later write nothing. It is
+        sent in the background and tried again until ``lock_ttl`` has passed.
+        """
+        task = asyncio.get_running_loop().create_task(self._undo(key, params, lock_ttl))
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
+
+    async def _undo(self, key: str, params: tuple[Any, ...], lock_ttl: float) -> None:
+        failure: StoreError | None = None
+        try:
+            async with asyncio.timeout(lock_ttl):  # by then the abandoned lock has lapsed
+                while True:
+                    try:
+                        await self._fetchval("undo (abandon)", "abandon", *params)
+                        return
+                    except StoreError as exc:
+                        failure = exc
+                        await asyncio.sleep(_UNDO_RETRY_SECONDS)
+        except TimeoutError:
+            logger.warning(
+                "could not undo the abandoned acquire of %r before its lock lapsed: %s",
+                key,
+                failure,
+            )
 
     async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         params = self._row_params(self._prefix + key, record, ttl)
@@ -566,6 +626,10 @@ class PostgresStore(StoreBase):
 
     async def aclose(self) -> None:
         """Close the pool :meth:`connect` opened; a pool passed in stays open."""
+        undoing = list(self._undoing)  # undoing abandoned acquires is best effort
+        for task in undoing:
+            task.cancel()
+        await asyncio.gather(*undoing, return_exceptions=True)
         pool, self._owned_pool = self._owned_pool, None
         if pool is not None:
             await pool.close()

@@ -173,6 +173,41 @@ SET locked_until = now() + make_interval(secs => $3),
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > now()
 RETURNING true;
 
+-- name: abandon
+-- Give up a key whose acquire the caller abandoned (cancelled or timed out: it will not run the
+-- handler), fenced by the abandoned acquire's owner token $2: its row is deleted, or, when it
+-- has checkpoints (a recovery takeover), its lease ends now so that a retry recovers at once.
+-- When the key has no row at all, an expired row is left under that token, so that an insert
+-- of the abandoned acquire that lands only now conflicts with it and writes nothing (the row
+-- counts as absent for everyone else). Row parameters $1 to $14 (the abandoned pending record).
+-- Returns whether the owner's row was there.
+WITH mine AS (
+    SELECT key, checkpoints IS NOT NULL AS recovering FROM {table}
+    WHERE key = $1 AND owner_token = $6 AND status = 'InProgress'
+    FOR UPDATE
+), ended AS (
+    UPDATE {table} AS t SET locked_until = now()
+    FROM mine WHERE t.key = mine.key AND mine.recovering
+    RETURNING 1
+), gone AS (
+    DELETE FROM {table} AS t
+    USING mine WHERE t.key = mine.key AND NOT mine.recovering
+    RETURNING 1
+), fence AS (
+    INSERT INTO {table} AS t (
+        key, idempotency_key, status, request_fingerprint, fingerprint_version, owner_token,
+        response_status_code, response_headers, response_body, response_content_type,
+        created_at, record_expires_at, locked_until, expires_at, checkpoints
+    )
+    SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::text, $7::integer,
+           $8::text::jsonb, $9::bytea, $10::text, $11::timestamptz, $12::timestamptz,
+           now(), now() - make_interval(secs => $13), $14::text::jsonb
+    WHERE NOT EXISTS (SELECT FROM mine)
+    ON CONFLICT (key) DO NOTHING
+    RETURNING 1
+)
+SELECT EXISTS (SELECT FROM mine);
+
 -- name: get
 -- The live row under $1, if any.
 SELECT idempotency_key, status, request_fingerprint, fingerprint_version, owner_token,
