@@ -28,6 +28,12 @@ are stored and returned as the middleware set them, as data only. Expired rows a
 once and deleted by :meth:`PostgresStore.purge_expired` (run it from cron:
 ``starlette-idempotency purge``).
 
+The statements are written for READ COMMITTED (a row lock waits for a concurrent writer and
+then reads its committed version): under REPEATABLE READ or SERIALIZABLE they would fail with
+serialization errors instead. When the database's default isolation is another, the store runs
+each statement in an explicit READ COMMITTED transaction (two more round trips, and a warning
+once).
+
 Behind PgBouncer in transaction pooling mode, create the pool with
 ``statement_cache_size=0`` (asyncpg's named prepared statements do not survive a change of
 server connection); nothing else in the store depends on session state.
@@ -336,6 +342,8 @@ class PostgresStore(StoreBase):
         self._schema = (
             _sql_file("schema.sql").replace("{table}", self._table).replace("{index}", index)
         )
+        # Whether statements need an explicit READ COMMITTED transaction (None: not known yet).
+        self._explicit_isolation: bool | None = None
         self._undoing: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -418,8 +426,37 @@ class PostgresStore(StoreBase):
         return self._statement(lambda on: on.fetchrow(sql, *args))
 
     async def _statement(self, run: Callable[[Any], Awaitable[_T]]) -> _T:
-        """``run`` one statement on the pool as its own transaction."""
-        return await run(self._pool)
+        """``run`` one statement on the pool as its own transaction, at READ COMMITTED: in an
+        explicit transaction when the database's default isolation is another."""
+        if self._explicit_isolation is None:
+            await self._learn_isolation()
+        if not self._explicit_isolation:
+            return await run(self._pool)
+        async with self._pool.acquire() as connection:
+            failed: Exception | None = None
+            try:
+                async with connection.transaction(isolation="read_committed"):
+                    try:
+                        return await run(connection)
+                    except Exception as exc:
+                        failed = exc
+                        raise
+            except Exception as exc:
+                if failed is None or exc is failed:
+                    raise
+                raise failed from exc  # the rollback failed too (the connection is gone)
+
+    async def _learn_isolation(self) -> None:
+        isolation = await self._pool.fetchval(self._sql["default_isolation"])
+        self._explicit_isolation = isolation != "read committed"
+        if self._explicit_isolation:
+            logger.warning(
+                "PostgreSQL's default_transaction_isolation is %r: the store runs each statement "
+                "in an explicit READ COMMITTED transaction (two more round trips). Set "
+                "default_transaction_isolation = 'read committed' for the store's role "
+                "(ALTER ROLE ... SET) or its pool (server_settings) to save them",
+                isolation,
+            )
 
     @staticmethod
     def _row_params(storage_key: str, record: IdempotencyRecord, ttl: float) -> tuple[Any, ...]:

@@ -239,6 +239,11 @@ SELECT count(*) FROM gone;
 -- Serialises concurrent create_schema() calls (CREATE ... IF NOT EXISTS alone can race).
 SELECT pg_advisory_xact_lock(hashtext('starlette_idempotency.create_schema'));
 
+-- name: default_isolation
+-- The isolation a statement runs at unless told otherwise (the store's are written for READ
+-- COMMITTED).
+SELECT current_setting('default_transaction_isolation');
+
 -- name: table_exists
 -- $1 the quoted table name, resolved like the queries resolve it (search_path).
 SELECT to_regclass($1) IS NOT NULL;
