@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from typing import Self
 from urllib.parse import urlsplit, urlunsplit
 
@@ -55,6 +56,17 @@ class LinkProxy:
     def release(self) -> None:
         """Forward what was kept back, and everything after it."""
         self._open.set()
+
+    def drop(self) -> None:
+        """Close every connection at once, with no word to either end (a network that drops
+        them, a server that crashed); new connections are still taken."""
+        for writer in self._writers:
+            # Shut down at once: the transport itself closes the socket only on the loop's next
+            # turn, when the other end's transport (on this loop too) would read it first.
+            with contextlib.suppress(OSError):
+                writer.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+            writer.transport.abort()
+        self._writers.clear()
 
     async def cut(self) -> None:
         """Drop what was kept back and close every connection, taking no new one."""

@@ -16,11 +16,15 @@ Statements per operation (each one statement, so its own short transaction):
 * ``save_progress`` / ``release`` / ``renew`` / ``get``: 1 each, no read first.
 * ``purge_expired``: 1 per batch.
 
-An operation (``create_schema`` excepted) is sent once more, on a new connection, when its
-first try certainly had no effect: the server had ended the connection and said so before
+A pooled connection is looked at before a statement goes out on it: one the server ended while
+it sat idle (something waits to be read on it: the end of the connection, which the event loop
+has not read yet because it was busy) is closed instead, with nothing sent. An operation
+(``create_schema`` excepted) is sent once more, on a new connection, when its first try
+certainly had no effect: that, or the server had ended the connection and said so before
 answering (``pg_terminate_backend``, a clean restart or switchover, ``idle_session_timeout``;
 see :func:`_never_ran`). The pool is then told to replace its other connections too, which
-usually ended the same way. A connection lost with no such word is an error, never retried.
+usually ended the same way. A connection lost with no such word after the statement went out
+is an error, never retried.
 
 Expiry, locks and leases are decided by the database clock (``now()`` plus the duration
 argument), so pods with skewed clocks agree. The record's own ``created_at`` and ``expires_at``
@@ -51,6 +55,7 @@ import hashlib
 import logging
 import os
 import re
+import select
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from functools import cache
@@ -202,19 +207,23 @@ def _never_ran(exc: BaseException) -> bool:
     """Whether ``exc`` proves that a single-statement operation had no effect, so that sending
     it again cannot run it twice.
 
-    Certain: asyncpg refused to send on a connection it knew was closed (``InterfaceError``);
-    or the server's termination notice, a FATAL ErrorResponse with a SQLSTATE of
-    ``_TERMINATED_SQLSTATES``, came back before the statement's ReadyForQuery (asyncpg then
-    raises ``ConnectionDoesNotExistError`` caused by it). A backend raises those only at an
-    interrupt check, and there is none between the commit of our implicit transaction (at
-    Sync, with interrupts held) and the flush of ReadyForQuery, so the statement either never
-    started (the backend was idle when told to exit) or was rolled back with the backend.
+    Certain: the store found the pooled connection ended before it sent anything
+    (:class:`_EndedWhileIdle`); asyncpg refused to send on a connection it knew was closed
+    (``InterfaceError``); or the server's termination notice, a FATAL ErrorResponse with a
+    SQLSTATE of ``_TERMINATED_SQLSTATES``, came back before the statement's ReadyForQuery
+    (asyncpg then raises ``ConnectionDoesNotExistError`` caused by it). A backend raises those
+    only at an interrupt check, and there is none between the commit of our implicit
+    transaction (at Sync, with interrupts held) and the flush of ReadyForQuery, so the
+    statement either never started (the backend was idle when told to exit) or was rolled
+    back with the backend.
 
     Unknown, never retried: a connection that died with no such notice after the statement
     was sent (a reset or EOF: a crashed or killed backend, a network failure, ``pg_ctl stop
     -m immediate``, whose 57P01 is only a WARNING). The commit may have happened and only its
     reply have been lost.
     """
+    if isinstance(exc, _EndedWhileIdle):
+        return True
     asyncpg = _asyncpg()
     if isinstance(exc, asyncpg.InterfaceError):
         return str(exc).endswith(_CLOSED_MESSAGES)
@@ -223,6 +232,27 @@ def _never_ran(exc: BaseException) -> bool:
         isinstance(notice, asyncpg.PostgresError)
         and getattr(notice, "sqlstate", None) in _TERMINATED_SQLSTATES
     )
+
+
+class _EndedWhileIdle(ConnectionResetError):
+    """A pooled connection the server had ended while it sat idle, found before anything was
+    sent on it (see :func:`_ended_while_idle`)."""
+
+
+def _ended_while_idle(connection: Any) -> bool:
+    """Whether the server has sent something to this idle connection: a connection checked out
+    of the pool owes no reply, so what waits to be read there is the server ending it (an
+    immediate shutdown, a crash, a failover, an idle timeout, with or without a notice first)
+    that the event loop has not read yet, because it was busy. Sent on, a statement would meet
+    a connection already closed, with no word proving it did not run. A socket the check
+    cannot see counts as alive."""
+    transport = getattr(connection, "_transport", None)
+    sock = None if transport is None else transport.get_extra_info("socket")
+    if sock is None or sock.fileno() < 0:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _may_have_run(exc: BaseException | None) -> bool:
@@ -426,13 +456,19 @@ class PostgresStore(StoreBase):
         return self._statement(lambda on: on.fetchrow(sql, *args))
 
     async def _statement(self, run: Callable[[Any], Awaitable[_T]]) -> _T:
-        """``run`` one statement on the pool as its own transaction, at READ COMMITTED: in an
-        explicit transaction when the database's default isolation is another."""
-        if self._explicit_isolation is None:
-            await self._learn_isolation()
-        if not self._explicit_isolation:
-            return await run(self._pool)
+        """``run`` one statement on a pooled connection as its own transaction, at READ
+        COMMITTED: in an explicit transaction when the database's default isolation is another.
+
+        A connection the server ended while it sat idle is never used (see
+        :class:`_EndedWhileIdle`)."""
         async with self._pool.acquire() as connection:
+            if _ended_while_idle(connection):
+                connection.terminate()
+                raise _EndedWhileIdle("the server had ended the pooled connection while idle")
+            if self._explicit_isolation is None:
+                await self._learn_isolation(connection)
+            if not self._explicit_isolation:
+                return await run(connection)
             failed: Exception | None = None
             try:
                 async with connection.transaction(isolation="read_committed"):
@@ -446,8 +482,8 @@ class PostgresStore(StoreBase):
                     raise
                 raise failed from exc  # the rollback failed too (the connection is gone)
 
-    async def _learn_isolation(self) -> None:
-        isolation = await self._pool.fetchval(self._sql["default_isolation"])
+    async def _learn_isolation(self, connection: Any) -> None:
+        isolation = await connection.fetchval(self._sql["default_isolation"])
         self._explicit_isolation = isolation != "read committed"
         if self._explicit_isolation:
             logger.warning(
