@@ -16,10 +16,9 @@ import anyio
 
 from starlette_idempotency._capture import ReplayingReceive, ResponseCapture
 from starlette_idempotency._context import CONTEXT_SCOPE_KEY, IdempotencyContext
-from starlette_idempotency._loop_timers import PerLoop
 from starlette_idempotency._marks import MARKS_SCOPE_KEY, RequestMarks, current_marks
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
-from starlette_idempotency._renewal import LockRenewal
+from starlette_idempotency._renewal import HeldLock, LockRenewal, Renewals
 from starlette_idempotency._request_events import RequestEvents
 from starlette_idempotency._responses import stored_response
 from starlette_idempotency._routing import GuardedRoute
@@ -90,7 +89,7 @@ class OwnedKey:
         receive: Receive,
         send: Send,
         body: bytes,
-        renewal_timers: PerLoop,
+        renewals: Renewals,
     ) -> None:
         """Run the app as the key's owner and settle the outcome before the response ends."""
         policy = self._route.policy
@@ -103,9 +102,13 @@ class OwnedKey:
         capture = ResponseCapture(send, self, policy.max_response_bytes)
         renewal = None
         if policy.renew_lock:
-            renewal = LockRenewal(
-                self.renew, self.record.key, policy.lock_ttl_seconds, renewal_timers
+            lock = HeldLock(
+                self._store_key,
+                self.record.owner_token,
+                policy.lock_ttl_seconds,
+                self._events.endpoint,
             )
+            renewal = LockRenewal(self.renew, self.record.key, lock, renewals)
         self.renewal = renewal
         token = current_marks.set(marks)
         try:

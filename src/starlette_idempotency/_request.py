@@ -248,7 +248,7 @@ class GuardedRequest:
             CheckResult.ACQUIRED, note="recovering" if owned.record.checkpoints else None
         )
         await owned.run(
-            services.app, self._scope, self._receive, self._send, body, services.renewal_timers
+            services.app, self._scope, self._receive, self._send, body, services.renewals
         )
 
     def _owned_record(

@@ -24,7 +24,7 @@ from starlette_idempotency._options import (
     check_option,
     unknown_option_error,
 )
-from starlette_idempotency._renewal import RENEWAL_RESOLUTION
+from starlette_idempotency._renewal import RENEWAL_RESOLUTION, Renewals
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
 from starlette_idempotency._routing import RouteResolver, routes_for
@@ -41,6 +41,7 @@ from starlette_idempotency._types import (
     system_clock,
 )
 from starlette_idempotency._waiting import Waiters
+from starlette_idempotency._watchdog import LockWatchdog
 from starlette_idempotency.errors import ConfigurationError
 from starlette_idempotency.observability import (
     EventHook,
@@ -219,6 +220,8 @@ class IdempotencyMiddleware:
         self.waiters = Waiters(bounded, max_waiters)
         #: Where running handlers wait for their first lock renewal (one timer per loop).
         self.renewal_timers = PerLoop(RENEWAL_RESOLUTION)
+        #: What renews running handlers' locks while their event loop is blocked.
+        self.watchdog = LockWatchdog(store, self.observer)
         self._services = RequestServices(
             app=app,
             limits=RequestLimits(
@@ -233,7 +236,7 @@ class IdempotencyMiddleware:
             store=bounded,
             key_scope=KeyScopeResolver(key_scope),
             waiters=self.waiters,
-            renewal_timers=self.renewal_timers,
+            renewals=Renewals(self.renewal_timers, self.watchdog),
         )
         self._startup_check = StartupCheck(store, check_store, self._check_routes)
         compressing = _compressing_layer_inside(app)

@@ -3,36 +3,23 @@ way, or jump while a request runs: a handler that saved a recovery point and sti
 never taken over nor reported dead (``202 requires_recovery``) by the other pod.
 
 Leases are set and judged on the store's clock (Redis ``TIME``, PostgreSQL ``now()``), never on
-a pod's; each pod's ``time.time`` is off by its own offset (see :mod:`.clock_pod_app`).
+a pod's; each pod's ``time.time`` is off by its own offset (see :mod:`.pod_app`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from starlette_idempotency.testing.isolation import (
-    delete_prefixed_at,
-    unique_prefix,
-    unique_table,
-)
-from tests.stores.clock_pod_app import LOCK_TTL_SECONDS
+from tests.stores.pod_app import LOCK_TTL_SECONDS
 from tests.support.conditions import eventually
-from tests.support.uvicorn import UvicornServer
+from tests.support.pods import Pods
 
 ROUTES = ("pay", "pay-hold")
-
-
-@dataclass
-class Pods:
-    holder: httpx.AsyncClient
-    retrier: httpx.AsyncClient
 
 
 @dataclass(frozen=True)
@@ -54,46 +41,6 @@ SCENARIOS = {
     "holder's clock jumps forward mid-request": Skew(holder=0, retrier=0, jump=("holder", 120)),
     "retrier's clock jumps forward mid-request": Skew(holder=0, retrier=0, jump=("retrier", 120)),
 }
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param("redis", marks=pytest.mark.redis),
-        pytest.param("postgres", marks=pytest.mark.postgres),
-    ],
-)
-def pod_urls(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    """Two pods on one store (started once per store for the module's scenarios)."""
-    env = {"IDEM_TEST_STORE": request.param}
-    prefix = unique_prefix()
-    if request.param == "redis":
-        redis_url = request.getfixturevalue("redis_url")
-        env |= {"IDEM_TEST_REDIS_URL": redis_url, "IDEM_TEST_PREFIX": prefix}
-    else:
-        env |= {
-            "IDEM_TEST_DSN": request.getfixturevalue("postgres_dsn"),
-            "IDEM_TEST_TABLE": unique_table(),
-        }
-    app = "tests.stores.clock_pod_app:create_app"
-    with ExitStack() as stack:
-        holder = stack.enter_context(UvicornServer(app, env=env, factory=True))
-        retrier = stack.enter_context(UvicornServer(app, env=env, factory=True))
-        yield holder.url, retrier.url
-    if request.param == "redis":
-        asyncio.run(delete_prefixed_at(redis_url, prefix))
-
-
-@pytest.fixture
-async def pods(pod_urls: tuple[str, str]) -> AsyncIterator[Pods]:
-    holder_url, retrier_url = pod_urls
-    async with (
-        httpx.AsyncClient(base_url=holder_url, timeout=30) as holder,
-        httpx.AsyncClient(base_url=retrier_url, timeout=30) as retrier,
-    ):
-        yield Pods(holder, retrier)
-        for client in (holder, retrier):
-            await client.post("/_clock", json={"offset": 0})
 
 
 async def set_clock(pod: httpx.AsyncClient, offset: float) -> None:

@@ -637,6 +637,28 @@ class PostgresStore(StoreBase):
         row = await self._fetchrow("get", "get", self._prefix + key)
         return None if row is None else _record_from_row(row)
 
+    async def watchdog_store(self) -> PostgresStore | None:
+        """A store over the same table with a pool of one connection of its own (same
+        connection options), opened in the calling event loop, for the lock watchdog's thread;
+        ``None`` for a pool whose options cannot be read back."""
+        args = getattr(self._pool, "_connect_args", None)
+        options = getattr(self._pool, "_connect_kwargs", None)
+        if not isinstance(args, tuple | list) or not isinstance(options, Mapping):
+            return None
+        try:
+            pool = await _asyncpg().create_pool(*args, min_size=1, max_size=1, **options)
+        except Exception as exc:
+            _raise_store_error(exc, "watchdog connect")
+        store = PostgresStore(
+            pool,
+            table=self._table_name,
+            key_prefix=self._prefix[:-1],
+            operation_timeout=self._timeout,
+        )
+        store._owned_pool = pool
+        store._location = self._location
+        return store
+
     async def purge_expired(self, batch_size: int = 1000) -> int:
         """Delete expired rows, ``batch_size`` per statement, until a batch comes back short;
         returns how many were deleted. Each batch is its own short transaction that skips rows

@@ -1,21 +1,26 @@
-"""A pod whose wall clock is off, for ``test_skewed_pods``: run by uvicorn in a process of
-its own, over RedisStore or PostgresStore, configured by environment variables.
+"""A pod for the store tests that need processes of their own (``test_skewed_pods``,
+``test_blocked_pods``): uvicorn runs it over RedisStore or PostgresStore, configured by
+environment variables.
 
-``time.time`` is replaced in the whole process by the real time plus an offset
-(``IDEM_TEST_CLOCK_OFFSET`` seconds, changed at run time by ``POST /_clock`` with
+Its wall clock can be off: ``time.time`` is replaced in the whole process by the real time plus
+an offset (``IDEM_TEST_CLOCK_OFFSET`` seconds, changed at run time by ``POST /_clock`` with
 ``{"offset": seconds}``, as an NTP step or a resumed VM changes it mid-request). Everything
 that reads the wall clock sees it: the middleware, the stores, the logs.
 
 ``POST /pay`` and ``POST /pay-hold`` (``on_recovery="hold"``) record a recovery point, then
 wait until ``POST /_release/{key}`` (a first attempt only: a retry that took the key over
 answers at once, so that a second run shows in the test instead of hanging it).
+``POST /compute`` (``lock_ttl_seconds=2``) blocks the event loop, computing for
+``IDEM_TEST_BLOCK_SECONDS`` without an await, as a CPU-bound ``async def`` handler does.
 ``GET /_runs/{key}`` says how many times this pod started a handler for the key (and saved its
-recovery point), ``GET /_lease/{route}/{key}`` the lease the store shows for the record.
+recovery point), ``GET /_lease/{route}/{key}`` the lease the store shows for the record,
+``GET /_observed`` the processing timeouts counted and the lock watchdog's warnings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections import Counter
@@ -38,9 +43,11 @@ from starlette_idempotency import (
     idempotent,
     storage_key,
 )
+from starlette_idempotency.observability import IdempotencyEvent
 from starlette_idempotency.stores.base import IdempotencyStore
 
 LOCK_TTL_SECONDS = 3.0
+COMPUTE_LOCK_TTL_SECONDS = 2.0
 _real_time = time.time
 _offset = float(os.environ.get("IDEM_TEST_CLOCK_OFFSET", "0"))
 
@@ -52,9 +59,32 @@ def _skewed_time() -> float:
 time.time = _skewed_time
 
 
+class Observed(logging.Handler):
+    """The processing timeouts counted (a metrics sink) and the watchdog's warnings."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.timeouts: Counter[str] = Counter()
+        self.warnings: list[str] = []
+
+    def observe_event(self, event: IdempotencyEvent) -> None:
+        pass
+
+    def observe_store_call(self, store: str, operation: str, seconds: float, ok: bool) -> None:
+        pass
+
+    def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
+        self.timeouts[f"{endpoint} {reason}"] += 1
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.warnings.append(record.getMessage())
+
+
 def create_app() -> ASGIApp:
-    """``uvicorn --factory tests.stores.clock_pod_app:create_app``."""
+    """``uvicorn --factory tests.stores.pod_app:create_app``."""
     runs: Counter[str] = Counter()
+    observed = Observed()
+    logging.getLogger("starlette_idempotency._watchdog").addHandler(observed)
     checkpointed: Counter[str] = Counter()
     gates: dict[str, asyncio.Event] = {}
     store: IdempotencyStore
@@ -79,6 +109,16 @@ def create_app() -> ASGIApp:
         async with asyncio.timeout(60):
             await gate.wait()
         return JSONResponse({"recovered_from": None}, status_code=201)
+
+    async def compute(request: Request) -> Response:
+        runs[request.headers["idempotency-key"]] += 1
+        deadline = time.monotonic() + float(os.environ.get("IDEM_TEST_BLOCK_SECONDS", "4"))
+        while time.monotonic() < deadline:  # computing, the event loop blocked: no await
+            sum(range(1000))
+        return JSONResponse({"pod": os.environ.get("IDEM_TEST_POD", "")}, status_code=201)
+
+    async def observed_of(request: Request) -> Response:
+        return JSONResponse({"timeouts": observed.timeouts, "warnings": observed.warnings})
 
     async def set_clock(request: Request) -> Response:
         global _offset
@@ -121,6 +161,12 @@ def create_app() -> ASGIApp:
         routes=[
             Route("/pay", guarded, methods=["POST"]),
             Route("/pay-hold", held, methods=["POST"]),
+            Route(
+                "/compute",
+                idempotent(lock_ttl_seconds=COMPUTE_LOCK_TTL_SECONDS)(compute),
+                methods=["POST"],
+            ),
+            Route("/_observed", observed_of),
             Route("/_clock", set_clock, methods=["POST"]),
             Route("/_release/{key}", release, methods=["POST"]),
             Route("/_runs/{key}", runs_of),
@@ -129,4 +175,4 @@ def create_app() -> ASGIApp:
         ],
         lifespan=lifespan,
     )
-    return IdempotencyMiddleware(app, store=store)
+    return IdempotencyMiddleware(app, store=store, metrics=observed)
