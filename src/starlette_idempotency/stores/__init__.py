@@ -22,6 +22,7 @@ from starlette_idempotency.stores.base import (
     IdempotencyStore,
     StoreBase,
     StoreFinding,
+    WatchdogStore,
 )
 from starlette_idempotency.stores.memory import MemoryStore
 
@@ -39,4 +40,5 @@ __all__ = [
     "StoreBase",
     "StoreFinding",
     "StoredResponse",
+    "WatchdogStore",
 ]
