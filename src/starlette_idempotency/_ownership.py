@@ -137,9 +137,9 @@ class OwnedKey:
         if self._decided:
             raise IdempotencyError(
                 f"checkpoint({name!r}) came after the outcome of idempotency key "
-                f"{self.record.key!r} was decided (the response started, or the key was "
-                "freed): a recovery point can only be saved while the handler runs, before its "
-                "response (not from a background task that runs after it)"
+                f"{self.record.key!r} was decided (its response stored, or its key freed): a "
+                "recovery point can only be saved while the handler runs, before its response "
+                "ends (not from a background task, which runs after it)"
             )
         policy = self._route.policy
         now = self._clock()
