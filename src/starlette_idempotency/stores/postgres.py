@@ -9,8 +9,9 @@ Statements per operation (each one statement, so its own short transaction):
   there (then one statement takes an expired row over, returning its old values, or reads the
   live holder). It starts again, a few times at most, only when the row changes in between.
   An acquire its caller abandoned (cancelled by the middleware's deadline, timed out, or cut
-  off with its connection) is undone in the background by a statement fenced by its owner token (see
-  :meth:`PostgresStore._undo_abandoned`), so that no lock outlives a request that never ran.
+  off with its connection) is undone in the background by a statement fenced by its owner
+  token (see :meth:`PostgresStore._undo_abandoned`), so that no lock outlives a request that
+  never ran.
 * ``finish``: 1, which locks the row, then writes it fenced by the owner token
   and says how (a :class:`~starlette_idempotency.stores.base.FencedWrite`).
 * ``save_progress`` / ``release`` / ``renew`` / ``get``: 1 each, no read first.
