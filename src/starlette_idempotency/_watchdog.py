@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 
@@ -170,8 +171,17 @@ class _WatchdogThread:
         tick = min(renewal.interval for renewal in watched) / 4
         return min(max(tick, _MIN_TICK_SECONDS), _MAX_TICK_SECONDS)
 
+    def forget_thread(self) -> None:
+        """In a child process made by ``fork``: the parent's thread did not come along."""
+        self._watched.clear()
+        self._wake = threading.Event()
+        self._awake = False
+        self._thread = None
+        self._starting = threading.Lock()
+
 
 _THREAD = _WatchdogThread()
+os.register_at_fork(after_in_child=_THREAD.forget_thread)
 
 
 class _Keeper:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import subprocess
+import sys
 import time
 
 import pytest
@@ -193,3 +195,26 @@ async def test_a_blocked_loop_is_reported_with_its_route(caplog: pytest.LogCaptu
     assert "event loop has been blocked" in warning
     assert "POST /compute" in warning
     assert "cannot be renewed outside the loop with MemoryStore" in warning
+
+
+FORKED_CHILD = """
+import os, sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)  # fork() in a process with a thread
+from starlette_idempotency._watchdog import _THREAD
+_THREAD._start()
+assert _THREAD._thread is not None and _THREAD._thread.is_alive()
+pid = os.fork()
+if pid == 0:  # the child: the parent's thread did not come along, and a new one starts
+    ok = _THREAD._thread is None
+    _THREAD._start()
+    os._exit(0 if ok and _THREAD._thread.is_alive() else 1)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_starts_a_watchdog_thread_of_its_own() -> None:
+    """A worker forked after the watchdog thread started (a preloaded app) has no thread:
+    it must start one, not believe the parent's runs."""
+    child = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, timeout=30)
+    assert child.returncode == 0, child.stderr.decode()
