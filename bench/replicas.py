@@ -1,8 +1,10 @@
-"""What ``RedisStore(wait_replicas=1)`` costs: acquires against a primary with one replica.
+"""What ``RedisStore(wait_replicas=1)`` costs: acquires, and a request's two writes (the acquire
+and the stored response, each ``WAIT``-ed for), against a primary with one replica.
 
 ``python -m bench.replicas`` starts a private primary and a replica of it, then times
-sequential and concurrent acquires of fresh keys with ``wait_replicas=0`` and ``1``,
-interleaved over rounds, and prints a markdown table (medians).
+sequential and concurrent acquires of fresh keys, and acquires each followed by its finish,
+with ``wait_replicas=0`` and ``1``, interleaved over rounds, and prints a markdown table
+(medians).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import statistics
 import time
 import uuid
 
-from starlette_idempotency import RedisStore
+from starlette_idempotency import RedisStore, StoredResponse
 from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
 from starlette_idempotency.testing._processes import wait_until
 from starlette_idempotency.testing._redis_server import RedisServer
@@ -22,12 +24,16 @@ ACQUIRES = 2000
 CONCURRENCY = 32
 
 
+_RESPONSE = StoredResponse(201, (("content-type", "application/json"),), b'{"id":"p_1"}')
+
+
 def _pending(key: str) -> IdempotencyRecord:
     now = time.time()
     return IdempotencyRecord(key, RecordStatus.IN_PROGRESS, "sha256:x", "owner", now, now + 30)
 
 
-async def _acquires_per_second(url: str, wait_replicas: int, concurrency: int) -> float:
+async def _per_second(url: str, wait_replicas: int, concurrency: int, finish: bool) -> float:
+    """Acquires (each followed by its finish when ``finish``) per second."""
     store = RedisStore.from_url(
         url, key_prefix=f"bench-{uuid.uuid4().hex}", wait_replicas=wait_replicas
     )
@@ -37,7 +43,11 @@ async def _acquires_per_second(url: str, wait_replicas: int, concurrency: int) -
 
         async def worker() -> None:
             for key in queue:
-                assert (await store.try_acquire(key, _pending(key), 30)).acquired
+                record = _pending(key)
+                assert (await store.try_acquire(key, record, 30)).acquired
+                if finish:
+                    done = record.finished(RecordStatus.COMPLETED, _RESPONSE, record.expires_at)
+                    assert await store.finish(key, done, 60)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -57,17 +67,21 @@ def main() -> None:
             what="the replica to sync",
         )
         rows = []
-        for concurrency in (1, CONCURRENCY):
-            rates: dict[int, list[float]] = {0: [], 1: []}
-            for _ in range(ROUNDS):
-                for wait_replicas in (0, 1):
-                    rates[wait_replicas].append(
-                        asyncio.run(_acquires_per_second(primary.url, wait_replicas, concurrency))
-                    )
-            plain, waited = statistics.median(rates[0]), statistics.median(rates[1])
-            rows.append(f"| {concurrency} | {plain:,.0f} | {waited:,.0f} | {waited / plain:.2f}x |")
-    print("| concurrent callers | acquires/s, wait_replicas=0 | wait_replicas=1 | ratio |")
-    print("|---|---|---|---|")
+        for finish in (False, True):
+            for concurrency in (1, CONCURRENCY):
+                rates: dict[int, list[float]] = {0: [], 1: []}
+                for _ in range(ROUNDS):
+                    for wait_replicas in (0, 1):
+                        rate = _per_second(primary.url, wait_replicas, concurrency, finish)
+                        rates[wait_replicas].append(asyncio.run(rate))
+                plain, waited = statistics.median(rates[0]), statistics.median(rates[1])
+                what = "acquire + finish" if finish else "acquire"
+                rows.append(
+                    f"| {what} | {concurrency} | {plain:,.0f} | {waited:,.0f} "
+                    f"| {waited / plain:.2f}x |"
+                )
+    print("| writes | concurrent callers | per second, wait_replicas=0 | wait_replicas=1 | ratio |")
+    print("|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -10,6 +10,7 @@ those whose time has come. Store-call deadlines and lock renewals both use it.
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from typing import Protocol
 
@@ -32,6 +33,10 @@ class LoopTimer:
         self.resolution = resolution
         self.entries: set[Timed] = set()
         self._timer: asyncio.TimerHandle | None = None
+        #: When (``time.monotonic``) the loop last ran a check: while entries wait, a loop
+        #: whose last check is much older than ``resolution`` is blocked (the lock watchdog,
+        #: in a thread of its own, reads it).
+        self.checked_at = time.monotonic()
 
     @property
     def armed(self) -> bool:
@@ -41,12 +46,14 @@ class LoopTimer:
     def add(self, entry: Timed) -> None:
         self.entries.add(entry)
         if self._timer is None:
+            self.checked_at = time.monotonic()
             self._timer = self.loop.call_later(self.resolution, self._check)
 
     def discard(self, entry: Timed) -> None:
         self.entries.discard(entry)
 
     def _check(self) -> None:
+        self.checked_at = time.monotonic()
         now = self.loop.time()
         due = [entry for entry in self.entries if not entry.fired and entry.due <= now]
         # Re-armed before firing: an entry whose fire() fails cannot stop the others' timer.

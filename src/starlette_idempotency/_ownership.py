@@ -16,16 +16,20 @@ import anyio
 
 from starlette_idempotency._capture import ReplayingReceive, ResponseCapture
 from starlette_idempotency._context import CONTEXT_SCOPE_KEY, IdempotencyContext
-from starlette_idempotency._loop_timers import PerLoop
 from starlette_idempotency._marks import MARKS_SCOPE_KEY, RequestMarks, current_marks
 from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
-from starlette_idempotency._renewal import LockRenewal
+from starlette_idempotency._renewal import HeldLock, LockRenewal, Renewals
 from starlette_idempotency._request_events import RequestEvents
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._types import ASGIApp, Clock, Receive, Scope, Send
-from starlette_idempotency.errors import ConfigurationError, LockLostError, StoreError
+from starlette_idempotency.errors import (
+    ConfigurationError,
+    IdempotencyError,
+    LockLostError,
+    StoreError,
+)
 from starlette_idempotency.observability import OutcomeResult
 from starlette_idempotency.stores.base import FencedWrite
 
@@ -45,6 +49,7 @@ class OwnedKey:
 
     __slots__ = (
         "_clock",
+        "_decided",
         "_events",
         "_marks",
         "_responses",
@@ -73,9 +78,12 @@ class OwnedKey:
         self._route = route
         self._store_key = store_key
         self._marks = RequestMarks()
-        #: The record as this request last wrote it (its checkpoints, lease and owner token).
+        #: The record as this request last wrote it (its checkpoints and owner token; its
+        #: lease is the store's to keep).
         self.record = record
         self.renewal: LockRenewal | None = None
+        # Set once the outcome is being stored or the key freed: no recovery point after it.
+        self._decided = False
 
     async def run(
         self,
@@ -84,7 +92,7 @@ class OwnedKey:
         receive: Receive,
         send: Send,
         body: bytes,
-        renewal_timers: PerLoop,
+        renewals: Renewals,
     ) -> None:
         """Run the app as the key's owner and settle the outcome before the response ends."""
         policy = self._route.policy
@@ -97,7 +105,13 @@ class OwnedKey:
         capture = ResponseCapture(send, self, policy.max_response_bytes)
         renewal = None
         if policy.renew_lock:
-            renewal = LockRenewal(self.renew, self._events, policy.lock_ttl_seconds, renewal_timers)
+            lock = HeldLock(
+                self._store_key,
+                self.record.owner_token,
+                policy.lock_ttl_seconds,
+                self._events.endpoint,
+            )
+            renewal = LockRenewal(self.renew, self._events, lock, renewals)
         self.renewal = renewal
         token = current_marks.set(marks)
         try:
@@ -123,38 +137,38 @@ class OwnedKey:
                 f"{type(self._store.store).__name__} cannot keep recovery points: use "
                 "RedisStore, PostgresStore or MemoryStore"
             )
+        if self._decided:
+            raise IdempotencyError(
+                f"checkpoint({name!r}) came after the outcome of idempotency key "
+                f"{self.record.key!r} was decided (its response stored, or its key freed): a "
+                "recovery point can only be saved while the handler runs, before its response "
+                "ends (not from a background task, which runs after it)"
+            )
         policy = self._route.policy
         now = self._clock()
         record = replace(
             self.record,
             checkpoints=(*self.record.checkpoints, Checkpoint(name, data, now)),
-            locked_until=now + policy.lock_ttl_seconds,
             expires_at=now + policy.ttl_seconds,
         )
-        await self._save_progress(record)
+        await self._save_progress(record, policy.lock_ttl_seconds)
 
-    async def _save_progress(self, record: IdempotencyRecord) -> None:
+    async def _save_progress(self, record: IdempotencyRecord, lease: float) -> None:
         saved = await self._store.save_progress(
-            self._store_key, record, self._route.policy.ttl_seconds
+            self._store_key, record, self._route.policy.ttl_seconds, lease
         )
         if not saved:
             raise LockLostError(f"the lock for idempotency key {record.key!r} was taken over")
         self.record = record
 
     async def renew(self) -> bool:
-        """Extend the lock, taking the key back if it vanished; false once another request
-        holds it (then there is nothing left to renew)."""
-        lock_ttl = self._route.policy.lock_ttl_seconds
-        if not self.record.checkpoints:
-            renewed = await self._store.renew(self._store_key, self.record.owner_token, lock_ttl)
-        else:
-            # A checkpointed record keeps its lease inside its value.
-            lease = self._clock() + lock_ttl
-            try:
-                await self._save_progress(replace(self.record, locked_until=lease))
-                renewed = True
-            except LockLostError:
-                renewed = False
+        """Extend the lock (for a record with recovery points, its lease), taking the key back
+        if it vanished; false once another request holds it (then there is nothing left to
+        renew)."""
+        policy = self._route.policy
+        renewed = await self._store.renew(
+            self._store_key, self.record, policy.lock_ttl_seconds, policy.ttl_seconds
+        )
         return renewed or await self._reclaim()
 
     async def _reclaim(self) -> bool:
@@ -167,10 +181,8 @@ class OwnedKey:
         policy = self._route.policy
         lock_ttl = policy.lock_ttl_seconds
         now = self._clock()
-        if self.record.checkpoints:
-            record = replace(self.record, locked_until=now + lock_ttl)
-        else:
-            record = replace(self.record, expires_at=now + lock_ttl)
+        # Held by the acquire's lock TTL, with no lease of its own until it is saved again.
+        record = replace(self.record, locked_until=None, expires_at=now + lock_ttl)
         result = await self._store.try_acquire(self._store_key, record, lock_ttl, recover=False)
         if not result.acquired:
             logger.warning(
@@ -182,7 +194,9 @@ class OwnedKey:
             return False
         self.record = record
         if record.checkpoints:  # back to the retention time that keeps recovery points
-            await self._save_progress(replace(record, expires_at=now + policy.ttl_seconds))
+            await self._save_progress(
+                replace(record, expires_at=now + policy.ttl_seconds), lock_ttl
+            )
         logger.warning(
             "the lock for idempotency key %r vanished while its handler ran (evicted, deleted, "
             "or expired while the process stalled) and was taken back; a retry in between may "
@@ -197,6 +211,7 @@ class OwnedKey:
     ) -> None:
         """Store the response as the key's outcome, or release the key (5xx, 408, 429, a
         retryable mark, a status from before the endpoint)."""
+        self._decided = True
         if self.renewal is not None:
             self.renewal.stop()  # a renewal now would find the record final, not the lock gone
         if not self._should_store(status):
@@ -253,6 +268,7 @@ class OwnedKey:
 
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
+        self._decided = True
         if self.record.checkpoints:
             # Recovery points mean a side effect may have happened: keep them for the retry.
             await self._keep_for_recovery(status)
@@ -277,7 +293,7 @@ class OwnedKey:
     async def _keep_for_recovery(self, status: int | None) -> None:
         """End the lease now, keeping the checkpoints, so a retry recovers at once."""
         try:
-            await self._save_progress(replace(self.record, locked_until=self._clock()))
+            await self._save_progress(self.record, 0.0)
         except LockLostError:
             await self._events.lock_lost("lock_lost", "taken_over", status)
             return

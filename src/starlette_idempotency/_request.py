@@ -253,15 +253,13 @@ class GuardedRequest:
             await self._on_store_down(exc, body)
             return
         if not acquired.acquired:
-            assert acquired.record is not None
-            if self._is_waitable(acquired.record, fingerprint):
+            if self._is_waitable(acquired, fingerprint):
                 after_wait = await self._wait_for_first(pending)
                 if after_wait is None:
                     return
                 acquired = after_wait
             if not acquired.acquired:
-                assert acquired.record is not None
-                await self._answer_existing(acquired.record, fingerprint)
+                await self._answer_existing(acquired, fingerprint)
                 return
         owned = OwnedKey(
             store=services.store,
@@ -276,14 +274,15 @@ class GuardedRequest:
             CheckResult.ACQUIRED, note="recovering" if owned.record.checkpoints else None
         )
         await owned.run(
-            services.app, self._scope, self._receive, self._send, body, services.renewal_timers
+            services.app, self._scope, self._receive, self._send, body, services.renewals
         )
 
     def _owned_record(
         self, pending: IdempotencyRecord, taken_over: IdempotencyRecord | None
     ) -> IdempotencyRecord:
         """The record this request now owns: ``pending``, or the expired record it took over
-        with that record's recovery points (which the store kept under our token)."""
+        with that record's recovery points (which the store kept under our token, with a lease
+        of its own clock)."""
         if taken_over is None or taken_over.status is not RecordStatus.IN_PROGRESS:
             return pending
         self._events.processing_timeout("expired_lease_taken_over")
@@ -292,7 +291,7 @@ class GuardedRequest:
         return replace(
             taken_over,
             owner_token=pending.owner_token,
-            locked_until=pending.expires_at,
+            locked_until=None,
             expires_at=self._services.clock() + self._policy.ttl_seconds,
         )
 
@@ -312,11 +311,13 @@ class GuardedRequest:
             return self._policy.on_fingerprint_change == "replay", "fingerprint_version_changed"
         return record.request_fingerprint == fingerprint, None
 
-    def _is_waitable(self, record: IdempotencyRecord, fingerprint: str) -> bool:
+    def _is_waitable(self, held: AcquireResult, fingerprint: str) -> bool:
+        record = held.record
+        assert record is not None
         return (
             self._policy.on_in_progress == "wait"
             and record.status is RecordStatus.IN_PROGRESS
-            and not record.lease_expired(self._services.clock())
+            and not held.lease_expired  # the store's clock decides, never this pod's
             and self._same_request(record, fingerprint)[0]
         )
 
@@ -399,11 +400,13 @@ class GuardedRequest:
             note=note,
         )
 
-    async def _answer_existing(self, record: IdempotencyRecord, fingerprint: str) -> None:
+    async def _answer_existing(self, held: AcquireResult, fingerprint: str) -> None:
+        record = held.record
+        assert record is not None
         same_request, note = self._same_request(record, fingerprint)
         if not same_request:
             await self._reject(Problem.MISMATCH, MISMATCH_MESSAGE, CheckResult.MISMATCH, note=note)
-        elif record.lease_expired(self._services.clock()):
+        elif held.lease_expired:  # on the store's clock
             # on_recovery="hold": a handler checkpointed and died; nobody may run it again
             # until an operator or a reconciler resolves the record.
             await self._events.decided(CheckResult.REQUIRES_RECOVERY, note=note)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from starlette_idempotency._key_scope import KeyScopeResolver
-from starlette_idempotency._loop_timers import PerLoop
 from starlette_idempotency._protection import ResponseKeeper
+from starlette_idempotency._renewal import Renewals
 from starlette_idempotency._responses import ErrorResponder
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._types import ASGIApp, Clock
@@ -44,5 +44,5 @@ class RequestServices:
     store: BoundedStore
     key_scope: KeyScopeResolver
     waiters: Waiters
-    #: Where running handlers wait for their first lock renewal (one timer per loop).
-    renewal_timers: PerLoop
+    #: Where running handlers' locks are renewed: one timer per loop, and the watchdog.
+    renewals: Renewals

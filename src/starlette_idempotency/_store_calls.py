@@ -6,17 +6,23 @@ turns whatever it raises into a :class:`~starlette_idempotency.errors.StoreError
 raise ``StoreError`` for their drivers' failures themselves (they are used on their own too);
 what reaches this boundary otherwise is the call's own deadline, or a bug in a custom store,
 and the request must still get its 503 or run fail-open rather than a 500.
+
+It also speaks the protocol of 0.1 to a store written for it (its ``save_progress`` takes no
+``lease``): for such a store alone, leases are set and judged on the middleware's clock, as
+they were, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import TypeVar
 
 from starlette_idempotency._deadlines import CallDeadlines
 from starlette_idempotency._deprecation import deprecated
 from starlette_idempotency._record import IdempotencyRecord
+from starlette_idempotency._types import Clock, system_clock
 from starlette_idempotency.errors import StoreError, StoreTimeoutError
 from starlette_idempotency.observability import MetricsSink, StoreCallTracer
 from starlette_idempotency.stores.base import (
@@ -25,6 +31,7 @@ from starlette_idempotency.stores.base import (
     FencedWrite,
     IdempotencyStore,
     StoreBase,
+    leases_on_store_clock,
 )
 
 _T = TypeVar("_T")
@@ -45,8 +52,10 @@ class BoundedStore:
     """The store's primitives, each bounded to ``timeout`` seconds, timed and traced."""
 
     __slots__ = (
+        "_clock",
         "_deadlines",
         "_finishers",
+        "_legacy_leases",
         "_metrics",
         "_never_blocks",
         "_tracer",
@@ -61,8 +70,20 @@ class BoundedStore:
         timeout: float,
         metrics: MetricsSink | None,
         tracer: StoreCallTracer | None,
+        clock: Clock = system_clock,
     ) -> None:
         self.store = store
+        self._clock = clock
+        self._legacy_leases = not leases_on_store_clock(store)
+        if self._legacy_leases and store.supports_recovery:
+            deprecated(
+                f"{type(store).__name__}.save_progress takes no lease: it implements the store "
+                "protocol of 0.1, so its recovery leases are set and judged on each pod's "
+                "clock, and pods whose clocks disagree can run a handler twice. Give "
+                "save_progress a lease parameter (seconds, counted on the store's clock) and "
+                "set AcquireResult.lease_expired; the 0.1 protocol",
+                stacklevel=3,
+            )
         #: The store's name for metrics labels and spans.
         self.name = store.name
         self._deadlines = CallDeadlines(timeout)
@@ -89,21 +110,41 @@ class BoundedStore:
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> Awaitable[AcquireResult]:
         call = self.store.try_acquire(key, pending, lock_ttl, recover=recover)
+        if self._legacy_leases:
+            call = self._lease_judged_here(call)
         return self._call("try_acquire", call)
+
+    async def _lease_judged_here(self, call: Awaitable[AcquireResult]) -> AcquireResult:
+        """A 0.1 store's answer, with ``lease_expired`` judged on this pod's clock."""
+        result = await call
+        if result.acquired or result.record is None or result.lease_expired is not None:
+            return result
+        return replace(result, lease_expired=result.record.lease_expired(self._clock()))
 
     def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[FencedWrite]:
         finish = self._finishers.get(record.status, self.store.finish)
         # Metrics and spans name the outcome, as dashboards built on them expect.
         return self._call(FINISH_SPELLINGS[record.status], finish(key, record, ttl))
 
-    def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[bool]:
-        return self._call("save_progress", self.store.save_progress(key, record, ttl))
+    def save_progress(
+        self, key: str, record: IdempotencyRecord, ttl: float, lease: float
+    ) -> Awaitable[bool]:
+        if self._legacy_leases:
+            dated = replace(record, locked_until=self._clock() + lease)
+            return self._call("save_progress", self.store.save_progress(key, dated, ttl))  # type: ignore[call-arg]
+        return self._call("save_progress", self.store.save_progress(key, record, ttl, lease))
 
     def release(self, key: str, owner_token: str) -> Awaitable[bool]:
         return self._call("release", self.store.release(key, owner_token))
 
-    def renew(self, key: str, owner_token: str, lock_ttl: float) -> Awaitable[bool]:
-        return self._call("renew", self.store.renew(key, owner_token, lock_ttl))
+    def renew(
+        self, key: str, record: IdempotencyRecord, lock_ttl: float, ttl: float
+    ) -> Awaitable[bool]:
+        """Extend the lock of ``record`` (its lease, when it has recovery points, kept for
+        ``ttl``): a 0.1 store renews such a lease by saving the record again."""
+        if self._legacy_leases and record.checkpoints:
+            return self.save_progress(key, record, ttl, lock_ttl)
+        return self._call("renew", self.store.renew(key, record.owner_token, lock_ttl))
 
     def get(self, key: str) -> Awaitable[IdempotencyRecord | None]:
         return self._call("get", self.store.get(key))

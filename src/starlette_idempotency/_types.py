@@ -19,7 +19,12 @@ STRIPE_REPLAY_HEADER = "Idempotent-Replayed"
 
 
 class Clock(Protocol):
-    """Wall-clock time in seconds since the epoch; injectable so tests need no sleeps."""
+    """Wall-clock time in seconds since the epoch; injectable so tests need no sleeps.
+
+    Wall time is only ever shown (a record's ``created_at``, a checkpoint's time): durations
+    are measured on a monotonic clock (see :func:`monotonic_for`), and leases and locks on the
+    store's own clock.
+    """
 
     def __call__(self) -> float: ...
 
@@ -27,3 +32,19 @@ class Clock(Protocol):
 def system_clock() -> float:
     """The real wall clock."""
     return time.time()
+
+
+def monotonic_for(clock: Clock) -> Callable[[], float]:
+    """The monotonic clock that measures durations beside the wall clock ``clock``.
+
+    The clock's own ``monotonic`` when it has one (``FakeClock`` does, so that a test can step
+    its wall time alone), ``time.monotonic`` beside the system clock, else ``clock`` itself: an
+    injected clock with no monotonic twin keeps driving durations, as a test that advances it
+    to expire a lock expects.
+    """
+    monotonic = getattr(clock, "monotonic", None)
+    if callable(monotonic):
+        return monotonic  # type: ignore[no-any-return]
+    if clock is system_clock:
+        return time.monotonic
+    return clock

@@ -28,7 +28,7 @@ from starlette_idempotency._options import (
     unknown_option_error,
 )
 from starlette_idempotency._protection import ResponseEncryption, ResponseKeeper
-from starlette_idempotency._renewal import RENEWAL_RESOLUTION
+from starlette_idempotency._renewal import RENEWAL_RESOLUTION, Renewals
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
 from starlette_idempotency._routing import RouteResolver, iter_routes, routes_for
@@ -46,6 +46,7 @@ from starlette_idempotency._types import (
     system_clock,
 )
 from starlette_idempotency._waiting import Waiters
+from starlette_idempotency._watchdog import LockWatchdog
 from starlette_idempotency.errors import ConfigurationError
 from starlette_idempotency.observability import (
     EventHook,
@@ -281,11 +282,14 @@ class IdempotencyMiddleware:
             timeout=store_timeout_seconds,
             metrics=metrics,
             tracer=StoreCallTracer() if tracing else None,
+            clock=clock,
         )
         #: The duplicates waiting for a first request (``on_in_progress="wait"``).
         self.waiters = Waiters(bounded, max_waiters, self.observer.waiting)
         #: Where running handlers wait for their first lock renewal (one timer per loop).
         self.renewal_timers = PerLoop(RENEWAL_RESOLUTION)
+        #: What renews running handlers' locks while their event loop is blocked.
+        self.watchdog = LockWatchdog(store, self.observer)
         self._services = RequestServices(
             app=app,
             limits=RequestLimits(
@@ -301,7 +305,7 @@ class IdempotencyMiddleware:
             store=bounded,
             key_scope=KeyScopeResolver(key_scope),
             waiters=self.waiters,
-            renewal_timers=self.renewal_timers,
+            renewals=Renewals(self.renewal_timers, self.watchdog),
         )
         self._startup_check = StartupCheck(store, check_store, self._check_routes)
         compressing = _compressing_layer_inside(app)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
+import subprocess
+import sys
 import time
 
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -13,6 +17,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency.observability import IdempotencyEvent
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
 
@@ -145,3 +150,71 @@ async def test_concurrent_slow_handlers_are_each_renewed() -> None:
     assert {(await post).status_code for post in posts} == {200}
     # each renewal ran in its own request's context: key@request id with the same key twice
     assert {entry.rsplit(":", 1)[1] for entry in renewed} == {f"{k}@{k}" for k in keys}
+
+
+class CountingSink:
+    """A metrics sink that keeps the processing timeouts it is told about."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[tuple[str, str]] = []
+
+    def observe_event(self, event: IdempotencyEvent) -> None:
+        pass
+
+    def observe_store_call(self, store: str, operation: str, seconds: float, ok: bool) -> None:
+        pass
+
+    def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
+        self.timeouts.append((endpoint, reason))
+
+
+async def test_a_blocked_loop_is_reported_with_its_route(caplog: pytest.LogCaptureFixture) -> None:
+    """The handler blocks this event loop for longer than half its lock: the watchdog thread
+    warns, naming the route, and the blocked loop is counted once it runs again. MemoryStore
+    keeps its locks in this process, so the warning says they cannot be renewed from outside
+    (RedisStore and PostgresStore are renewed: tests/stores/test_blocked_pods.py)."""
+    lock_ttl = 0.6
+
+    @idempotent(lock_ttl_seconds=lock_ttl)
+    async def compute(request: Request) -> Response:
+        # Blocks the event loop (the point here) for most of the lock, not past it.
+        time.sleep(lock_ttl * 0.8)  # noqa: ASYNC251
+        return JSONResponse({"ok": True})
+
+    sink = CountingSink()
+    app = Starlette(routes=[Route("/compute", compute, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore(), metrics=sink))
+
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency._watchdog"):
+        response = await client.post("/compute", headers={"Idempotency-Key": "k"})
+    assert response.status_code == 200
+    await eventually(lambda: sink.timeouts, message="the blocked loop to be counted")
+
+    assert sink.timeouts == [("POST /compute", "event_loop_blocked")]
+    [warning] = [r.getMessage() for r in caplog.records if r.name.endswith("_watchdog")]
+    assert "event loop has been blocked" in warning
+    assert "POST /compute" in warning
+    assert "cannot be renewed outside the loop with MemoryStore" in warning
+
+
+FORKED_CHILD = """
+import os, sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)  # fork() in a process with a thread
+from starlette_idempotency._watchdog import _THREAD
+_THREAD._start()
+assert _THREAD._thread is not None and _THREAD._thread.is_alive()
+pid = os.fork()
+if pid == 0:  # the child: the parent's thread did not come along, and a new one starts
+    ok = _THREAD._thread is None
+    _THREAD._start()
+    os._exit(0 if ok and _THREAD._thread.is_alive() else 1)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_starts_a_watchdog_thread_of_its_own() -> None:
+    """A worker forked after the watchdog thread started (a preloaded app) has no thread:
+    it must start one, not believe the parent's runs."""
+    child = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, timeout=30)
+    assert child.returncode == 0, child.stderr.decode()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from starlette_idempotency import (
     idempotent,
 )
 from starlette_idempotency._fingerprint import storage_key
+from starlette_idempotency.stores import AcquireResult, IdempotencyRecord
 from starlette_idempotency.testing import FakeClock
 from tests.support.guarded import make_client
 
@@ -191,3 +193,46 @@ def test_context_outside_a_guarded_request_is_an_error() -> None:
     request = Request({"type": "http", "headers": []})
     with pytest.raises(IdempotencyError, match="not guarded"):
         idempotency_context(request)
+
+
+class FirstProtocolStore(MemoryStore):
+    """A store written for the protocol of 0.1: ``save_progress`` takes no lease (it reads
+    ``record.locked_until``, an instant of the pod's clock), and ``try_acquire`` does not say
+    whether a held record's lease ran out."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock=clock)
+        self.leases: list[float] = []
+
+    async def save_progress(  # type: ignore[override]
+        self, key: str, record: IdempotencyRecord, ttl: float
+    ) -> bool:
+        assert record.locked_until is not None
+        self.leases.append(record.locked_until)
+        return await super().save_progress(key, record, ttl, record.locked_until - self._clock())
+
+    async def try_acquire(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
+    ) -> AcquireResult:
+        result = await super().try_acquire(key, pending, lock_ttl, recover=recover)
+        return replace(result, lease_expired=None)
+
+
+@pytest.mark.parametrize("on_recovery", ["handler", "hold"])
+async def test_a_store_of_the_first_protocol_still_keeps_recovery_points(
+    on_recovery: str,
+) -> None:
+    clock = FakeClock()
+    store = FirstProtocolStore(clock)
+    with pytest.warns(DeprecationWarning, match="save_progress takes no lease"):
+        app = PaymentsApp(store, clock, on_recovery=on_recovery)
+    doomed = await app.crash_first_attempt(clock)
+    assert store.leases == [1_800_000_000.0 + LOCK_TTL]  # set on the middleware's clock
+
+    retry = await app.client.post("/pay", json={"amount": 100}, headers=HEADERS)
+
+    if on_recovery == "hold":
+        assert retry.status_code == 202  # the lease judged on the middleware's clock
+    else:
+        assert retry.json() == {"charged": 100, "reconciled": True}
+    doomed.cancel()

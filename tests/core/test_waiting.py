@@ -169,3 +169,58 @@ async def test_a_first_request_that_ends_before_the_watch_starts_is_seen_at_once
     assert {first.status_code, second.status_code} == {200}
     assert ["x-idempotent-replay" in r.headers for r in (first, second)].count(True) == 1
     assert took < 0.5, f"the waiting duplicate took {took:.2f}s: it missed the completion"
+
+
+async def test_nothing_a_wait_made_outlives_its_request() -> None:
+    """Soak: round after round of keys whose duplicates waited (answered with the replay,
+    timed out, or cancelled by their client) leave no event in the store, no watch in the
+    middleware and no task behind: the counts stay flat."""
+    store = MemoryStore()
+    gates: dict[str, asyncio.Event] = {}
+
+    async def pay(request: Request) -> Response:
+        await gates.setdefault(request.headers["idempotency-key"], asyncio.Event()).wait()
+        return JSONResponse({"ok": True}, status_code=201)
+
+    patient_pay = idempotent(on_in_progress="wait", wait_timeout_seconds=10)(pay)
+    hasty_pay = idempotent(on_in_progress="wait", wait_timeout_seconds=0.05)(pay)
+    routes = [
+        Route("/patient", patient_pay, methods=["POST"]),
+        Route("/hasty", hasty_pay, methods=["POST"]),
+    ]
+    middleware = IdempotencyMiddleware(Starlette(routes=routes), store=store)
+    client = make_client(middleware)
+    baseline_tasks = len(asyncio.all_tasks())
+
+    def post(path: str, key: str) -> asyncio.Task[Any]:
+        headers = {"Idempotency-Key": key}
+        return asyncio.create_task(client.post(path, json={}, headers=headers))
+
+    for round_number in range(10):
+        keys = [f"r{round_number}-k{n}" for n in range(30)]
+        firsts = [post("/patient", key) for key in keys] + [post("/hasty", key) for key in keys]
+        await eventually(lambda: len(gates) == len(keys), message="every first request to run")  # noqa: B023
+        patient = [post("/patient", key) for key in keys for _ in range(2)]
+        hasty = [post("/hasty", key) for key in keys]
+        doomed = [post("/patient", key) for key in keys]
+        await eventually(
+            lambda: middleware.waiters.count >= 3 * len(keys),  # noqa: B023
+            message="the duplicates to wait",
+        )
+        for task in doomed:
+            task.cancel()
+        assert {response.status_code for response in await asyncio.gather(*hasty)} == {409}
+        for key in keys:
+            gates[key].set()
+        responses = await asyncio.gather(*firsts, *patient)
+        assert {response.status_code for response in responses} == {201}
+        await asyncio.gather(*doomed, return_exceptions=True)
+        gates.clear()
+
+        await eventually(
+            lambda: len(asyncio.all_tasks()) == baseline_tasks,
+            message=f"round {round_number}: the watchers' tasks to end",
+        )
+        assert middleware.waiters.count == 0
+        assert middleware.waiters._watches == {}
+        assert store._changes == {}, f"round {round_number}: {len(store._changes)} events left"

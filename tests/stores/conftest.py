@@ -3,20 +3,30 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack
 from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg  # type: ignore[import-untyped]
+import httpx
 import pytest
 import redis.asyncio as aioredis
 
 from starlette_idempotency.stores import IdempotencyRecord
 from starlette_idempotency.stores.base import IdempotencyStore
+from starlette_idempotency.testing._isolation import (
+    delete_prefixed_at,
+    unique_prefix,
+    unique_table,
+)
 from starlette_idempotency.testing._redis_server import RedisServer
 from tests.support.cutting_proxy import CuttingProxy
+from tests.support.pods import Pods
 from tests.support.records import pending
 from tests.support.stores import STORE_FACTORIES, ClockedStore, Factory
+from tests.support.uvicorn import UvicornServer
 
 
 @pytest.fixture(params=STORE_FACTORIES)
@@ -24,6 +34,47 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[ClockedStore]
     factory: Factory = request.param
     async with factory(request) as built:
         yield built
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("postgres", marks=pytest.mark.postgres),
+    ],
+)
+def pod_urls(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """Two pods (uvicorn processes running :mod:`tests.stores.pod_app`) on one store, RedisStore
+    or PostgresStore, started once per store for a test module."""
+    env = {"IDEM_TEST_STORE": request.param}
+    prefix = unique_prefix()
+    if request.param == "redis":
+        redis_url = request.getfixturevalue("redis_url")
+        env |= {"IDEM_TEST_REDIS_URL": redis_url, "IDEM_TEST_PREFIX": prefix}
+    else:
+        env |= {
+            "IDEM_TEST_DSN": request.getfixturevalue("postgres_dsn"),
+            "IDEM_TEST_TABLE": unique_table(),
+        }
+    app = "tests.stores.pod_app:create_app"
+    with ExitStack() as stack:
+        holder = stack.enter_context(UvicornServer(app, env=env, factory=True))
+        retrier = stack.enter_context(UvicornServer(app, env=env, factory=True))
+        yield holder.url, retrier.url
+    if request.param == "redis":
+        asyncio.run(delete_prefixed_at(redis_url, prefix))
+
+
+@pytest.fixture
+async def pods(pod_urls: tuple[str, str]) -> AsyncIterator[Pods]:
+    holder_url, retrier_url = pod_urls
+    async with (
+        httpx.AsyncClient(base_url=holder_url, timeout=30) as holder,
+        httpx.AsyncClient(base_url=retrier_url, timeout=30) as retrier,
+    ):
+        yield Pods(holder, retrier)
+        for client in (holder, retrier):
+            await client.post("/_clock", json={"offset": 0})
 
 
 @pytest.fixture

@@ -4,14 +4,19 @@ PostgresStore, configured by environment variables.
 A request carrying ``X-Terminate-Connections`` first has the server end every connection of
 the app's pool (``pg_terminate_backend``), blocking the process's event loop until the backends
 have exited: so the pool has not seen it when the store's first statement goes out, as for a
-request that arrives just as the database restarts or fails over.
+request that arrives just as the database restarts or fails over. One carrying ``X-Wait-For:
+PATH`` blocks the event loop the same way until the file ``PATH`` exists (it writes
+``PATH.waiting`` first), while the test does to the server what it likes (a crash, an
+immediate restart).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import asyncpg  # type: ignore[import-untyped]
 from starlette.applications import Starlette
@@ -24,11 +29,21 @@ from starlette_idempotency import IdempotencyMiddleware, PostgresStore, idempote
 from tests.support.postgres import terminate_backends
 
 TERMINATE_HEADER = b"x-terminate-connections"
+WAIT_HEADER = b"x-wait-for"
+
+
+def block_until_exists(path: Path) -> None:
+    """Block this thread (the event loop's) until ``path`` exists."""
+    path.with_name(path.name + ".waiting").touch()
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class TerminateConnectionsFirst:
-    """Ends the pool's connections before passing a request marked with ``TERMINATE_HEADER``
-    on, its body read first so that nothing waits in between."""
+    """Ends the pool's connections (``TERMINATE_HEADER``), or waits for the test to do
+    something of its own (``WAIT_HEADER``), before passing a marked request on, its body read
+    first so that nothing waits in between."""
 
     def __init__(self, app: ASGIApp, *, dsn: str, application_name: str) -> None:
         self.app = app
@@ -36,14 +51,18 @@ class TerminateConnectionsFirst:
         self.application_name = application_name
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or TERMINATE_HEADER not in dict(scope["headers"]):
+        headers = dict(scope["headers"]) if scope["type"] == "http" else {}
+        if TERMINATE_HEADER not in headers and WAIT_HEADER not in headers:
             await self.app(scope, receive, send)
             return
         body: list[Message] = [await receive()]
         while body[-1]["type"] == "http.request" and body[-1].get("more_body"):
             body.append(await receive())
-        terminated = terminate_backends(self.dsn, self.application_name)
-        scope.setdefault("state", {})["terminated"] = terminated
+        if WAIT_HEADER in headers:
+            block_until_exists(Path(headers[WAIT_HEADER].decode()))
+        else:
+            terminated = terminate_backends(self.dsn, self.application_name)
+            scope.setdefault("state", {})["terminated"] = terminated
 
         async def replay() -> Message:
             return body.pop(0) if body else await receive()

@@ -6,6 +6,7 @@ the key to disappear (``harness.expire``), so the same test bodies cover both.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -22,6 +23,7 @@ from starlette_idempotency.stores.base import (
     CheckableStore,
     FencedWrite,
     IdempotencyStore,
+    WatchdogStore,
 )
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished
 from tests.support.stores import ClockedStore
@@ -360,17 +362,16 @@ CHECKPOINT_DATA = {
 }
 
 
-def checkpointed(
-    record: IdempotencyRecord, now: float, *, locked_until: float
-) -> IdempotencyRecord:
-    """``record`` with one more recovery point and its lease ending at ``locked_until``."""
+def checkpointed(record: IdempotencyRecord, now: float) -> IdempotencyRecord:
+    """``record`` with one more recovery point, kept for the retention time."""
     point = Checkpoint("provider_charge_sent", CHECKPOINT_DATA, now)
-    return replace(
-        record,
-        checkpoints=(*record.checkpoints, point),
-        locked_until=locked_until,
-        expires_at=now + RETENTION_TTL,
-    )
+    return replace(record, checkpoints=(*record.checkpoints, point), expires_at=now + RETENTION_TTL)
+
+
+def assert_same_but_lease(actual: IdempotencyRecord | None, expected: IdempotencyRecord) -> None:
+    """Equal as stored, but for the lease, which the store sets on its own clock."""
+    assert actual is not None
+    assert_same(replace(actual, locked_until=None), replace(expected, locked_until=None))
 
 
 def require_recovery(store: IdempotencyStore) -> None:
@@ -382,29 +383,50 @@ async def test_save_progress_by_the_owner(
     harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     pending = await held(store, make_record)
-    now = harness.now()
-    saved = checkpointed(pending, now, locked_until=now + LOCK_TTL)
+    saved = checkpointed(pending, harness.now())
 
-    assert await store.save_progress("k1", saved, RETENTION_TTL)
+    assert await store.save_progress("k1", saved, RETENTION_TTL, LOCK_TTL)
 
     stored = await store.get("k1")
-    assert_same(stored, saved)
+    assert_same_but_lease(stored, saved)
     assert stored is not None
     assert stored.checkpoints[0].data == CHECKPOINT_DATA
-    intruder = replace(checkpointed(pending, now, locked_until=now), owner_token="owner-b")
-    assert not await store.save_progress("k1", intruder, RETENTION_TTL)
-    assert_same(await store.get("k1"), saved)
+    assert stored.locked_until is not None  # the lease the store keeps, shown in its record
+    intruder = replace(checkpointed(pending, harness.now()), owner_token="owner-b")
+    assert not await store.save_progress("k1", intruder, RETENTION_TTL, LOCK_TTL)
+    assert_same(await store.get("k1"), stored)
 
 
 async def test_save_progress_needs_a_live_record(
     harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
 ) -> None:
     pending = make_record("k1", "owner-a")
-    now = harness.now()
 
-    assert not await store.save_progress("k1", checkpointed(pending, now, locked_until=now), 60)
+    assert not await store.save_progress("k1", checkpointed(pending, harness.now()), 60, 0)
 
     assert await store.get("k1") is None
+
+
+@pytest.mark.parametrize("status", [RecordStatus.COMPLETED, RecordStatus.FAILED])
+async def test_no_progress_or_renewal_reopens_a_finished_record(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord, status: RecordStatus
+) -> None:
+    """A late write of the owner (a checkpoint from a task that runs after the response, a
+    renewal or a command resent after a reconnect) never turns its final record back."""
+    pending = await held(store, make_record)
+    assert await store.save_progress("k1", checkpointed(pending, harness.now()), 60, LOCK_TTL)
+    final = finished(checkpointed(pending, harness.now()), status=status)
+    assert await store.finish("k1", final, RETENTION_TTL) is FencedWrite.WRITTEN
+
+    late = checkpointed(checkpointed(pending, harness.now()), harness.now())
+    assert not await store.save_progress("k1", late, RETENTION_TTL, LOCK_TTL)
+    assert not await store.save_progress("k1", late, RETENTION_TTL, 0)
+    assert not await store.renew("k1", "owner-a", LOCK_TTL)
+
+    assert_same(await store.get("k1"), final)
+    replay = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+    assert not replay.acquired
+    assert_same(replay.record, final)
 
 
 async def test_a_dead_handlers_checkpoints_are_taken_over(
@@ -412,14 +434,15 @@ async def test_a_dead_handlers_checkpoints_are_taken_over(
 ) -> None:
     require_recovery(store)
     dead = await held(store, make_record)
-    now = harness.now()
-    saved = checkpointed(dead, now, locked_until=now - 1)  # its lease ran out a second ago
-    assert await store.save_progress("k1", saved, RETENTION_TTL)
+    saved = checkpointed(dead, harness.now())
+    assert await store.save_progress("k1", saved, RETENTION_TTL, 0)  # the lease ends now
+    stored_dead = await store.get("k1")
+    assert stored_dead is not None
 
     result = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
 
     assert result.acquired
-    assert_same(result.record, saved)
+    assert_same(result.record, stored_dead)
     stored = await store.get("k1")
     assert stored is not None
     assert stored.owner_token == "owner-b"
@@ -427,16 +450,19 @@ async def test_a_dead_handlers_checkpoints_are_taken_over(
     assert stored.locked_until is not None
     assert stored.locked_until > harness.now()
     # Apart from the owner and the lease, the record is the one taken over (checkpoints too).
-    assert_same(replace(stored, owner_token="owner-a", locked_until=now - 1), saved)
+    assert_same_but_lease(replace(stored, owner_token="owner-a"), saved)
     # The successor acquiring again (taking its key back) keeps the checkpoints it inherited.
     again = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL, recover=False)
     assert again.acquired
     assert_same(again.record, stored)
     # The dead handler is fenced off; its successor finishes.
     assert not await store.finish("k1", finished(saved), RETENTION_TTL)
-    assert not await store.save_progress("k1", saved, RETENTION_TTL)
+    assert not await store.save_progress("k1", saved, RETENTION_TTL, LOCK_TTL)
+    assert not await store.renew("k1", "owner-a", LOCK_TTL)
     assert not await store.release("k1", "owner-a")
-    assert not (await store.try_acquire("k1", make_record("k1", "owner-c"), LOCK_TTL)).acquired
+    busy = await store.try_acquire("k1", make_record("k1", "owner-c"), LOCK_TTL)
+    assert not busy.acquired
+    assert busy.lease_expired is False
     assert await store.finish("k1", finished(stored), RETENTION_TTL)
 
 
@@ -447,12 +473,13 @@ async def test_a_checkpointed_record_is_not_taken_over_when(
     now = harness.now()
     live = make_record("live", "owner-a")
     await store.try_acquire("live", live, LOCK_TTL)
-    live_saved = checkpointed(live, now, locked_until=now + LOCK_TTL)
-    assert await store.save_progress("live", live_saved, RETENTION_TTL)
+    assert await store.save_progress("live", checkpointed(live, now), RETENTION_TTL, LOCK_TTL)
     dead = make_record("dead", "owner-a")
     await store.try_acquire("dead", dead, LOCK_TTL)
-    dead_saved = checkpointed(dead, now, locked_until=now - 1)
-    assert await store.save_progress("dead", dead_saved, RETENTION_TTL)
+    assert await store.save_progress("dead", checkpointed(dead, now), RETENTION_TTL, 0)
+    live_saved, dead_saved = await store.get("live"), await store.get("dead")
+    assert live_saved is not None
+    assert dead_saved is not None
 
     lease_running = await store.try_acquire("live", make_record("live", "owner-b"), LOCK_TTL)
     other_request = await store.try_acquire(
@@ -462,11 +489,95 @@ async def test_a_checkpointed_record_is_not_taken_over_when(
         "dead", make_record("dead", "owner-b"), LOCK_TTL, recover=False
     )
 
-    for result, holder in [
-        (lease_running, live_saved),
-        (other_request, dead_saved),
-        (declined, dead_saved),
+    for result, holder, expired in [
+        (lease_running, live_saved, False),
+        (other_request, dead_saved, True),
+        (declined, dead_saved, True),
     ]:
         assert not result.acquired
         assert_same(result.record, holder)
+        assert result.lease_expired is expired  # judged by the store, on its own clock
     assert_same(await store.get("dead"), dead_saved)
+
+
+async def test_a_lease_is_counted_on_the_stores_clock_not_the_records_times(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """Records made on pods whose clocks are an hour off either way: the lease the store
+    keeps runs from when it was saved, whatever the times inside the record say."""
+    require_recovery(store)
+    for key, skew in [("behind", -3600.0), ("ahead", 3600.0)]:
+        pod_now = harness.now() + skew
+        mine = pending_at(make_record(key, "owner-a"), pod_now)
+        assert (await store.try_acquire(key, mine, LOCK_TTL)).acquired
+        assert await store.save_progress(key, checkpointed(mine, pod_now), RETENTION_TTL, LOCK_TTL)
+        retry = pending_at(make_record(key, "owner-b"), harness.now() - skew)
+
+        result = await store.try_acquire(key, retry, LOCK_TTL)
+
+        assert not result.acquired, f"a pod {skew:+.0f} s off took over a running handler"
+        assert result.lease_expired is False
+        assert await store.renew(key, "owner-a", LOCK_TTL)
+        assert not (await store.try_acquire(key, retry, LOCK_TTL)).acquired
+
+
+async def test_renewing_a_checkpointed_lease_keeps_its_checkpoints(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """A renewal touches the lease only, so it can never put back older checkpoints than the
+    handler has saved since."""
+    require_recovery(store)
+    pending = await held(store, make_record)
+    saved = checkpointed(pending, harness.now())
+    assert await store.save_progress("k1", saved, RETENTION_TTL, 0)
+    before = await store.get("k1")
+    assert before is not None
+
+    assert await store.renew("k1", "owner-a", LOCK_TTL)
+
+    after = await store.get("k1")
+    assert_same_but_lease(after, saved)
+    assert after is not None
+    assert after.locked_until is not None
+    assert before.locked_until is not None
+    assert after.locked_until > before.locked_until
+    taken = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+    assert not taken.acquired
+    assert taken.lease_expired is False
+
+
+def pending_at(record: IdempotencyRecord, now: float) -> IdempotencyRecord:
+    """``record`` as a pod whose clock reads ``now`` makes it."""
+    return replace(record, created_at=now, expires_at=now + LOCK_TTL)
+
+
+async def test_a_watchdog_store_renews_from_a_thread_of_its_own(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """What the lock watchdog opens: a store over the same records with connections of its
+    own, made, used and closed in another thread's event loop while this one waits."""
+    if not isinstance(store, WatchdogStore):
+        pytest.skip(f"{type(store).__name__} has no watchdog store (its locks live in process)")
+    await held(store, make_record, SHORT_TTL)
+    pending = make_record("k2", "owner-a")
+    await store.try_acquire("k2", pending, LOCK_TTL)
+    assert await store.save_progress("k2", checkpointed(pending, 0.0), RETENTION_TTL, 0)
+
+    async def renew_there() -> list[bool]:
+        own = await store.watchdog_store()
+        assert own is not None
+        try:
+            return [
+                await own.renew("k1", "owner-a", LOCK_TTL),
+                await own.renew("k1", "owner-b", LOCK_TTL),
+                await own.renew("k2", "owner-a", LOCK_TTL),
+            ]
+        finally:
+            await own.aclose()
+
+    assert await asyncio.to_thread(asyncio.run, renew_there()) == [True, False, True]
+    busy = await store.try_acquire("k2", make_record("k2", "owner-b"), LOCK_TTL)
+    assert not busy.acquired
+    assert busy.lease_expired is False  # the lease renewed from the other thread
+    await asyncio.sleep(SHORT_TTL * 2)  # past the first lock's TTL: renewed, it still holds
+    assert not (await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)).acquired

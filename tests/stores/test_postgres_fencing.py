@@ -113,7 +113,7 @@ async def test_own_row_with_checkpoints_comes_back_with_them(
     record = pending("owner-1")
     await postgres_store.try_acquire("k", record, LOCK_TTL)
     saved = replace(record, checkpoints=(Checkpoint("charged", {"id": 7}, at=1.0),))
-    assert await postgres_store.save_progress("k", saved, TTL)
+    assert await postgres_store.save_progress("k", saved, TTL, LOCK_TTL)
 
     again = await postgres_store.try_acquire("k", record, LOCK_TTL, recover=False)
     assert again.acquired
@@ -264,3 +264,69 @@ async def test_fenced_write_agrees_with_the_row_under_concurrent_writers(
                 # It saw the final holder, or (before its lock was taken) the first one.
                 assert result.record is not None
                 assert result.record.owner_token in (stored.owner_token, "owner")
+
+
+# -- undoing an abandoned acquire ---------------------------------------------------------------
+
+
+async def abandon(store: PostgresStore, key: str, record: Any) -> bool:
+    """The statement that undoes ``record``'s abandoned acquire of ``key``."""
+    params = store._row_params(f"idempotency:{key}", record, LOCK_TTL)
+    return bool(await store._fetchval("undo (abandon)", "abandon", *params))
+
+
+async def test_undoing_an_abandoned_acquire_frees_the_key(postgres_store: PostgresStore) -> None:
+    mine = pending("owner-1")
+    assert (await postgres_store.try_acquire("k", mine, LOCK_TTL)).acquired
+
+    assert await abandon(postgres_store, "k", mine)
+
+    assert await postgres_store.get("k") is None
+    assert (await postgres_store.try_acquire("k", pending("owner-2"), LOCK_TTL)).acquired
+
+
+async def test_an_insert_landing_after_its_undo_writes_nothing(
+    postgres_store: PostgresStore,
+) -> None:
+    """The undo can run before the abandoned INSERT reaches the table (a connection that
+    stalled): it leaves an expired row under the abandoned token that the INSERT meets."""
+    late = pending("owner-1")
+    assert not await abandon(postgres_store, "k", late)
+
+    assert (
+        await postgres_store._fetchval(
+            "try_acquire", "acquire_insert", *postgres_store._row_params("idempotency:k", late, 30)
+        )
+        is None
+    )  # the late INSERT: nothing written
+    assert await postgres_store.get("k") is None
+    assert (await postgres_store.try_acquire("k", pending("owner-2"), LOCK_TTL)).acquired
+
+
+async def test_undoing_an_abandoned_recovery_keeps_the_checkpoints(
+    postgres_store: PostgresStore,
+) -> None:
+    dead = pending("owner-1")
+    await postgres_store.try_acquire("k", dead, LOCK_TTL)
+    saved = replace(dead, checkpoints=(Checkpoint("charged", {"id": 7}, at=1.0),))
+    assert await postgres_store.save_progress("k", saved, TTL, 0)
+    taking = pending("owner-2")
+    assert (await postgres_store.try_acquire("k", taking, LOCK_TTL)).acquired
+
+    assert await abandon(postgres_store, "k", taking)
+
+    retry = await postgres_store.try_acquire("k", pending("owner-3"), LOCK_TTL)
+    assert retry.acquired  # the lease ended at once
+    assert retry.record is not None
+    assert retry.record.checkpoints == saved.checkpoints
+
+
+async def test_an_undo_leaves_another_owners_row_alone(postgres_store: PostgresStore) -> None:
+    holder = pending("owner-2")
+    assert (await postgres_store.try_acquire("k", holder, LOCK_TTL)).acquired
+
+    assert not await abandon(postgres_store, "k", pending("owner-1"))
+
+    found = await postgres_store.get("k")
+    assert found is not None
+    assert found.owner_token == "owner-2"

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+from urllib.parse import urlsplit
+
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from starlette_idempotency import IdempotencyMiddleware, PostgresStore, idempotent
+from starlette_idempotency import IdempotencyMiddleware, PostgresStore, idempotent, storage_key
 from starlette_idempotency.testing._postgres_server import PostgresServer
+from tests.support.conditions import eventually
 from tests.support.guarded import make_client
+from tests.support.link_proxy import LinkProxy
+from tests.support.stores import equals
 
 pytestmark = pytest.mark.postgres
 
@@ -45,3 +51,45 @@ async def test_stopped_postgres_fails_closed_and_recovers_without_restart(
         assert runs == [1, 1]
     finally:
         await store.aclose()
+
+
+async def test_an_acquire_that_commits_as_the_deadline_fires_is_undone(
+    postgres_dsn: str, postgres_table: str
+) -> None:
+    """The acquire's INSERT commits, but its reply comes after ``store_timeout_seconds``: the
+    client gets 503 "retry later", and the retry must be able to run (it was answered 409 for
+    the whole lock TTL before: the lock of a request that never ran)."""
+    runs: list[int] = []
+
+    @idempotent(lock_ttl_seconds=30)
+    async def pay(request: Request) -> Response:
+        runs.append(1)
+        return JSONResponse({"n": len(runs)}, status_code=201)
+
+    parts = urlsplit(postgres_dsn)
+    async with LinkProxy(parts.port or 5432, parts.hostname or "127.0.0.1") as link:
+        store = await PostgresStore.connect(
+            link.proxied(postgres_dsn), table=postgres_table, min_size=1, max_size=1
+        )
+        try:
+            await store.create_schema()
+            app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+            middleware = IdempotencyMiddleware(app, store=store, store_timeout_seconds=0.5)
+            client = make_client(middleware)
+
+            async def post(key: str) -> int:
+                response = await client.post("/pay", json={}, headers={"Idempotency-Key": key})
+                return response.status_code
+
+            assert await post("warm") == 201  # the statements are prepared: one exchange each
+            link.hold()  # the INSERT runs and commits; its reply is late
+            asyncio.get_running_loop().call_later(1.0, link.release)
+            assert await post("late") == 503
+            assert runs == [1]
+            row = await store.get(storage_key("", "POST", "/pay", "late"))
+            assert row is not None, "the INSERT did not commit: nothing to undo"
+
+            await eventually(lambda: equals(post("late"), 201), message="a retry to run (not 409)")
+            assert runs == [1, 1]
+        finally:
+            await store.aclose()

@@ -81,11 +81,18 @@ async def contend(
     return owner, await store.try_acquire(key, pending(owner), LOCK_TTL)
 
 
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read", "serializable"])
 async def test_concurrent_tasks_each_with_own_connection(
-    postgres_dsn: str, postgres_table: str
+    postgres_dsn: str, postgres_table: str, isolation: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Whatever isolation the database runs transactions at by default, the store's statements
+    run at the one they are written for: no contender fails with a serialization error (the
+    middleware's 503) where it should have lost the race (409)."""
+    default = {"default_transaction_isolation": isolation}
     stores = [
-        await PostgresStore.connect(postgres_dsn, table=postgres_table, min_size=1, max_size=1)
+        await PostgresStore.connect(
+            postgres_dsn, table=postgres_table, min_size=1, max_size=1, server_settings=default
+        )
         for _ in range(TASKS)
     ]
     try:
@@ -100,6 +107,8 @@ async def test_concurrent_tasks_each_with_own_connection(
                 *(contend(store, f"task-{n}", key, barrier) for n, store in enumerate(stores))
             )
             check_round(dict(results), takeover)
+        explicit = [r for r in caplog.records if "explicit READ COMMITTED" in r.getMessage()]
+        assert len(explicit) == (0 if isolation == "read committed" else TASKS)  # one per store
     finally:
         for store in stores:
             await store.aclose()

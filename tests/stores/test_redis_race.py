@@ -92,13 +92,9 @@ async def test_one_winner_takes_over_a_dead_handlers_checkpoints(
             key = f"takeover-{round_number}"
             dead = pending(key, "dead-owner")
             assert (await stores[0].try_acquire(key, dead, LOCK_TTL)).acquired
-            now = time.time()
-            saved = replace(
-                dead,
-                checkpoints=(Checkpoint("sent", {"n": round_number}, now),),
-                locked_until=now - 1,
-            )
-            assert await stores[0].save_progress(key, saved, 60)
+            point = Checkpoint("sent", {"n": round_number}, time.time())
+            saved = replace(dead, checkpoints=(point,))
+            assert await stores[0].save_progress(key, saved, 60, 0)  # its lease ends now
             winner, *losers = await race(stores, key, round_number)
             taken = winner.record
             assert taken is not None

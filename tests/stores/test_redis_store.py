@@ -7,6 +7,7 @@ under a prefix of their own.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -456,19 +457,24 @@ async def test_wait_replicas_without_a_replica_returns_within_the_timeout(
     assert conflict.record.owner_token == "owner-a"
 
 
-async def test_wait_is_sent_on_the_acquire_only_when_asked(
-    admin: aioredis.Redis, private_client: aioredis.Redis
+async def test_wait_is_sent_on_the_acquire_and_the_finish_only_when_asked(
+    admin: aioredis.Redis, private_client: aioredis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     plain = RedisStore(private_client, key_prefix="plain")
     waiting = RedisStore(private_client, key_prefix="wait", wait_replicas=1, wait_timeout_ms=10)
+    record = pending("k", "a")
 
-    assert await commands_sent(admin, lambda: plain.try_acquire("k", pending("k", "a"), 30)) == {
-        "set": 1
-    }
-    assert await commands_sent(admin, lambda: waiting.try_acquire("k", pending("k", "a"), 30)) == {
+    assert await commands_sent(admin, lambda: plain.try_acquire("k", record, 30)) == {"set": 1}
+    assert await commands_sent(admin, lambda: waiting.try_acquire("k", record, 30)) == {
         "set": 1,
         "wait": 1,
     }
+    plain_finish = await commands_sent(admin, lambda: plain.finish("k", finished(record), 60))
+    assert "wait" not in plain_finish
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency.stores.redis"):
+        finish = await commands_sent(admin, lambda: waiting.finish("k", finished(record), 60))
+    assert finish["wait"] == 1
+    assert "0 of 1 Redis replicas acknowledged the response" in caplog.text
 
 
 async def test_wait_with_lua_reloads_a_flushed_script(
@@ -535,9 +541,8 @@ async def test_takeover_with_wait_after_script_flush(
     )
     dead = pending("k", "dead-owner")
     assert (await store.try_acquire("k", dead, 30)).acquired
-    now = time.time()
-    saved = replace(dead, checkpoints=(Checkpoint("sent", [], now),), locked_until=now - 1)
-    assert await store.save_progress("k", saved, 60)
+    saved = replace(dead, checkpoints=(Checkpoint("sent", [], time.time()),))
+    assert await store.save_progress("k", saved, 60, 0)  # its lease ends now
     await admin.script_flush()
 
     sent = await commands_sent(admin, lambda: store.try_acquire("k", pending("k", "b"), 30))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from typing import Literal, Self
-from urllib.parse import urlsplit, urlunsplit
+
+from tests.support.link_proxy import proxied
 
 # A ReadyForQuery message is "Z", a length of 5, and one status byte: it ends a reply.
 _READY_FOR_QUERY = b"Z\x00\x00\x00\x05"
@@ -47,11 +48,8 @@ class CuttingProxy:
         await self._server.wait_closed()
 
     def proxied(self, dsn: str) -> str:
-        """``dsn`` (a URL) with its host and port replaced by the proxy's."""
-        parts = urlsplit(dsn)
-        userinfo = parts.netloc.rpartition("@")[0]
-        netloc = f"{userinfo}@127.0.0.1:{self.port}" if userinfo else f"127.0.0.1:{self.port}"
-        return urlunsplit(parts._replace(netloc=netloc))
+        """``dsn`` pointed at this proxy."""
+        return proxied(dsn, self.port)
 
     def arm(self, cut: Cut) -> None:
         """Cut the next exchange of any connection (one cut only)."""

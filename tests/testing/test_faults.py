@@ -9,11 +9,12 @@ import inspect
 import pytest
 
 from starlette_idempotency import MemoryStore, StoreError
-from starlette_idempotency.stores import RecordStatus
+from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
 from starlette_idempotency.stores.base import (
     ChangeNotifyingStore,
     CheckableStore,
     IdempotencyStore,
+    leases_on_store_clock,
 )
 from starlette_idempotency.testing import FaultyStore
 from tests.support.records import finished, pending
@@ -171,3 +172,25 @@ async def test_the_wrapper_has_the_wrapped_stores_capabilities(wrapped: Idempote
     record = await store.get("k")
     assert record is not None
     assert record.owner_token == "owner-a"
+
+
+async def test_a_store_of_the_first_protocol_keeps_its_save_progress() -> None:
+    """Wrapping a store whose ``save_progress`` takes no lease (the protocol of 0.1) keeps that
+    signature, so the middleware still speaks that protocol to the wrapper; faults apply."""
+
+    class FirstProtocol(MemoryStore):
+        async def save_progress(  # type: ignore[override]
+            self, key: str, record: IdempotencyRecord, ttl: float
+        ) -> bool:
+            return await super().save_progress(key, record, ttl, 30)
+
+    modern, first = FaultyStore(MemoryStore()), FaultyStore(FirstProtocol())
+    assert leases_on_store_clock(modern)
+    assert not leases_on_store_clock(first)
+    record = pending("k")
+    assert (await first.try_acquire("k", record, 30)).acquired
+    first.fail_next("save_progress")
+    with pytest.raises(StoreError):
+        await first.save_progress("k", record, 60)  # type: ignore[call-arg]
+    assert await first.save_progress("k", record, 60)  # type: ignore[call-arg]
+    assert first.calls["save_progress"] == 2

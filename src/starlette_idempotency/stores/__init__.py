@@ -19,6 +19,7 @@ from starlette_idempotency.stores.base import (
     FencedWrite,
     StoreBase,
     StoreFinding,
+    WatchdogStore,
 )
 
 # Each of these has one home elsewhere; the names exported here before still resolve.
@@ -46,4 +47,5 @@ __all__ = [
     "RecordStatus",
     "StoreBase",
     "StoreFinding",
+    "WatchdogStore",
 ]

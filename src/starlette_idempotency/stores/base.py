@@ -4,11 +4,17 @@ A store knows nothing of HTTP: it keeps :class:`IdempotencyRecord` values under 
 offers a few atomic primitives. Every write after the acquire is fenced by the owner token, so a
 request whose lock expired and was taken over can neither overwrite nor delete its successor's
 record.
+
+Every lock, lease and expiry is decided on the store's own clock (a TTL counted by the server,
+PostgreSQL's ``now()``, Redis's ``TIME``, a monotonic clock in process): the middleware passes
+durations, never instants of its own pod's clock, so pods whose clocks disagree still agree on
+who holds a key.
 """
 
 from __future__ import annotations
 
 import enum
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
@@ -26,11 +32,16 @@ class AcquireResult:
 
     ``acquired`` is true when the caller now owns the key. Then ``record`` is the expired record
     it took over, where the store can tell (else ``None``). When ``acquired`` is false,
-    ``record`` is the live record that holds the key.
+    ``record`` is the live record that holds the key, and ``lease_expired`` says whether it is
+    an ``InProgress`` record with recovery points whose lease has run out on the store's clock
+    (its handler died; with ``recover=False`` nobody took it over). ``None`` is a store that
+    does not say (one written for the protocol of 0.1): the middleware then judges the
+    lease on its own clock, as it did.
     """
 
     acquired: bool
     record: IdempotencyRecord | None = None
+    lease_expired: bool | None = None
 
 
 class FencedWrite(enum.IntEnum):
@@ -85,7 +96,8 @@ class IdempotencyStore(Protocol):
     #: A short name for logs and metrics labels ("memory", "redis", "postgres").
     name: str
     #: Whether the store keeps recovery points: takes over an ``InProgress`` record whose
-    #: ``locked_until`` has passed, atomically, even though the record itself lives on.
+    #: lease has run out on the store's clock, atomically, even though the record itself lives
+    #: on.
     supports_recovery: bool
     #: Whether no call ever waits on I/O (MemoryStore): the middleware then skips the timer
     #: that bounds each call, which would cost more than the call.
@@ -97,10 +109,12 @@ class IdempotencyStore(Protocol):
         """Write ``pending`` (an ``InProgress`` record) if the key is free, in one atomic step.
 
         A free key is one that is absent or whose record has expired. With ``recover`` (and
-        ``supports_recovery``), an ``InProgress`` record with checkpoints whose ``locked_until``
-        has passed and whose fingerprint and version equal ``pending``'s is taken over too: it
-        keeps its checkpoints, gets ``pending``'s owner token and a lease of ``lock_ttl``, and
-        is returned as the record taken over. Otherwise return the existing record untouched.
+        ``supports_recovery``), an ``InProgress`` record with checkpoints whose lease has run
+        out and whose fingerprint and version equal ``pending``'s is taken over too: it keeps
+        its checkpoints, gets ``pending``'s owner token and a lease of ``lock_ttl``, and is
+        returned as the record taken over. Otherwise return the existing record untouched,
+        with ``lease_expired`` set (see :class:`AcquireResult`). Whether a lease has run out is
+        decided by the store, on its own clock, in the same atomic step as the takeover.
         """
         ...
 
@@ -114,10 +128,18 @@ class IdempotencyStore(Protocol):
         """
         ...
 
-    async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        """Replace the owner's ``InProgress`` record (new checkpoints or lease) for ``ttl``.
+    async def save_progress(
+        self, key: str, record: IdempotencyRecord, ttl: float, lease: float
+    ) -> bool:
+        """Replace the owner's ``InProgress`` record (new checkpoints) and keep it for ``ttl``,
+        with a lease of ``lease`` seconds from now on the store's clock (``0`` ends it now, so
+        that a retry recovers at once). The store sets the lease: ``record.locked_until`` is
+        not read.
 
-        Writes only while ``record.owner_token`` holds the key; returns false otherwise.
+        Writes only while ``record.owner_token`` holds the key and the record there is still
+        ``InProgress``; returns false, writing nothing, otherwise. So no late write (a
+        checkpoint after the response, a command resent after a reconnect) ever turns a
+        finished record back.
         """
         ...
 
@@ -129,9 +151,12 @@ class IdempotencyStore(Protocol):
         ...
 
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
-        """Extend the lock of an ``InProgress`` record held by ``owner_token`` to ``lock_ttl``.
+        """Extend the lock of an ``InProgress`` record held by ``owner_token`` to ``lock_ttl``
+        seconds from now on the store's clock: the record's own expiry, or for a record with
+        recovery points its lease (it keeps its retention time and its checkpoints untouched).
 
-        Returns false when the lock is gone or held by someone else.
+        Returns false when the lock is gone, held by someone else, or no longer
+        ``InProgress``.
         """
         ...
 
@@ -159,6 +184,22 @@ STORE_OPERATIONS = (
 #: The protocol's first spelling of ``finish`` for each final status (``complete``, ``fail``):
 #: what metrics and spans call it, and, until 0.3.0, what :class:`StoreBase` still answers to.
 FINISH_SPELLINGS = {RecordStatus.COMPLETED: "complete", RecordStatus.FAILED: "fail"}
+
+
+def leases_on_store_clock(store: IdempotencyStore) -> bool:
+    """Whether ``store`` keeps leases on its own clock, as the protocol asks since 0.2: its
+    ``save_progress`` takes the ``lease`` duration.
+
+    A store written before (``save_progress(key, record, ttl)``, reading
+    ``record.locked_until``) still works: the middleware sets ``locked_until`` on its own clock
+    for it, renews a checkpointed lease by saving the record again, and warns that such leases
+    are judged on each pod's clock.
+    """
+    try:
+        parameters = inspect.signature(store.save_progress).parameters
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        return True
+    return "lease" in parameters
 
 
 class StoreBase(IdempotencyStore):
@@ -196,6 +237,18 @@ class StoreBase(IdempotencyStore):
         ``Failed`` record."""
         deprecated(f"{type(self).__name__}.fail() is finish()")
         return await self.finish(key, record, ttl)
+
+
+@runtime_checkable
+class WatchdogStore(Protocol):
+    """A store that can open a connection of its own for the lock watchdog, which renews the
+    locks of running handlers from a thread of its own while their event loop is blocked."""
+
+    async def watchdog_store(self) -> IdempotencyStore | None:
+        """A store over the same records with connections of its own, opened in the calling
+        event loop (the watchdog thread's) and used and closed (``aclose``) only there;
+        ``None`` when the store cannot make one (the watchdog then only warns)."""
+        ...
 
 
 @runtime_checkable

@@ -8,12 +8,17 @@ Records are kept packed (``marshal`` bytes beside the few fields the fenced writ
 as objects: an entry of plain bytes, strings and floats is not tracked by the garbage collector,
 so a store holding half a million records adds nothing to the collector's walks (as objects,
 each full collection walked every record, and the requests in flight waited for it).
+
+Locks, leases and expiry are measured on a monotonic clock, so a step of the system clock (an
+NTP correction, a VM resumed from a pause) expires nothing; the wall clock only dates what the
+records show (``locked_until``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import marshal
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +28,7 @@ from starlette_idempotency._record import (
     RecordStatus,
     StoredResponse,
 )
-from starlette_idempotency._types import Clock, system_clock
+from starlette_idempotency._types import Clock, monotonic_for, system_clock
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     FINISH_SPELLINGS,
@@ -36,11 +41,12 @@ from starlette_idempotency.stores.base import (
 
 _SWEEP_INTERVAL_SECONDS = 60.0
 
-# An entry: (deadline, owner token, whether InProgress, the packed record).
-_Entry = tuple[float, str, bool, bytes]
+# An entry: (deadline, owner token, whether InProgress, the lease's end for a record with
+# recovery points, the packed record). Deadline and lease are on the monotonic clock.
+_Entry = tuple[float, str, bool, float | None, bytes]
 
 
-def _pack(record: IdempotencyRecord, deadline: float) -> _Entry:
+def _pack(record: IdempotencyRecord, deadline: float, lease: float | None = None) -> _Entry:
     response = record.response
     fields = (
         record.key,
@@ -57,7 +63,7 @@ def _pack(record: IdempotencyRecord, deadline: float) -> _Entry:
         tuple((point.name, point.data, point.at) for point in record.checkpoints),
     )
     in_progress = record.status is RecordStatus.IN_PROGRESS
-    return deadline, record.owner_token, in_progress, marshal.dumps(fields)
+    return deadline, record.owner_token, in_progress, lease, marshal.dumps(fields)
 
 
 def _unpack(packed: bytes) -> IdempotencyRecord:
@@ -81,11 +87,26 @@ def _unpack(packed: bytes) -> IdempotencyRecord:
 _STATUSES = {status.value: status for status in RecordStatus}
 
 
-class MemoryStore(StoreBase):
-    """A dict of records with TTLs measured on an injectable clock.
+class _Waiting:
+    """The waits for a change of one key, and how many there are."""
 
-    ``clock`` returns seconds; tests pass a fake clock to expire locks and records without
-    sleeping. Expired records are invisible at once and swept out periodically.
+    __slots__ = ("count", "event")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.count = 0
+
+
+class MemoryStore(StoreBase):
+    """A dict of records with TTLs measured on an injectable monotonic clock.
+
+    ``clock`` returns wall time in seconds, which only dates what records show; ``monotonic``
+    measures every lock, lease and TTL. It defaults to ``time.monotonic`` beside the system
+    clock and to the clock's own ``monotonic`` for a
+    :class:`~starlette_idempotency.testing.FakeClock`, so tests expire locks and records by
+    advancing a fake clock, without sleeping (an injected clock without a monotonic twin
+    measures durations itself). Expired records are invisible at once and swept out
+    periodically.
     """
 
     name = "memory"
@@ -101,27 +122,34 @@ class MemoryStore(StoreBase):
         if overridden and "never_blocks" not in cls.__dict__:
             cls.never_blocks = False
 
-    def __init__(self, *, clock: Clock = system_clock, key_prefix: str = DEFAULT_KEY_PREFIX):
+    def __init__(
+        self,
+        *,
+        clock: Clock = system_clock,
+        monotonic: Callable[[], float] | None = None,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+    ):
         self._clock = clock
+        self._monotonic = monotonic_for(clock) if monotonic is None else monotonic
         self._prefix = f"{key_prefix}:"
         self._entries: dict[str, _Entry] = {}
-        self._changes: dict[str, asyncio.Event] = {}
-        self._next_sweep = clock() + _SWEEP_INTERVAL_SECONDS
+        self._changes: dict[str, _Waiting] = {}
+        self._next_sweep = self._monotonic() + _SWEEP_INTERVAL_SECONDS
 
     def __bool__(self) -> bool:
         return True  # a store is never falsy, even while empty
 
     def __len__(self) -> int:
         """The number of live records."""
-        now = self._clock()
+        now = self._monotonic()
         return sum(1 for entry in self._entries.values() if entry[0] > now)
 
     def records(self) -> dict[str, IdempotencyRecord]:
         """The live records by key (as the middleware names them: the storage key without the
         store's prefix), for tests and inspection."""
-        now, cut = self._clock(), len(self._prefix)
+        now, cut = self._monotonic(), len(self._prefix)
         return {
-            key[cut:]: _unpack(entry[3]) for key, entry in self._entries.items() if entry[0] > now
+            key[cut:]: _unpack(entry[4]) for key, entry in self._entries.items() if entry[0] > now
         }
 
     def _live(self, key: str, now: float) -> _Entry | None:
@@ -144,88 +172,111 @@ class MemoryStore(StoreBase):
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> AcquireResult:
         key = self._prefix + key
-        now = self._clock()
+        now = self._monotonic()
         self._sweep(now)
         entry = self._entries.get(key)
         if entry is None or entry[0] <= now:
             self._entries[key] = _pack(pending, now + lock_ttl)
-            return AcquireResult(acquired=True, record=_unpack(entry[3]) if entry else None)
-        deadline, owner, in_progress, packed = entry
+            return AcquireResult(acquired=True, record=_unpack(entry[4]) if entry else None)
+        deadline, owner, in_progress, lease, packed = entry
         current = _unpack(packed)
         if owner == pending.owner_token and in_progress:
             # Still held by this owner: acquired, as on Redis (where a resent acquire finds it).
             return AcquireResult(acquired=True, record=current if current.checkpoints else None)
+        lease_expired = in_progress and lease is not None and now >= lease
         if (
             recover
-            and current.lease_expired(now)
+            and lease_expired
             and current.request_fingerprint == pending.request_fingerprint
             and current.fingerprint_version == pending.fingerprint_version
         ):
             # A handler that checkpointed died: the retry inherits its recovery points.
-            taken = replace(current, owner_token=pending.owner_token, locked_until=now + lock_ttl)
-            self._entries[key] = _pack(taken, deadline)
+            shown_lease = self._clock() + lock_ttl
+            taken = replace(current, owner_token=pending.owner_token, locked_until=shown_lease)
+            self._entries[key] = _pack(taken, deadline, now + lock_ttl)
             return AcquireResult(acquired=True, record=current)
-        return AcquireResult(acquired=False, record=current)
+        return AcquireResult(acquired=False, record=current, lease_expired=lease_expired)
 
-    def _write_if_owner(
-        self, key: str, record: IdempotencyRecord, ttl: float, *, absent_ok: bool
-    ) -> FencedWrite:
-        key = self._prefix + key
-        now = self._clock()
+    def _owned(self, key: str, owner_token: str, now: float) -> _Entry | None:
+        """The live ``InProgress`` entry under ``key`` if ``owner_token`` holds it."""
         current = self._live(key, now)
-        if current is None:
-            if not absent_ok:
-                return FencedWrite.LOST
-            written = FencedWrite.RECLAIMED
-        elif current[1] != record.owner_token:
-            return FencedWrite.LOST
-        else:
-            written = FencedWrite.WRITTEN
-        self._entries[key] = _pack(record, now + ttl)
-        return written
+        if current is None or current[1] != owner_token or not current[2]:
+            return None
+        return current
 
     async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        written = self._write_if_owner(key, record, ttl, absent_ok=True)
-        self._notify(key, bool(written))
+        full_key = self._prefix + key
+        now = self._monotonic()
+        current = self._live(full_key, now)
+        if current is None:
+            written = FencedWrite.RECLAIMED
+        elif current[1] != record.owner_token:
+            written = FencedWrite.LOST
+        else:
+            written = FencedWrite.WRITTEN
+        if written:
+            self._entries[full_key] = _pack(record, now + ttl)
+            self._notify(key)
         return written
 
-    async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        return bool(self._write_if_owner(key, record, ttl, absent_ok=False))
+    async def save_progress(
+        self, key: str, record: IdempotencyRecord, ttl: float, lease: float
+    ) -> bool:
+        full_key = self._prefix + key
+        now = self._monotonic()
+        if self._owned(full_key, record.owner_token, now) is None:
+            return False
+        shown = replace(record, locked_until=self._clock() + lease)
+        self._entries[full_key] = _pack(shown, now + ttl, now + lease)
+        return True
 
     async def release(self, key: str, owner_token: str) -> bool:
         full_key = self._prefix + key
-        current = self._live(full_key, self._clock())
+        current = self._live(full_key, self._monotonic())
         if current is None:
             return True
         if current[1] != owner_token:
             return False
         del self._entries[full_key]
-        return self._notify(key, True)
+        self._notify(key)
+        return True
 
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
-        key = self._prefix + key
-        now = self._clock()
-        current = self._live(key, now)
-        if current is None or current[1] != owner_token or not current[2]:
+        full_key = self._prefix + key
+        now = self._monotonic()
+        current = self._owned(full_key, owner_token, now)
+        if current is None:
             return False
-        self._entries[key] = (now + lock_ttl, *current[1:])
+        deadline, _, _, lease, packed = current
+        if lease is None:
+            self._entries[full_key] = (now + lock_ttl, *current[1:])
+        else:  # a record with recovery points: its lease, inside its retention time
+            shown = replace(_unpack(packed), locked_until=self._clock() + lock_ttl)
+            self._entries[full_key] = _pack(shown, deadline, now + lock_ttl)
         return True
 
     async def get(self, key: str) -> IdempotencyRecord | None:
-        entry = self._live(self._prefix + key, self._clock())
-        return None if entry is None else _unpack(entry[3])
+        entry = self._live(self._prefix + key, self._monotonic())
+        return None if entry is None else _unpack(entry[4])
 
     async def wait_for_change(self, key: str) -> None:
         """Return once the key is completed, failed, released or resolved (the caller bounds
-        the wait)."""
-        await self._changes.setdefault(key, asyncio.Event()).wait()
+        the wait). Nothing is left behind when the wait ends, however it ends."""
+        waiting = self._changes.get(key)
+        if waiting is None:
+            waiting = self._changes[key] = _Waiting()
+        waiting.count += 1
+        try:
+            await waiting.event.wait()
+        finally:
+            waiting.count -= 1
+            if not waiting.count and self._changes.get(key) is waiting:
+                del self._changes[key]
 
-    def _notify(self, key: str, changed: bool) -> bool:
-        if changed:
-            event = self._changes.pop(key, None)
-            if event is not None:
-                event.set()
-        return changed
+    def _notify(self, key: str) -> None:
+        waiting = self._changes.pop(key, None)
+        if waiting is not None:
+            waiting.event.set()
 
     def describe(self) -> str:
         """Where the records are: in this process, shared with no other."""

@@ -8,21 +8,36 @@ Statements per operation (each one statement, so its own short transaction):
 * ``try_acquire``: 1 on a free key (``INSERT ... ON CONFLICT DO NOTHING``); 2 when a row is
   there (then one statement takes an expired row over, returning its old values, or reads the
   live holder). It starts again, a few times at most, only when the row changes in between.
+  An acquire its caller abandoned (cancelled by the middleware's deadline, timed out, or cut
+  off with its connection) is undone in the background by a statement fenced by its owner
+  token (see :meth:`PostgresStore._undo_abandoned`), so that no lock outlives a request that
+  never ran.
 * ``finish``: 1, which locks the row, then writes it fenced by the owner token
   and says how (a :class:`~starlette_idempotency.stores.base.FencedWrite`).
 * ``save_progress`` / ``release`` / ``renew`` / ``get``: 1 each, no read first.
 * ``purge_expired``: 1 per batch.
 
-An operation (``create_schema`` excepted) is sent once more, on a new connection, when its
-first try certainly had no effect: the server had ended the connection and said so before
+A pooled connection is looked at before a statement goes out on it: one the server ended while
+it sat idle (something waits to be read on it: the end of the connection, which the event loop
+has not read yet because it was busy) is closed instead, with nothing sent. An operation
+(``create_schema`` excepted) is sent once more, on a new connection, when its first try
+certainly had no effect: that, or the server had ended the connection and said so before
 answering (``pg_terminate_backend``, a clean restart or switchover, ``idle_session_timeout``;
 see :func:`_never_ran`). The pool is then told to replace its other connections too, which
-usually ended the same way. A connection lost with no such word is an error, never retried.
+usually ended the same way. A connection lost with no such word after the statement went out
+is an error, never retried.
 
-Expiry is decided by the database clock (``now()`` plus the TTL argument), so pods with skewed
-clocks agree. The record's own ``created_at`` and ``expires_at`` are stored and returned as the
-middleware set them, as data only. Expired rows are invisible at once and deleted by
-:meth:`PostgresStore.purge_expired` (run it from cron: ``starlette-idempotency purge``).
+Expiry, locks and leases are decided by the database clock (``now()`` plus the duration
+argument), so pods with skewed clocks agree. The record's own ``created_at`` and ``expires_at``
+are stored and returned as the middleware set them, as data only. Expired rows are invisible at
+once and deleted by :meth:`PostgresStore.purge_expired` (run it from cron:
+``starlette-idempotency purge``).
+
+The statements are written for READ COMMITTED (a row lock waits for a concurrent writer and
+then reads its committed version): under REPEATABLE READ or SERIALIZABLE they would fail with
+serialization errors instead. When the database's default isolation is another, the store runs
+each statement in an explicit READ COMMITTED transaction (two more round trips, and a warning
+once).
 
 Behind PgBouncer in transaction pooling mode, create the pool with
 ``statement_cache_size=0`` (asyncpg's named prepared statements do not survive a change of
@@ -41,6 +56,7 @@ import hashlib
 import logging
 import os
 import re
+import select
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from functools import cache
@@ -82,6 +98,9 @@ _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_$]{0,62}"
 _TABLE_NAME = re.compile(rf"(?:({_IDENTIFIER})\.)?({_IDENTIFIER})")
 _QUERY_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _HOST_PORT = re.compile(r"(.+):(\d+)")
+
+# How long the undo of an abandoned acquire waits before trying again while the database fails.
+_UNDO_RETRY_SECONDS = 0.1
 
 # The columns of schema.sql, all used by the queries (check() reports the missing ones).
 _COLUMNS = (
@@ -196,19 +215,23 @@ def _never_ran(exc: BaseException) -> bool:
     """Whether ``exc`` proves that a single-statement operation had no effect, so that sending
     it again cannot run it twice.
 
-    Certain: asyncpg refused to send on a connection it knew was closed (``InterfaceError``);
-    or the server's termination notice, a FATAL ErrorResponse with a SQLSTATE of
-    ``_TERMINATED_SQLSTATES``, came back before the statement's ReadyForQuery (asyncpg then
-    raises ``ConnectionDoesNotExistError`` caused by it). A backend raises those only at an
-    interrupt check, and there is none between the commit of our implicit transaction (at
-    Sync, with interrupts held) and the flush of ReadyForQuery, so the statement either never
-    started (the backend was idle when told to exit) or was rolled back with the backend.
+    Certain: the store found the pooled connection ended before it sent anything
+    (:class:`_EndedWhileIdle`); asyncpg refused to send on a connection it knew was closed
+    (``InterfaceError``); or the server's termination notice, a FATAL ErrorResponse with a
+    SQLSTATE of ``_TERMINATED_SQLSTATES``, came back before the statement's ReadyForQuery
+    (asyncpg then raises ``ConnectionDoesNotExistError`` caused by it). A backend raises those
+    only at an interrupt check, and there is none between the commit of our implicit
+    transaction (at Sync, with interrupts held) and the flush of ReadyForQuery, so the
+    statement either never started (the backend was idle when told to exit) or was rolled
+    back with the backend.
 
     Unknown, never retried: a connection that died with no such notice after the statement
     was sent (a reset or EOF: a crashed or killed backend, a network failure, ``pg_ctl stop
     -m immediate``, whose 57P01 is only a WARNING). The commit may have happened and only its
     reply have been lost.
     """
+    if isinstance(exc, _EndedWhileIdle):
+        return True
     asyncpg = _asyncpg()
     if isinstance(exc, asyncpg.InterfaceError):
         return str(exc).endswith(_CLOSED_MESSAGES)
@@ -217,6 +240,38 @@ def _never_ran(exc: BaseException) -> bool:
         isinstance(notice, asyncpg.PostgresError)
         and getattr(notice, "sqlstate", None) in _TERMINATED_SQLSTATES
     )
+
+
+class _EndedWhileIdle(ConnectionResetError):
+    """A pooled connection the server had ended while it sat idle, found before anything was
+    sent on it (see :func:`_ended_while_idle`)."""
+
+
+def _ended_while_idle(connection: Any) -> bool:
+    """Whether the server has sent something to this idle connection: a connection checked out
+    of the pool owes no reply, so what waits to be read there is the server ending it (an
+    immediate shutdown, a crash, a failover, an idle timeout, with or without a notice first)
+    that the event loop has not read yet, because it was busy. Sent on, a statement would meet
+    a connection already closed, with no word proving it did not run. A socket the check
+    cannot see counts as alive."""
+    transport = getattr(connection, "_transport", None)
+    sock = None if transport is None else transport.get_extra_info("socket")
+    if sock is None or sock.fileno() < 0:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _may_have_run(exc: BaseException | None) -> bool:
+    """Whether the statement that failed with ``exc`` may still have committed: it was
+    abandoned when the operation timed out, or lost its connection with no word from the
+    server. An error the statement itself raised (a server-side ``statement_timeout``
+    included), or one before it was sent (no connection), left nothing behind."""
+    if isinstance(exc, TimeoutError):
+        return True
+    asyncpg = _asyncpg()
+    return isinstance(exc, asyncpg.ConnectionDoesNotExistError) and not _never_ran(exc)
 
 
 def _location(dsn: str | None, options: Mapping[str, Any]) -> str:
@@ -323,6 +378,9 @@ class PostgresStore(StoreBase):
             name: query.replace("{table}", self._table) for name, query in _named_queries().items()
         }
         self._schema = schema_sql(table)
+        # Whether statements need an explicit READ COMMITTED transaction (None: not known yet).
+        self._explicit_isolation: bool | None = None
+        self._undoing: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(
@@ -362,8 +420,8 @@ class PostgresStore(StoreBase):
         """Run ``attempt`` within the operation timeout, driver errors mapped; once more, on a
         new connection, when the first try certainly had no effect (see :func:`_never_ran`).
 
-        Each statement of ``attempt`` must be its own implicit transaction, and ``attempt``
-        safe to start again after its earlier statements ran (they only read or fail to write).
+        Each statement of ``attempt`` must be its own transaction, and ``attempt`` safe to
+        start again after its earlier statements ran (they only read or fail to write).
         """
         try:
             async with asyncio.timeout(self._timeout):
@@ -387,11 +445,60 @@ class PostgresStore(StoreBase):
 
     def _fetchval(self, operation: str, query: str, *args: Any) -> Awaitable[Any]:
         """The first value of the named ``query``, run as ``operation`` (see :meth:`_run`)."""
-        return self._run(operation, lambda: self._pool.fetchval(self._sql[query], *args))
+        return self._run(operation, lambda: self._value(query, *args))
 
     def _fetchrow(self, operation: str, query: str, *args: Any) -> Awaitable[Any]:
         """The first row of the named ``query``, run as ``operation`` (see :meth:`_run`)."""
-        return self._run(operation, lambda: self._pool.fetchrow(self._sql[query], *args))
+        return self._run(operation, lambda: self._row(query, *args))
+
+    def _value(self, query: str, *args: Any) -> Awaitable[Any]:
+        """The first value of the named ``query``, run once (see :meth:`_statement`)."""
+        sql = self._sql[query]
+        return self._statement(lambda on: on.fetchval(sql, *args))
+
+    def _row(self, query: str, *args: Any) -> Awaitable[Any]:
+        """The first row of the named ``query``, run once (see :meth:`_statement`)."""
+        sql = self._sql[query]
+        return self._statement(lambda on: on.fetchrow(sql, *args))
+
+    async def _statement(self, run: Callable[[Any], Awaitable[_T]]) -> _T:
+        """``run`` one statement on a pooled connection as its own transaction, at READ
+        COMMITTED: in an explicit transaction when the database's default isolation is another.
+
+        A connection the server ended while it sat idle is never used (see
+        :class:`_EndedWhileIdle`)."""
+        async with self._pool.acquire() as connection:
+            if _ended_while_idle(connection):
+                connection.terminate()
+                raise _EndedWhileIdle("the server had ended the pooled connection while idle")
+            if self._explicit_isolation is None:
+                await self._learn_isolation(connection)
+            if not self._explicit_isolation:
+                return await run(connection)
+            failed: Exception | None = None
+            try:
+                async with connection.transaction(isolation="read_committed"):
+                    try:
+                        return await run(connection)
+                    except Exception as exc:
+                        failed = exc
+                        raise
+            except Exception as exc:
+                if failed is None or exc is failed:
+                    raise
+                raise failed from exc  # the rollback failed too (the connection is gone)
+
+    async def _learn_isolation(self, connection: Any) -> None:
+        isolation = await connection.fetchval(self._sql["default_isolation"])
+        self._explicit_isolation = isolation != "read committed"
+        if self._explicit_isolation:
+            logger.warning(
+                "PostgreSQL's default_transaction_isolation is %r: the store runs each statement "
+                "in an explicit READ COMMITTED transaction (two more round trips). Set "
+                "default_transaction_isolation = 'read committed' for the store's role "
+                "(ALTER ROLE ... SET) or its pool (server_settings) to save them",
+                isolation,
+            )
 
     @staticmethod
     def _row_params(storage_key: str, record: IdempotencyRecord, ttl: float) -> tuple[Any, ...]:
@@ -438,9 +545,9 @@ class PostgresStore(StoreBase):
 
         async def acquire() -> AcquireResult | None:
             for _ in range(_ACQUIRE_ATTEMPTS):
-                if await self._pool.fetchval(self._sql["acquire_insert"], *params):
+                if await self._value("acquire_insert", *params):
                     return AcquireResult(acquired=True)
-                row = await self._pool.fetchrow(self._sql["acquire_takeover"], *params, recover)
+                row = await self._row("acquire_takeover", *params, recover)
                 if row is None or not (row["taken_over"] or row["live"]):
                     continue  # released or changed in between: insert again
                 found = _record_from_row(row)
@@ -449,31 +556,74 @@ class PostgresStore(StoreBase):
                     and found.status is RecordStatus.IN_PROGRESS
                 ):  # a finished record is an answer, not a lock its owner still holds
                     return AcquireResult(acquired=True, record=found if found.checkpoints else None)
-                return AcquireResult(acquired=row["taken_over"], record=found)
+                if row["taken_over"]:
+                    return AcquireResult(acquired=True, record=found)
+                return AcquireResult(
+                    acquired=False, record=found, lease_expired=row["lease_expired"]
+                )
             return None
 
-        result = await self._run("try_acquire", acquire)
+        try:
+            result = await self._run("try_acquire", acquire)
+        except asyncio.CancelledError:
+            self._undo_abandoned(key, params, lock_ttl)
+            raise
+        except StoreError as exc:
+            if _may_have_run(exc.__cause__):
+                self._undo_abandoned(key, params, lock_ttl)
+            raise
         if result is None:
             raise StoreError(f"PostgreSQL try_acquire gave up on key {key!r}: it kept changing")
         return result
+
+    def _undo_abandoned(self, key: str, params: tuple[Any, ...], lock_ttl: float) -> None:
+        """Undo an acquire whose caller gave up (cancelled by the middleware's deadline, timed
+        out, or its connection lost with no word from the server): the caller will not run the
+        handler, so its lock must not answer retries 409 for ``lock_ttl``.
+
+        Its last statement may have committed just as the deadline fired; by the time the
+        cancellation reaches the caller asyncpg has waited for the server to finish that
+        statement, so the undo (``abandon`` in ``queries.sql``, fenced by the acquire's owner
+        token) runs after it, deletes the row, or ends the lease of a recovery takeover, and
+        leaves an expired row that makes an insert landing even later write nothing. It is
+        sent in the background and tried again until ``lock_ttl`` has passed.
+        """
+        task = asyncio.get_running_loop().create_task(self._undo(key, params, lock_ttl))
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
+
+    async def _undo(self, key: str, params: tuple[Any, ...], lock_ttl: float) -> None:
+        failure: StoreError | None = None
+        try:
+            async with asyncio.timeout(lock_ttl):  # by then the abandoned lock has lapsed
+                while True:
+                    try:
+                        await self._fetchval("undo (abandon)", "abandon", *params)
+                        return
+                    except StoreError as exc:
+                        failure = exc
+                        await asyncio.sleep(_UNDO_RETRY_SECONDS)
+        except TimeoutError:
+            logger.warning(
+                "could not undo the abandoned acquire of %r before its lock lapsed: %s",
+                key,
+                failure,
+            )
 
     async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         params = self._row_params(self._prefix + key, record, ttl)
         return FencedWrite(await self._fetchval("finish", "finish", *params))
 
-    async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        lease = (
-            None
-            if record.locked_until is None
-            else datetime.fromtimestamp(record.locked_until, UTC)
-        )
+    async def save_progress(
+        self, key: str, record: IdempotencyRecord, ttl: float, lease: float
+    ) -> bool:
         saved = await self._fetchval(
             "save_progress",
             "save_progress",
             self._prefix + key,
             record.owner_token,
             _checkpoints_json(record),
-            lease,
+            float(lease),
             datetime.fromtimestamp(record.expires_at, UTC),
             float(ttl),
         )
@@ -492,6 +642,28 @@ class PostgresStore(StoreBase):
     async def get(self, key: str) -> IdempotencyRecord | None:
         row = await self._fetchrow("get", "get", self._prefix + key)
         return None if row is None else _record_from_row(row)
+
+    async def watchdog_store(self) -> PostgresStore | None:
+        """A store over the same table with a pool of one connection of its own (same
+        connection options), opened in the calling event loop, for the lock watchdog's thread;
+        ``None`` for a pool whose options cannot be read back."""
+        args = getattr(self._pool, "_connect_args", None)
+        options = getattr(self._pool, "_connect_kwargs", None)
+        if not isinstance(args, tuple | list) or not isinstance(options, Mapping):
+            return None
+        try:
+            pool = await _asyncpg().create_pool(*args, min_size=1, max_size=1, **options)
+        except Exception as exc:
+            _raise_store_error(exc, "watchdog connect")
+        store = PostgresStore(
+            pool,
+            table=self._table_name,
+            key_prefix=self._prefix[:-1],
+            operation_timeout=self._timeout,
+        )
+        store._owned_pool = pool
+        store._location = self._location
+        return store
 
     async def purge_expired(self, batch_size: int = 1000) -> int:
         """Delete expired rows, ``batch_size`` per statement, until a batch comes back short;
@@ -555,6 +727,10 @@ class PostgresStore(StoreBase):
 
     async def aclose(self) -> None:
         """Close the pool :meth:`connect` opened; a pool passed in stays open."""
+        undoing = list(self._undoing)  # undoing abandoned acquires is best effort
+        for task in undoing:
+            task.cancel()
+        await asyncio.gather(*undoing, return_exceptions=True)
         pool, self._owned_pool = self._owned_pool, None
         if pool is not None:
             await pool.close()

@@ -32,6 +32,7 @@ from starlette_idempotency.stores.base import (
     FencedWrite,
     IdempotencyStore,
     StoreBase,
+    leases_on_store_clock,
 )
 
 _T = TypeVar("_T")
@@ -109,6 +110,10 @@ class FaultyStore(StoreBase):
                 operations.add(name)
                 method = self._faulty(name, method)
             setattr(self, name, method)
+        if not leases_on_store_clock(store):
+            # A store of the 0.1 protocol: the wrapper keeps its save_progress signature, so
+            # the middleware still speaks that protocol to it.
+            self.save_progress = self._faulty("save_progress", store.save_progress)  # type: ignore[method-assign]
         #: The names :meth:`fail_next`, :meth:`fail_always` and :meth:`stall` accept.
         self.operations = frozenset(operations)
 
@@ -207,8 +212,11 @@ class FaultyStore(StoreBase):
         call = lambda: self.inner.finish(key, record, ttl)  # noqa: E731
         return await self._call("finish", call, FINISH_SPELLINGS.get(record.status))
 
-    async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        return await self._call("save_progress", lambda: self.inner.save_progress(key, record, ttl))
+    async def save_progress(
+        self, key: str, record: IdempotencyRecord, ttl: float, lease: float
+    ) -> bool:
+        call = lambda: self.inner.save_progress(key, record, ttl, lease)  # noqa: E731
+        return await self._call("save_progress", call)
 
     async def release(self, key: str, owner_token: str) -> bool:
         return await self._call("release", lambda: self.inner.release(key, owner_token))

@@ -24,8 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Host, Mount, Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from starlette_idempotency.stores import IdempotencyStore
+from starlette_idempotency import IdempotencyMiddleware, IdempotencyStore, MemoryStore, idempotent
 
 runs: Counter[str] = Counter()
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 #: A command argument: the store passes numbers as decimal strings.
 Arg = bytes | str
 
-_NEEDS_RECORD_PRELUDE = frozenset({"finish", "release", "renew"})
+_NEEDS_RECORD_PRELUDE = frozenset({"abandon", "finish", "progress", "recover", "release", "renew"})
 
 
 @functools.cache
@@ -97,6 +97,12 @@ class RedisDriver(Protocol):
     async def config_get(self, parameter: str) -> dict[str, str]:
         """``CONFIG GET parameter`` on the server (every primary of a cluster): node address
         -> value, ``""`` for a parameter the server does not know."""
+        ...
+
+    def twin(self) -> RedisDriver | None:
+        """A driver with a client of its own to the same server(s), with the same options
+        (address, credentials, TLS, timeouts), connected on first use in the event loop that
+        uses it; ``None`` when the options cannot be read back."""
         ...
 
     async def aclose(self) -> None:

@@ -8,13 +8,14 @@ token. Standalone Redis and Redis Cluster both work: each operation touches a si
 The commands go through a driver (:mod:`._driver`): redis-py or valkey-glide, picked by
 the client passed in (or ``from_url(..., driver=...)``).
 
-Recovery points: a conflict on an ``InProgress`` record whose lease (``lockedUntil``, inside the
-value) has passed and whose fingerprint matches is taken over with a second, rare step, a
-compare-and-set on the whole value the acquire returned (``takeover.lua``). Leases are
-judged on this process's wall clock, as the middleware sets them: keep app servers on NTP.
+Recovery points: a record with checkpoints carries its lease inside its value (``lockedUntil``,
+in epoch milliseconds of the Redis server's clock, ``TIME``). Every script that sets it or
+judges it reads that clock, so pods whose clocks disagree still agree on whose lease ran out. A
+conflict on such a record takes a second, rare step (``recover.lua``), which decides on the
+server whether its lease has run out and takes it over in the same step when it may.
 
 Why one module: an acquire's strategies (``SET NX GET``, the Lua script, the takeover of a dead
-handler's record) and what undoes each when its caller gave up on a stalled server are one
+handler's record) and what undoes them when their caller gave up on a stalled server are one
 protocol, correct only together with the fenced writes that follow them.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any, Literal
@@ -104,15 +104,6 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def _recoverable(current: IdempotencyRecord, pending: IdempotencyRecord, now: float) -> bool:
-    """Whether ``pending``'s request may take ``current`` over: a checkpointed handler died."""
-    return (
-        current.lease_expired(now)
-        and current.request_fingerprint == pending.request_fingerprint
-        and current.fingerprint_version == pending.fingerprint_version
-    )
-
-
 class RedisStore(StoreBase):
     """Idempotency records in Redis (standalone or Cluster), shared by every process using it.
 
@@ -132,8 +123,11 @@ class RedisStore(StoreBase):
     round trip. When fewer than ``N`` replicas acknowledge in time the lock is still held and
     a warning is logged: ``WAIT`` is not a consensus protocol, and a failing request would not
     make the lock any safer. On a conflict nothing is written and ``WAIT`` returns at once
-    unless fewer than ``N`` replicas are connected. ``wait_replicas`` needs redis-py: on
-    valkey-glide's one multiplexed connection a ``WAIT`` would hold up every other caller.
+    unless fewer than ``N`` replicas are connected. The finishing write (the stored response)
+    is ``WAIT``-ed for the same way, before the client gets the response's last byte, so a
+    failover right after the response does not lose the record. ``wait_replicas`` needs
+    redis-py: on valkey-glide's one multiplexed connection a ``WAIT`` would hold up every other
+    caller.
     """
 
     name = "redis"
@@ -279,11 +273,12 @@ class RedisStore(StoreBase):
         """Write ``pending`` for ``lock_ttl`` seconds if the key is free, in one atomic step.
 
         An expired record is gone from Redis, so ``record`` is ``None`` when a free key was
-        acquired. With ``recover``, an ``InProgress`` record whose lease has passed and whose
-        fingerprint and version equal ``pending``'s is taken over (see the module docs): it
-        keeps its checkpoints and TTL, gets ``pending``'s owner token and a lease of
-        ``lock_ttl``, and comes back as ``record``. An ``InProgress`` record that already has
-        ``pending``'s owner token counts as acquired (``record`` is it if it has checkpoints).
+        acquired. A conflict on an ``InProgress`` record with recovery points asks the server
+        whether its lease has run out (``lease_expired``) and, with ``recover``, takes it over
+        when its fingerprint and version equal ``pending``'s (see the module docs): it keeps
+        its checkpoints and TTL, gets ``pending``'s owner token and a lease of ``lock_ttl``, and
+        comes back as ``record``. An ``InProgress`` record that already has ``pending``'s owner
+        token counts as acquired (``record`` is it if it has checkpoints).
 
         A call cancelled or timed out after sending is undone in the background (see
         :meth:`_undo_abandoned`): the caller will not run the handler, so the lock must not
@@ -291,7 +286,7 @@ class RedisStore(StoreBase):
         """
         skey, value, px = self.storage_key(key), dump_record(pending), _ms(lock_ttl)
         with _DriverErrors(self._driver, "try_acquire", key):
-            for _ in range(3):  # a takeover lost to another contender reads the key again
+            for _ in range(3):  # the key can vanish between the acquire and the recovery step
                 try:
                     try:
                         existing = await self._acquire(skey, value, px)
@@ -300,7 +295,7 @@ class RedisStore(StoreBase):
                             raise
                         existing = await self._acquire_set_then_get(skey, value, px)
                 except self._abandoning_errors:
-                    self._undo_abandoned(key, "release", [pending.owner_token, skey], lock_ttl)
+                    self._undo_abandoned(key, pending.owner_token, lock_ttl)
                     raise
                 if existing is None:
                     return AcquireResult(acquired=True)
@@ -315,23 +310,26 @@ class RedisStore(StoreBase):
                     # back a key it still holds.
                     taken_over = current if current.checkpoints else None
                     return AcquireResult(acquired=True, record=taken_over)
-                now = time.time()
-                if not (recover and _recoverable(current, pending, now)):
-                    break
-                taken = dump_record(
-                    replace(current, owner_token=pending.owner_token, locked_until=now + lock_ttl)
-                )
+                if current.status is not RecordStatus.IN_PROGRESS or current.locked_until is None:
+                    # A final record, or a lock its TTL holds: no lease for the server to judge.
+                    return AcquireResult(acquired=False, record=current, lease_expired=False)
                 try:
-                    took_over = await self._take_over(skey, existing, taken)
+                    reply = await self._recover(skey, pending, lock_ttl, recover)
                 except self._abandoning_errors:
-                    # Swapped back rather than released: deleting would lose the checkpoints.
-                    self._undo_abandoned(key, "takeover", [taken, existing], lock_ttl)
+                    # Its lease ended rather than the key freed: that keeps the checkpoints.
+                    self._undo_abandoned(key, pending.owner_token, lock_ttl)
                     raise
-                if took_over:
-                    return AcquireResult(acquired=True, record=current)
-        return AcquireResult(acquired=False, record=current)
+                if not reply:
+                    continue  # the key vanished meanwhile: acquire it afresh
+                taken, holder, expired = reply
+                if taken:
+                    return AcquireResult(acquired=True, record=self._load(key, holder))
+                return AcquireResult(
+                    acquired=False, record=self._load(key, holder), lease_expired=bool(expired)
+                )
+        raise StoreError(f"key {key!r} kept vanishing between its acquire and its recovery")
 
-    def _undo_abandoned(self, key: str, script: str, args: list[Arg], lock_ttl: float) -> None:
+    def _undo_abandoned(self, key: str, owner_token: str, lock_ttl: float) -> None:
         """Undo an acquire (or takeover) whose caller gave up: cancelled by a deadline or a
         client gone, or timed out; the caller will not run the handler.
 
@@ -339,14 +337,16 @@ class RedisStore(StoreBase):
         409: on a stall (a slow command, a fork, a frozen host) the command waits in Redis's
         socket buffer, and Redis runs it when it wakes even though redis-py closed the
         connection; glide keeps its connection and may even resend the command after a
-        reconnect. ``script`` undoes it, fenced by the abandoned write's own value or owner
-        token, and writes nothing when the write did not land; see :meth:`_undo_twice`.
+        reconnect. ``abandon.lua`` undoes it, fenced by the abandoned write's own owner token
+        (deleting the key, or ending the lease of a record with recovery points), and changes
+        nothing when the write did not land; see :meth:`_undo_twice`.
         """
-        task = asyncio.get_running_loop().create_task(self._undo_twice(key, script, args, lock_ttl))
+        args: list[Arg] = [owner_token, self.storage_key(key)]
+        task = asyncio.get_running_loop().create_task(self._undo_twice(key, args, lock_ttl))
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
 
-    async def _undo_twice(self, key: str, script: str, args: list[Arg], lock_ttl: float) -> None:
+    async def _undo_twice(self, key: str, args: list[Arg], lock_ttl: float) -> None:
         # The first undo may run before the abandoned write: Redis serves the connections
         # that became readable during a stall in one event-loop iteration, in no set order
         # (glide queues it behind the write on their shared connection instead). Its reply
@@ -361,8 +361,8 @@ class RedisStore(StoreBase):
             nonlocal failure
             while True:
                 try:
-                    with _DriverErrors(self._driver, f"undo ({script})", key):
-                        await self._driver.eval_script(script, skey, args)
+                    with _DriverErrors(self._driver, "undo (abandon)", key):
+                        await self._driver.eval_script("abandon", skey, args)
                     return
                 except StoreError as exc:  # a stall longer than the client's own timeout
                     failure = exc
@@ -444,57 +444,73 @@ class RedisStore(StoreBase):
                             continue
                         return reply
             if reply is None:
-                self._check_replicas(skey, acknowledged)
+                self._check_replicas(skey, acknowledged, "the lock")
             return reply
         raise StoreError(f"key {skey!r} kept expiring between SET NX and GET")
 
-    async def _take_over(self, skey: str, expected: bytes | str, value: bytes) -> bool:
+    async def _recover(
+        self, skey: str, pending: IdempotencyRecord, lock_ttl: float, recover: bool
+    ) -> Any:
+        """``recover.lua``'s reply: ``[]`` when the key is absent, else ``[taken, value,
+        lease_expired]`` (the lease judged, and the record taken over, on the server)."""
+        args: list[Arg] = [pending.request_fingerprint, pending.fingerprint_version]
+        args += [pending.owner_token, str(_ms(lock_ttl)), "1" if recover else "0"]
         if self._waiting is None:
-            return bool(await self._driver.run_script("takeover", skey, [expected, value]))
+            return await self._driver.run_script("recover", skey, args)
         reply, acknowledged = await self._waiting.run_script_and_wait(
-            "takeover",
-            skey,
-            [expected, value],
-            replicas=self._wait_replicas,
-            timeout_ms=self._wait_timeout_ms,
+            "recover", skey, args, replicas=self._wait_replicas, timeout_ms=self._wait_timeout_ms
         )
-        if reply:
-            self._check_replicas(skey, acknowledged)
-        return bool(reply)
+        if reply and reply[0]:
+            self._check_replicas(skey, acknowledged, "the lock")
+        return reply
 
-    def _check_replicas(self, skey: str, acknowledged: int) -> None:
+    def _check_replicas(self, skey: str, acknowledged: int, what: str) -> None:
         if acknowledged < self._wait_replicas:
             logger.warning(
-                "%d of %d Redis replicas acknowledged the lock on %r within %d ms",
+                "%d of %d Redis replicas acknowledged %s on %r within %d ms",
                 acknowledged,
                 self._wait_replicas,
+                what,
                 skey,
                 self._wait_timeout_ms,
             )
 
-    async def _write_if_owner(
-        self, operation: str, key: str, record: IdempotencyRecord, ttl: float, *, absent_ok: bool
-    ) -> FencedWrite:
-        # A final record wakes waiting duplicates; new recovery points or a lease do not.
-        skey = self.storage_key(key)
-        channel = skey if absent_ok else ""
-        args: list[Arg] = [dump_record(record), record.owner_token, str(_ms(ttl))]
-        args += [str(int(absent_ok)), channel]
-        with _DriverErrors(self._driver, operation, key):
-            written = await self._driver.run_script("finish", skey, args)
-        return FencedWrite(int(written))
-
     async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         """Store the final record for ``ttl`` seconds unless another owner holds the key
-        (``LOST``); ``RECLAIMED`` when the key had vanished (evicted, deleted, lock expired)."""
-        return await self._write_if_owner("finish", key, record, ttl, absent_ok=True)
+        (``LOST``); ``RECLAIMED`` when the key had vanished (evicted, deleted, lock expired).
 
-    async def save_progress(self, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        """Replace the owner's ``InProgress`` record (checkpoints, lease) for ``ttl`` seconds.
+        With ``wait_replicas``, ``WAIT`` is pipelined behind it, as behind the acquire: the
+        response is not sent whole before the replicas have the record (or the wait timed out,
+        which is logged)."""
+        skey = self.storage_key(key)
+        args: list[Arg] = [dump_record(record), record.owner_token, str(_ms(ttl)), skey]
+        with _DriverErrors(self._driver, "finish", key):
+            if self._waiting is None:
+                written = await self._driver.run_script("finish", skey, args)
+            else:
+                written, acknowledged = await self._waiting.run_script_and_wait(
+                    "finish",
+                    skey,
+                    args,
+                    replicas=self._wait_replicas,
+                    timeout_ms=self._wait_timeout_ms,
+                )
+                if written:
+                    self._check_replicas(skey, acknowledged, "the response")
+        return FencedWrite(int(written))
 
-        False, writing nothing, unless ``record.owner_token`` holds the key.
+    async def save_progress(
+        self, key: str, record: IdempotencyRecord, ttl: float, lease: float
+    ) -> bool:
+        """Replace the owner's ``InProgress`` record (its checkpoints) for ``ttl`` seconds, with
+        a lease of ``lease`` seconds on the server's clock.
+
+        False, writing nothing, unless ``record.owner_token`` holds the key ``InProgress``.
         """
-        saved = await self._write_if_owner("save_progress", key, record, ttl, absent_ok=False)
+        value = dump_record(replace(record, locked_until=0.0))  # the script sets the lease
+        args: list[Arg] = [value, record.owner_token, str(_ms(ttl)), str(round(lease * 1000))]
+        with _DriverErrors(self._driver, "save_progress", key):
+            saved = await self._driver.run_script("progress", self.storage_key(key), args)
         return bool(saved)
 
     async def release(self, key: str, owner_token: str) -> bool:
@@ -505,12 +521,31 @@ class RedisStore(StoreBase):
         return bool(released)
 
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
-        """Reset the lock TTL to ``lock_ttl`` if ``owner_token`` holds it ``InProgress``."""
+        """Extend the lock to ``lock_ttl`` if ``owner_token`` holds it ``InProgress``: the key's
+        TTL, or for a record with recovery points its lease, on the server's clock."""
         with _DriverErrors(self._driver, "renew", key):
             renewed = await self._driver.run_script(
                 "renew", self.storage_key(key), [owner_token, str(_ms(lock_ttl))]
             )
         return bool(renewed)
+
+    async def watchdog_store(self) -> RedisStore | None:
+        """A store over the same records with a client of its own (same server and options),
+        for the lock watchdog's thread: it connects in that thread's event loop, which alone
+        uses and closes it."""
+        driver = self._driver.twin()
+        if driver is None:
+            return None
+        store = type(self).__new__(type(self))
+        store._init(
+            driver,
+            key_prefix=self._prefix[:-1],
+            acquire=self._acquire_strategy,
+            wait_replicas=0,
+            wait_timeout_ms=self._wait_timeout_ms,
+            owns_client=True,
+        )
+        return store
 
     async def wait_for_change(self, key: str) -> None:
         """Return once ``key`` is completed, failed, released or resolved by any process

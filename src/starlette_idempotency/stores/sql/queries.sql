@@ -38,7 +38,8 @@ RETURNING true;
 -- takeable and overwrites it; the others wait for that one, re-check the row, and drop it.
 -- Returns
 --   taken_over = true,  the old row's values                   -> the caller now owns the key;
---   taken_over = false, live = true,  the holder's values      -> the key is held;
+--   taken_over = false, live = true,  the holder's values      -> the key is held (and
+--     lease_expired says whether the holder is a dead handler's record with checkpoints);
 --   taken_over = false, live = false                           -> changed under us: start again
 --     (the read branch sees the statement's snapshot, older than the change prev waited for);
 --   no row                                                     -> the key vanished: start again.
@@ -71,7 +72,7 @@ WITH prev AS (
     WHERE t.key = prev.key
     RETURNING t.key
 )
-SELECT true AS taken_over, true AS live,
+SELECT true AS taken_over, true AS live, true AS lease_expired,
        prev.idempotency_key, prev.status, prev.request_fingerprint, prev.fingerprint_version,
        prev.owner_token, prev.response_status_code, prev.response_headers::text AS response_headers,
        prev.response_body, prev.response_content_type, prev.created_at,
@@ -81,6 +82,8 @@ SELECT true AS taken_over, true AS live,
 FROM prev
 UNION ALL
 SELECT false AS taken_over, cur.expires_at > now() AS live,
+       coalesce(cur.status = 'InProgress' AND cur.checkpoints IS NOT NULL
+                AND cur.locked_until <= now(), false) AS lease_expired,
        cur.idempotency_key, cur.status, cur.request_fingerprint, cur.fingerprint_version,
        cur.owner_token, cur.response_status_code, cur.response_headers::text AS response_headers,
        cur.response_body, cur.response_content_type, cur.created_at,
@@ -136,11 +139,12 @@ SELECT CASE
 END;
 
 -- name: save_progress
--- The owner's InProgress record gets new checkpoints ($3) and a lease ($4) inside it, and is
--- kept for the retention time ($6 seconds). $1 storage key, $2 owner token, $5 the record's
--- expires_at (kept as data). One row (true) while the owner holds the key.
+-- The owner's InProgress record gets new checkpoints ($3) and a lease of $4 seconds from now()
+-- (0 ends it now), and is kept for the retention time ($6 seconds). $1 storage key, $2 owner
+-- token, $5 the record's expires_at (kept as data). One row (true) while the owner holds the
+-- key InProgress: a late write never turns a finished record back.
 UPDATE {table}
-SET checkpoints = $3::text::jsonb, locked_until = $4,
+SET checkpoints = $3::text::jsonb, locked_until = now() + make_interval(secs => $4),
     record_expires_at = $5, expires_at = now() + make_interval(secs => $6)
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > now()
 RETURNING true;
@@ -159,12 +163,50 @@ SELECT EXISTS (SELECT 1 FROM gone)
     );
 
 -- name: renew
--- Extend the owner's live InProgress lock to $3 seconds from now. One row (true) when renewed.
+-- Extend the owner's live InProgress lock to $3 seconds from now: for a record with checkpoints,
+-- its lease, within a retention time that it keeps (or that the lock outlasts). One row (true)
+-- when renewed.
 UPDATE {table}
 SET locked_until = now() + make_interval(secs => $3),
-    expires_at = now() + make_interval(secs => $3)
+    expires_at = CASE WHEN checkpoints IS NULL THEN now() + make_interval(secs => $3)
+                      ELSE greatest(expires_at, now() + make_interval(secs => $3)) END
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > now()
 RETURNING true;
+
+-- name: abandon
+-- Give up a key whose acquire the caller abandoned (cancelled or timed out: it will not run the
+-- handler), fenced by the abandoned acquire's owner token $2: its row is deleted, or, when it
+-- has checkpoints (a recovery takeover), its lease ends now so that a retry recovers at once.
+-- When the key has no row at all, an expired row is left under that token, so that an insert
+-- of the abandoned acquire that lands only now conflicts with it and writes nothing (the row
+-- counts as absent for everyone else). Row parameters $1 to $14 (the abandoned pending record).
+-- Returns whether the owner's row was there.
+WITH mine AS (
+    SELECT key, checkpoints IS NOT NULL AS recovering FROM {table}
+    WHERE key = $1 AND owner_token = $6 AND status = 'InProgress'
+    FOR UPDATE
+), ended AS (
+    UPDATE {table} AS t SET locked_until = now()
+    FROM mine WHERE t.key = mine.key AND mine.recovering
+    RETURNING 1
+), gone AS (
+    DELETE FROM {table} AS t
+    USING mine WHERE t.key = mine.key AND NOT mine.recovering
+    RETURNING 1
+), fence AS (
+    INSERT INTO {table} AS t (
+        key, idempotency_key, status, request_fingerprint, fingerprint_version, owner_token,
+        response_status_code, response_headers, response_body, response_content_type,
+        created_at, record_expires_at, locked_until, expires_at, checkpoints
+    )
+    SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::text, $7::integer,
+           $8::text::jsonb, $9::bytea, $10::text, $11::timestamptz, $12::timestamptz,
+           now(), now() - make_interval(secs => $13), $14::text::jsonb
+    WHERE NOT EXISTS (SELECT FROM mine)
+    ON CONFLICT (key) DO NOTHING
+    RETURNING 1
+)
+SELECT EXISTS (SELECT FROM mine);
 
 -- name: get
 -- The live row under $1, if any.
@@ -196,6 +238,11 @@ SELECT count(*) FROM gone;
 -- name: schema_lock
 -- Serialises concurrent create_schema() calls (CREATE ... IF NOT EXISTS alone can race).
 SELECT pg_advisory_xact_lock(hashtext('starlette_idempotency.create_schema'));
+
+-- name: default_isolation
+-- The isolation a statement runs at unless told otherwise (the store's are written for READ
+-- COMMITTED).
+SELECT current_setting('default_transaction_isolation');
 
 -- name: table_exists
 -- $1 the quoted table name, resolved like the queries resolve it (search_path).

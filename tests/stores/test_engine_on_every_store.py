@@ -1,0 +1,63 @@
+"""The middleware over every store backend: promises that hold on each of them alike."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from starlette_idempotency import (
+    IdempotencyError,
+    IdempotencyMiddleware,
+    checkpoint,
+    idempotent,
+    storage_key,
+)
+from starlette_idempotency.stores import RecordStatus
+from tests.support.guarded import make_client
+from tests.support.stores import ClockedStore
+
+HEADERS = {"Idempotency-Key": "order-1"}
+
+
+async def test_a_checkpoint_after_the_response_is_refused_and_reopens_nothing(
+    harness: ClockedStore,
+) -> None:
+    """A route answers 202 and records a recovery point in a background task, which runs
+    after the response: the outcome is decided, so the checkpoint raises, and the stored
+    response stays what a retry gets (it was turned back to InProgress: 409, then a second
+    run once the lock expired)."""
+    refused: list[IdempotencyError] = []
+    runs = 0
+
+    async def provider_called(request: Request) -> None:
+        try:
+            await checkpoint(request, "provider_called", {"ref": "p_1"})
+        except IdempotencyError as exc:
+            refused.append(exc)
+
+    @idempotent(lock_ttl_seconds=5)
+    async def pay(request: Request) -> Response:
+        nonlocal runs
+        runs += 1
+        task = BackgroundTask(provider_called, request)
+        return JSONResponse({"run": runs}, status_code=202, background=task)
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=harness.store, clock=harness.now))
+
+    first = await client.post("/pay", json={}, headers=HEADERS)
+
+    assert first.status_code == 202
+    [error] = refused
+    assert "after the outcome" in str(error)
+    record = await harness.store.get(storage_key("", "POST", "/pay", "order-1"))
+    assert record is not None
+    assert record.status is RecordStatus.COMPLETED
+    assert record.checkpoints == ()
+    retry = await client.post("/pay", json={}, headers=HEADERS)
+    assert retry.status_code == 202
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert runs == 1

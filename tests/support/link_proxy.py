@@ -1,0 +1,110 @@
+"""A TCP proxy whose link a test can hold and cut: a replication link that lags, then breaks,
+or a database whose replies come late.
+
+A Redis replica connects to its primary through it, or a store to PostgreSQL. While
+:meth:`LinkProxy.hold` is on, what the upstream server sends is kept back (the client hears
+nothing, as behind a slow network); :meth:`release` forwards it, and :meth:`cut` drops it and
+closes every connection, as a server that fails does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Self
+from urllib.parse import urlsplit, urlunsplit
+
+
+def proxied(dsn: str, port: int) -> str:
+    """``dsn`` (a URL) with its host and port replaced by a proxy's on 127.0.0.1:``port``."""
+    parts = urlsplit(dsn)
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@127.0.0.1:{port}" if userinfo else f"127.0.0.1:{port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class LinkProxy:
+    """Forwards 127.0.0.1:``port`` to ``upstream_port``; holds the upstream's replies on demand."""
+
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1") -> None:
+        self.upstream_host = upstream_host
+        self.upstream_port = upstream_port
+        self.port = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.cut()
+
+    def proxied(self, dsn: str) -> str:
+        """``dsn`` pointed at this proxy."""
+        return proxied(dsn, self.port)
+
+    def hold(self) -> None:
+        """Keep back what the upstream sends from now on."""
+        self._open.clear()
+
+    def release(self) -> None:
+        """Forward what was kept back, and everything after it."""
+        self._open.set()
+
+    def drop(self) -> None:
+        """Close every connection at once, with no word to either end (a network that drops
+        them, a server that crashed); new connections are still taken."""
+        for writer in self._writers:
+            # Shut down at once: the transport itself closes the socket only on the loop's next
+            # turn, when the other end's transport (on this loop too) would read it first.
+            with contextlib.suppress(OSError):
+                writer.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def cut(self) -> None:
+        """Drop what was kept back and close every connection, taking no new one."""
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for writer in self._writers:
+            writer.transport.abort()
+        self._open.set()
+        await self._server.wait_closed()
+
+    async def _serve(self, client_in: asyncio.StreamReader, client: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        server_in, server = await asyncio.open_connection(self.upstream_host, self.upstream_port)
+        self._writers += [client, server]
+        try:
+            await asyncio.gather(
+                self._pipe(client_in, server, None), self._pipe(server_in, client, self._open)
+            )
+        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # cut, or closed by either end (a cut task ends quietly: it is ours)
+        finally:
+            self._tasks.discard(task)
+            for writer in (client, server):
+                writer.transport.abort()
+
+    @staticmethod
+    async def _pipe(
+        source: asyncio.StreamReader, sink: asyncio.StreamWriter, gate: asyncio.Event | None
+    ) -> None:
+        while data := await source.read(65536):
+            if gate is not None:
+                await gate.wait()
+            sink.write(data)
+            with contextlib.suppress(ConnectionError):
+                await sink.drain()
+        sink.transport.abort()
