@@ -22,7 +22,7 @@ if _typing.TYPE_CHECKING:
         idempotency_context,
     )
     from starlette_idempotency._decorator import idempotent
-    from starlette_idempotency._fingerprint import storage_key
+    from starlette_idempotency._keys import storage_key
     from starlette_idempotency._marks import mark_retryable
     from starlette_idempotency._protection import ResponseEncryption
     from starlette_idempotency._record import StoredResponse
@@ -82,7 +82,7 @@ _HOMES = {
     "idempotency_context": "starlette_idempotency._context",
     "idempotent": "starlette_idempotency._decorator",
     "mark_retryable": "starlette_idempotency._marks",
-    "storage_key": "starlette_idempotency._fingerprint",
+    "storage_key": "starlette_idempotency._keys",
 }
 # What only a store implementer needs lives in starlette_idempotency.stores, and the route
 # options in starlette_idempotency.middleware; 0.1 exported them here too.

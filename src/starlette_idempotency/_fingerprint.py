@@ -420,19 +420,3 @@ def fingerprint_version(mode: str, route_version: str) -> str:
     meaningless; ``on_fingerprint_change`` decides instead.
     """
     return f"{FINGERPRINT_SCHEME}.{mode}.{route_version}"
-
-
-_KEY_PART_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
-
-
-def storage_key(scope_id: str, method: str, route_template: str, key: str) -> str:
-    """``scope:METHOD:template:key``, each part escaped so that no two tuples share a key.
-
-    The store adds its prefix (``idempotency:`` by default). Braces are escaped too, so Redis
-    Cluster never reads a route template's ``{param}`` as a hash tag.
-    """
-    escapes = _KEY_PART_ESCAPES
-    return (
-        f"{scope_id.translate(escapes)}:{method.translate(escapes)}:"
-        f"{route_template.translate(escapes)}:{key.translate(escapes)}"
-    )

@@ -19,10 +19,9 @@ from starlette_idempotency._context import CONTEXT_SCOPE_KEY, IdempotencyContext
 from starlette_idempotency._marks import MARKS_SCOPE_KEY, RequestMarks, current_marks
 from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
-from starlette_idempotency._renewal import HeldLock, LockRenewal, Renewals
-from starlette_idempotency._request_events import RequestEvents
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
+from starlette_idempotency._timers import HeldLock, LockRenewal, Renewals
 from starlette_idempotency._types import ASGIApp, Clock, Receive, Scope, Send
 from starlette_idempotency.errors import (
     ConfigurationError,
@@ -30,7 +29,7 @@ from starlette_idempotency.errors import (
     LockLostError,
     StoreError,
 )
-from starlette_idempotency.observability import OutcomeResult
+from starlette_idempotency.observability import OutcomeResult, RequestEvents
 from starlette_idempotency.stores.base import FencedWrite
 
 logger = logging.getLogger(__name__)

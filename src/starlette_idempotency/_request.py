@@ -20,12 +20,11 @@ from dataclasses import replace
 from starlette.exceptions import HTTPException
 
 from starlette_idempotency._capture import ReplayingReceive
-from starlette_idempotency._fingerprint import raw_body_form, request_fingerprint, storage_key
-from starlette_idempotency._keys import InvalidKey, parse_key, sent_once_message
+from starlette_idempotency._fingerprint import raw_body_form, request_fingerprint
+from starlette_idempotency._keys import InvalidKey, parse_key, sent_once_message, storage_key
 from starlette_idempotency._marks import MARKS_SCOPE_KEY, RequestMarks, current_marks
 from starlette_idempotency._ownership import OwnedKey
 from starlette_idempotency._record import IdempotencyRecord, RecordStatus
-from starlette_idempotency._request_events import RequestEvents
 from starlette_idempotency._responses import (
     ALREADY_PROCESSED_MESSAGE,
     IN_PROGRESS_MESSAGE,
@@ -43,7 +42,7 @@ from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._services import RequestServices
 from starlette_idempotency._types import Receive, Scope, Send
 from starlette_idempotency.errors import StoreError
-from starlette_idempotency.observability import CheckResult
+from starlette_idempotency.observability import CheckResult, RequestEvents
 from starlette_idempotency.stores.base import AcquireResult
 
 logger = logging.getLogger(__name__)

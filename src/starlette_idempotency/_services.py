@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from starlette_idempotency._key_scope import KeyScopeResolver
+from starlette_idempotency._keys import KeyScopeResolver
 from starlette_idempotency._protection import ResponseKeeper
-from starlette_idempotency._renewal import Renewals
 from starlette_idempotency._responses import ErrorResponder
 from starlette_idempotency._store_calls import BoundedStore
+from starlette_idempotency._timers import Renewals
 from starlette_idempotency._types import ASGIApp, Clock
 from starlette_idempotency._waiting import Waiters
 from starlette_idempotency.observability import Observer

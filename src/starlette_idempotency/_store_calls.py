@@ -19,9 +19,9 @@ from collections.abc import Awaitable
 from dataclasses import replace
 from typing import TypeVar
 
-from starlette_idempotency._deadlines import CallDeadlines
 from starlette_idempotency._deprecation import deprecated
 from starlette_idempotency._record import IdempotencyRecord
+from starlette_idempotency._timers import CallDeadlines
 from starlette_idempotency._types import Clock, system_clock
 from starlette_idempotency.errors import StoreError, StoreTimeoutError
 from starlette_idempotency.observability import MetricsSink, StoreCallTracer

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 
-from starlette_idempotency._renewal import LockRenewal
+from starlette_idempotency._timers import LockRenewal
 from starlette_idempotency.errors import StoreError
 from starlette_idempotency.observability import Observer
 from starlette_idempotency.stores.base import IdempotencyStore, WatchdogStore

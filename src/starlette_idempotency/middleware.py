@@ -15,8 +15,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
-from starlette_idempotency._key_scope import KeyScope, KeyScopeResolver
-from starlette_idempotency._loop_timers import PerLoop
+from starlette_idempotency._keys import KeyScope, KeyScopeResolver
 from starlette_idempotency._marks import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
 from starlette_idempotency._openapi import OpenAPIDocumenter
 from starlette_idempotency._openapi_install import document_middleware
@@ -28,13 +27,13 @@ from starlette_idempotency._options import (
     unknown_option_error,
 )
 from starlette_idempotency._protection import ResponseEncryption, ResponseKeeper
-from starlette_idempotency._renewal import RENEWAL_RESOLUTION, Renewals
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
 from starlette_idempotency._routing import RouteResolver, iter_routes, routes_for
 from starlette_idempotency._services import RequestLimits, RequestServices
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy, refuse_startup
+from starlette_idempotency._timers import RENEWAL_RESOLUTION, PerLoop, Renewals
 from starlette_idempotency._types import (
     DEFAULT_HEADER_NAME,
     REPLAY_HEADER,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from starlette_idempotency._deadlines import CallDeadlines
+from starlette_idempotency._timers import CallDeadlines
 from tests.support.conditions import eventually
 
 

@@ -12,8 +12,8 @@ from starlette_idempotency._fingerprint import (
     is_json_content_type,
     raw_body_form,
     request_fingerprint,
-    storage_key,
 )
+from starlette_idempotency._keys import storage_key
 
 
 def fingerprint(

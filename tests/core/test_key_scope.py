@@ -150,7 +150,7 @@ async def test_any_other_error_in_key_scope_is_logged_with_its_cause(
     app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=broken)
     with caplog.at_level(logging.ERROR), pytest.raises(ValueError, match="token has expired"):
         await make_client(app).post("/pay", headers={"Idempotency-Key": "k"})
-    logged = [r for r in caplog.records if r.name == "starlette_idempotency._key_scope"]
+    logged = [r for r in caplog.records if r.name == "starlette_idempotency._keys"]
     assert len(logged) == 1
     assert "key_scope" in logged[0].getMessage()
     assert "POST /pay" in logged[0].getMessage()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from starlette_idempotency._loop_timers import LoopTimer, PerLoop
+from starlette_idempotency._timers import LoopTimer, PerLoop
 from tests.support.conditions import eventually
 
 

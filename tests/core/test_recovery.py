@@ -21,7 +21,7 @@ from starlette_idempotency import (
     idempotency_context,
     idempotent,
 )
-from starlette_idempotency._fingerprint import storage_key
+from starlette_idempotency._keys import storage_key
 from starlette_idempotency.stores import AcquireResult, IdempotencyRecord
 from starlette_idempotency.testing import FakeClock
 from tests.support.guarded import make_client
