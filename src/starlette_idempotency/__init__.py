@@ -16,14 +16,14 @@ from importlib.util import find_spec as _find_spec
 from starlette_idempotency._deprecation import moved as _moved
 
 if _typing.TYPE_CHECKING:
-    from starlette_idempotency._context import (
+    from starlette_idempotency._endpoint import (
         IdempotencyContext,
         checkpoint,
         idempotency_context,
+        idempotent,
+        mark_retryable,
     )
-    from starlette_idempotency._decorator import idempotent
     from starlette_idempotency._keys import storage_key
-    from starlette_idempotency._marks import mark_retryable
     from starlette_idempotency._protection import ResponseEncryption
     from starlette_idempotency._record import StoredResponse
     from starlette_idempotency._responses import IdempotencyProblem
@@ -58,7 +58,7 @@ _HOMES = {
     "CheckResult": "starlette_idempotency.observability",
     "ConfigurationError": "starlette_idempotency.errors",
     "EventHook": "starlette_idempotency.observability",
-    "IdempotencyContext": "starlette_idempotency._context",
+    "IdempotencyContext": "starlette_idempotency._endpoint",
     "IdempotencyError": "starlette_idempotency.errors",
     "IdempotencyEvent": "starlette_idempotency.observability",
     "IdempotencyMiddleware": "starlette_idempotency.middleware",
@@ -78,10 +78,10 @@ _HOMES = {
     "StoreTimeoutError": "starlette_idempotency.errors",
     "StoredResponse": "starlette_idempotency._record",
     "UnguardedRequestError": "starlette_idempotency.errors",
-    "checkpoint": "starlette_idempotency._context",
-    "idempotency_context": "starlette_idempotency._context",
-    "idempotent": "starlette_idempotency._decorator",
-    "mark_retryable": "starlette_idempotency._marks",
+    "checkpoint": "starlette_idempotency._endpoint",
+    "idempotency_context": "starlette_idempotency._endpoint",
+    "idempotent": "starlette_idempotency._endpoint",
+    "mark_retryable": "starlette_idempotency._endpoint",
     "storage_key": "starlette_idempotency._keys",
 }
 # What only a store implementer needs lives in starlette_idempotency.stores, and the route

@@ -1,7 +1,8 @@
 """One guarded request's journey until it owns its key, or is answered without running.
 
 Validate the key, buffer and fingerprint the body, and acquire the key as ``InProgress``; then
-an :class:`~starlette_idempotency._ownership.OwnedKey` runs the app and settles the outcome. A
+the app runs under the key's :class:`~starlette_idempotency._lease.Lease`, which settles the
+outcome. A
 key already held answers with a replay, a 409 (or a wait for the first request) or a 422
 without running the app.
 
@@ -19,11 +20,10 @@ from dataclasses import replace
 
 from starlette.exceptions import HTTPException
 
-from starlette_idempotency._capture import ReplayingReceive
+from starlette_idempotency._endpoint import REQUEST_SCOPE_KEY, InvalidCommandMarks
 from starlette_idempotency._fingerprint import raw_body_form, request_fingerprint
 from starlette_idempotency._keys import InvalidKey, parse_key, sent_once_message, storage_key
-from starlette_idempotency._marks import MARKS_SCOPE_KEY, RequestMarks, current_marks
-from starlette_idempotency._ownership import OwnedKey
+from starlette_idempotency._lease import Lease, ReplayingReceive, Run
 from starlette_idempotency._record import IdempotencyRecord, RecordStatus
 from starlette_idempotency._responses import (
     ALREADY_PROCESSED_MESSAGE,
@@ -260,7 +260,7 @@ class GuardedRequest:
             if not acquired.acquired:
                 await self._answer_existing(acquired, fingerprint)
                 return
-        owned = OwnedKey(
+        lease = Lease(
             store=services.store,
             clock=services.clock,
             events=self._events,
@@ -270,11 +270,10 @@ class GuardedRequest:
             responses=services.responses,
         )
         await self._events.decided(
-            CheckResult.ACQUIRED, note="recovering" if owned.record.checkpoints else None
+            CheckResult.ACQUIRED, note="recovering" if lease.inherited else None
         )
-        await owned.run(
-            services.app, self._scope, self._receive, self._send, body, services.renewals
-        )
+        run = Run(lease, policy, body, self._receive, self._send)
+        await run(services.app, self._scope, self._events, services.renewals)
 
     def _owned_record(
         self, pending: IdempotencyRecord, taken_over: IdempotencyRecord | None
@@ -358,15 +357,9 @@ class GuardedRequest:
         start mark refuses to run it unprotected.
         """
         await self._events.decided(CheckResult.INVALID_BODY)
-        marks = RequestMarks()
-        marks.must_not_start = True
         scope = self._scope
-        scope[MARKS_SCOPE_KEY] = marks
-        token = current_marks.set(marks)
-        try:
-            await self._services.app(scope, ReplayingReceive(body, self._receive), self._send)
-        finally:
-            current_marks.reset(token)
+        scope[REQUEST_SCOPE_KEY] = InvalidCommandMarks()
+        await self._services.app(scope, ReplayingReceive(body, self._receive), self._send)
 
     async def _on_store_down(self, exc: StoreError, body: bytes) -> None:
         if self._policy.on_store_error == "fail_open":

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.routing import BaseRoute, Host, Match, Mount, WebSocketRoute, replace_params
 
-from starlette_idempotency._decorator import (
+from starlette_idempotency._endpoint import (
     MARKS_START_ATTRIBUTE,
     POLICY_ATTRIBUTE,
     misplaced_decorator_error,

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
+from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
 from starlette_idempotency._keys import KeyScope, KeyScopeResolver
-from starlette_idempotency._marks import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
 from starlette_idempotency._openapi import OpenAPIDocumenter
 from starlette_idempotency._openapi_install import document_middleware
 from starlette_idempotency._options import (

@@ -153,26 +153,30 @@ async def test_what_the_app_parses_is_parsed_alike() -> None:
 
 
 async def test_endpoint_never_runs_unprotected() -> None:
-    from starlette_idempotency._marks import (
-        RequestMarks,
+    from starlette_idempotency._endpoint import (
+        GUARD_SCOPE_KEY,
+        REQUEST_SCOPE_KEY,
+        InvalidCommandMarks,
         UnprotectedEndpointError,
-        current_marks,
     )
 
     calls: list[int] = []
 
     @idempotent()
-    async def endpoint() -> None:
+    async def endpoint(request: Request) -> None:
         calls.append(1)
 
-    marks = RequestMarks()
-    marks.must_not_start = True
-    token = current_marks.set(marks)
-    try:
-        with pytest.raises(UnprotectedEndpointError):
-            await endpoint()
-    finally:
-        current_marks.reset(token)
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/orders",
+        "headers": [],
+        "endpoint": endpoint,  # as a router dispatched it
+        GUARD_SCOPE_KEY: endpoint,
+        REQUEST_SCOPE_KEY: InvalidCommandMarks(),
+    }
+    with pytest.raises(UnprotectedEndpointError):
+        await endpoint(Request(scope))
     assert calls == []
 
 

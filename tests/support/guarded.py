@@ -10,7 +10,7 @@ import httpx
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
-from starlette_idempotency._marks import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
+from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
 from starlette_idempotency.testing import FakeClock
 from tests.support.apps import Ledger, build_fastapi_app, build_starlette_app
 

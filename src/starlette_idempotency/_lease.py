@@ -1,9 +1,24 @@
-"""The life of a key this request owns: run the app, renew the lock, keep recovery points,
-then settle the outcome (store it, or release the key).
+"""A key this request owns: the lease on its record, and the app's run under it.
 
-An :class:`OwnedKey` exists only once the store said the key is this request's, so its record
-is always there. Every write it makes is fenced by the record's owner token; a write that finds
-the key taken over or gone is reported as ``LOCK_LOST``.
+A :class:`Lease` exists only once the store said the key is this request's, so its record is
+always there. It holds the record and makes every write on it, each fenced by the record's
+owner token: recovery points, renewals, the outcome, the release. A write that finds the key
+taken over or gone is reported as ``LOCK_LOST``. It is also what the endpoint side sees of the
+request (:class:`~starlette_idempotency._endpoint.IdempotencyContext`, and the marks the
+decorator's wrapper and ``mark_retryable`` set), so nothing else is made per request for them.
+
+A :class:`Run` runs the app as the key's owner: its own method is the app's ``send`` (every
+message passed on, a copy of the response kept), as Starlette's ``GZipResponder`` does, and the
+app's ``receive`` hands it the body the middleware already read (:class:`ReplayingReceive`).
+It settles the outcome on the lease before the last body chunk goes out. Data flows one way:
+the run holds the lease and the lock's renewal, neither holds the run, and the lease holds
+nothing of the request's scope, so a request leaves no reference cycle behind.
+
+Once the app has started its response the outcome is decided, however the response ends: a
+client that hangs up mid-stream, a ``send`` that raises, an app that stops its body on
+``http.disconnect`` or raises half-way, a cancelled request task. Then the run stores what was
+decided without the body it could not capture whole, so a retry never runs the handler again
+nor sees a truncated body as whole.
 """
 
 from __future__ import annotations
@@ -14,15 +29,14 @@ from typing import Any
 
 import anyio
 
-from starlette_idempotency._capture import ReplayingReceive, ResponseCapture
-from starlette_idempotency._context import CONTEXT_SCOPE_KEY, IdempotencyContext
-from starlette_idempotency._marks import MARKS_SCOPE_KEY, RequestMarks, current_marks
+from starlette_idempotency._endpoint import REQUEST_SCOPE_KEY, IdempotencyContext
+from starlette_idempotency._options import IdempotencyPolicy
 from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._timers import HeldLock, LockRenewal, Renewals
-from starlette_idempotency._types import ASGIApp, Clock, Receive, Scope, Send
+from starlette_idempotency._types import ASGIApp, Clock, Message, Receive, Scope, Send
 from starlette_idempotency.errors import (
     ConfigurationError,
     IdempotencyError,
@@ -43,20 +57,23 @@ _PRE_ENDPOINT_STATUSES = frozenset({401, 403, 422})
 _UNCAPTURABLE_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
 
 
-class OwnedKey:
+class Lease(IdempotencyContext):
     """A key this request owns, from the acquire until its outcome is settled."""
 
     __slots__ = (
         "_clock",
         "_decided",
         "_events",
-        "_marks",
         "_responses",
         "_route",
         "_store",
-        "_store_key",
+        "endpoint_started",
+        "inherited",
+        "key",
+        "must_not_start",
         "record",
-        "renewal",
+        "retryable",
+        "store_key",
     )
 
     def __init__(
@@ -75,61 +92,20 @@ class OwnedKey:
         self._clock = clock
         self._events = events
         self._route = route
-        self._store_key = store_key
-        self._marks = RequestMarks()
+        self.store_key = store_key
         #: The record as this request last wrote it (its checkpoints and owner token; its
         #: lease is the store's to keep).
         self.record = record
-        self.renewal: LockRenewal | None = None
+        self.key = record.key
+        self.inherited = record.checkpoints
         # Set once the outcome is being stored or the key freed: no recovery point after it.
         self._decided = False
+        # What the endpoint side reports (see _endpoint.Marks).
+        self.endpoint_started = False
+        self.retryable = False
+        self.must_not_start = False
 
-    async def run(
-        self,
-        app: ASGIApp,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        body: bytes,
-        renewals: Renewals,
-    ) -> None:
-        """Run the app as the key's owner and settle the outcome before the response ends."""
-        policy = self._route.policy
-        scope = _scope_for_app(scope)
-        marks = self._marks
-        scope[MARKS_SCOPE_KEY] = marks
-        scope[CONTEXT_SCOPE_KEY] = IdempotencyContext(
-            self.record.key, self.record.checkpoints, self.checkpoint
-        )
-        capture = ResponseCapture(send, self, policy.max_response_bytes)
-        renewal = None
-        if policy.renew_lock:
-            lock = HeldLock(
-                self._store_key,
-                self.record.owner_token,
-                policy.lock_ttl_seconds,
-                self._events.endpoint,
-            )
-            renewal = LockRenewal(self.renew, self._events, lock, renewals)
-        self.renewal = renewal
-        token = current_marks.set(marks)
-        try:
-            await app(scope, ReplayingReceive(body, receive), capture)
-        finally:
-            current_marks.reset(token)
-            # The context refers back to this object, which the scope holds: break the cycle,
-            # or every request would leave its whole scope to the garbage collector.
-            scope.pop(CONTEXT_SCOPE_KEY, None)
-            if renewal is not None:
-                renewal.stop()
-                # It holds this object's bound renew(): no reference cycle left to the collector.
-                self.renewal = None
-            if not capture.settled:
-                # Shielded, so a cancelled request still settles or frees its key.
-                with anyio.CancelScope(shield=True):
-                    await capture.settle_unfinished()
-
-    async def checkpoint(self, name: str, data: Any) -> None:
+    async def checkpoint(self, name: str, data: Any = None) -> None:
         """Save a recovery point on the record (see ``checkpoint``)."""
         if not self._store.store.supports_recovery:
             raise ConfigurationError(
@@ -139,9 +115,9 @@ class OwnedKey:
         if self._decided:
             raise IdempotencyError(
                 f"checkpoint({name!r}) came after the outcome of idempotency key "
-                f"{self.record.key!r} was decided (its response stored, or its key freed): a "
-                "recovery point can only be saved while the handler runs, before its response "
-                "ends (not from a background task, which runs after it)"
+                f"{self._events.shown_key!r} was decided (its response stored, or its key "
+                "freed): a recovery point can only be saved while the handler runs, before its "
+                "response ends (not from a background task, which runs after it)"
             )
         policy = self._route.policy
         now = self._clock()
@@ -154,10 +130,12 @@ class OwnedKey:
 
     async def _save_progress(self, record: IdempotencyRecord, lease: float) -> None:
         saved = await self._store.save_progress(
-            self._store_key, record, self._route.policy.ttl_seconds, lease
+            self.store_key, record, self._route.policy.ttl_seconds, lease
         )
         if not saved:
-            raise LockLostError(f"the lock for idempotency key {record.key!r} was taken over")
+            raise LockLostError(
+                f"the lock for idempotency key {self._events.shown_key!r} was taken over"
+            )
         self.record = record
 
     async def renew(self) -> bool:
@@ -166,7 +144,7 @@ class OwnedKey:
         renew)."""
         policy = self._route.policy
         renewed = await self._store.renew(
-            self._store_key, self.record, policy.lock_ttl_seconds, policy.ttl_seconds
+            self.store_key, self.record, policy.lock_ttl_seconds, policy.ttl_seconds
         )
         return renewed or await self._reclaim()
 
@@ -182,7 +160,7 @@ class OwnedKey:
         now = self._clock()
         # Held by the acquire's lock TTL, with no lease of its own until it is saved again.
         record = replace(self.record, locked_until=None, expires_at=now + lock_ttl)
-        result = await self._store.try_acquire(self._store_key, record, lock_ttl, recover=False)
+        result = await self._store.try_acquire(self.store_key, record, lock_ttl, recover=False)
         if not result.acquired:
             logger.warning(
                 "the lock for idempotency key %r was taken over by another request while its "
@@ -206,22 +184,28 @@ class OwnedKey:
         return True
 
     async def settle(
-        self, status: int, raw_headers: list[tuple[bytes, bytes]], chunks: list[bytes] | None
+        self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes | None
     ) -> None:
-        """Store the response as the key's outcome, or release the key (5xx, 408, 429, a
-        retryable mark, a status from before the endpoint)."""
+        """Store the response as the key's outcome (``body`` is ``None`` when it was not
+        captured whole), or release the key: 5xx, 408, 429, a retryable mark, a status from
+        before the endpoint."""
         self._decided = True
-        if self.renewal is not None:
-            self.renewal.stop()  # a renewal now would find the record final, not the lock gone
-        if not self._should_store(status):
+        route = self._route
+        if (
+            self.retryable
+            or status >= 500
+            or status in _TRANSIENT_STATUSES
+            or (
+                not self.endpoint_started if route.marks_start else status in _PRE_ENDPOINT_STATUSES
+            )
+        ):
             await self.release(status)
             return
         completed = status < 400
-        policy = self._route.policy
+        policy = route.policy
         ttl = policy.ttl_seconds
-        body = None if chunks is None else b"".join(chunks)
         kept, note = self._responses.keep(
-            policy.stored_parts, self._store_key, status, raw_headers, body
+            policy.stored_parts, self.store_key, status, raw_headers, body
         )
         record = self.record.finished(
             RecordStatus.COMPLETED if completed else RecordStatus.FAILED,
@@ -229,7 +213,7 @@ class OwnedKey:
             expires_at=self._clock() + ttl,
         )
         try:
-            stored = await self._store.finish(self._store_key, record, ttl)
+            stored = await self._store.finish(self.store_key, record, ttl)
         except StoreError as exc:
             logger.error(
                 "could not store the response for idempotency key %r; a retry is answered 409 "
@@ -258,13 +242,6 @@ class OwnedKey:
             OutcomeResult.COMPLETED if completed else OutcomeResult.FAILED, status, note
         )
 
-    def _should_store(self, status: int) -> bool:
-        if self._marks.retryable or status >= 500 or status in _TRANSIENT_STATUSES:
-            return False
-        if self._route.marks_start:
-            return self._marks.endpoint_started
-        return status not in _PRE_ENDPOINT_STATUSES
-
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
         self._decided = True
@@ -273,7 +250,7 @@ class OwnedKey:
             await self._keep_for_recovery(status)
             return
         try:
-            released = await self._store.release(self._store_key, self.record.owner_token)
+            released = await self._store.release(self.store_key, self.record.owner_token)
         except StoreError as exc:
             logger.error(
                 "could not release idempotency key %r: %s",
@@ -305,9 +282,120 @@ class OwnedKey:
         await self._events.ended(OutcomeResult.RELEASED, status)
 
 
-def _scope_for_app(scope: Scope) -> Scope:
-    extensions = scope.get("extensions")
-    if not extensions or _UNCAPTURABLE_EXTENSIONS.isdisjoint(extensions):
-        return scope
-    kept = {k: v for k, v in extensions.items() if k not in _UNCAPTURABLE_EXTENSIONS}
-    return {**scope, "extensions": kept}
+class ReplayingReceive:
+    """A receive that hands the buffered body to the app once, then defers to the client
+    (so the app still sees ``http.disconnect``)."""
+
+    __slots__ = ("_body", "_receive")
+
+    def __init__(self, body: bytes, receive: Receive) -> None:
+        self._body: bytes | None = body
+        self._receive = receive
+
+    async def __call__(self) -> Message:
+        body = self._body
+        if body is None:
+            return await self._receive()
+        self._body = None
+        return {"type": "http.request", "body": body, "more_body": False}
+
+
+class Run:
+    """The app running as the owner of ``lease``: :meth:`receive` and :meth:`send` are what
+    the app is given, and the outcome is settled before the response's last chunk goes out."""
+
+    __slots__ = (
+        "_client_send",
+        "_lease",
+        "_policy",
+        "_renewal",
+        "chunks",
+        "ended",
+        "raw_headers",
+        "receive",
+        "settled",
+        "size",
+        "status",
+    )
+
+    def __init__(
+        self, lease: Lease, policy: IdempotencyPolicy, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        self._lease = lease
+        self._policy = policy
+        #: The app's ``receive``: the body the middleware already read, then the client's.
+        self.receive = ReplayingReceive(body, receive)
+        self._client_send = send
+        self._renewal: LockRenewal | None = None
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] | None = []  # None once the body outgrew max_response_bytes
+        self.size = 0
+        self.ended = False  # the app sent its last body chunk
+        self.settled = False
+
+    async def __call__(
+        self, app: ASGIApp, scope: Scope, events: RequestEvents, renewals: Renewals
+    ) -> None:
+        """Run the app and settle the outcome, however it ends."""
+        lease = self._lease
+        extensions = scope.get("extensions")
+        if extensions and not _UNCAPTURABLE_EXTENSIONS.isdisjoint(extensions):
+            kept = {k: v for k, v in extensions.items() if k not in _UNCAPTURABLE_EXTENSIONS}
+            scope = {**scope, "extensions": kept}
+        scope[REQUEST_SCOPE_KEY] = lease
+        policy = self._policy
+        if policy.renew_lock:
+            lock = HeldLock(
+                lease.store_key, lease.record.owner_token, policy.lock_ttl_seconds, events.endpoint
+            )
+            self._renewal = LockRenewal(lease.renew, events, lock, renewals)
+        try:
+            await app(scope, self.receive, self.send)
+        finally:
+            self._stop_renewal()
+            if not self.settled:
+                # Shielded, so a cancelled request still settles or frees its key.
+                with anyio.CancelScope(shield=True):
+                    await self._settle_unfinished()
+
+    async def send(self, message: Message) -> None:
+        """Pass ``message`` on to the client, keeping a copy of the response (up to
+        ``max_response_bytes`` of body); settle before the last body chunk goes out."""
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = message["status"]
+            self.raw_headers = list(message.get("headers", ()))
+        elif kind == "http.response.body" and not self.ended:
+            chunk = message.get("body", b"")
+            self.size += len(chunk)
+            if self.size > self._policy.max_response_bytes:
+                self.chunks = None
+            elif self.chunks is not None:
+                self.chunks.append(chunk)
+            if not message.get("more_body", False):
+                self.ended = True
+                self._stop_renewal()  # a renewal now would find the record final
+                chunks = self.chunks
+                body = None if chunks is None else b"".join(chunks)
+                await self._lease.settle(self.status, self.raw_headers, body)
+                self.settled = True
+        await self._client_send(message)
+
+    def _stop_renewal(self) -> None:
+        renewal = self._renewal
+        if renewal is not None:
+            self._renewal = None
+            renewal.stop()
+
+    async def _settle_unfinished(self) -> None:
+        """Settle a request whose response did not run to its end (see the module docs)."""
+        if not self.status:
+            # The app raised or returned before it started a response: nothing was decided,
+            # so the client may retry with the same key.
+            await self._lease.release(None)
+            return
+        chunks = self.chunks if self.ended else None
+        await self._lease.settle(
+            self.status, self.raw_headers, None if chunks is None else b"".join(chunks)
+        )

@@ -1,0 +1,337 @@
+"""The endpoint side: ``@idempotent``, what the endpoint and the middleware tell each other
+about one request, and what a handler can learn and record about its own request.
+
+The decorator records which options a route overrides; the middleware merges them over its own
+defaults once per route. In the documented order (``@app.post(...)`` above ``@idempotent(...)``)
+the decorator also wraps the endpoint. The wrapper runs on every call: when a router calls it,
+it checks that a guard saw the request (:func:`enter_endpoint`), and it tells the middleware
+that the endpoint itself began, which tells a FastAPI validation 422 or an auth dependency's
+401 (nothing ran) from a handler's own 4xx (a business outcome). The wrapper keeps the
+endpoint's signature, so FastAPI's introspection and OpenAPI see the original function, with
+one parameter more where it has no request parameter of its own: an ``HTTPConnection``, which
+FastAPI fills with the request (and documents nowhere). A Starlette endpoint gets its request
+as an argument already; a direct call, as a unit test makes, passes neither and runs as the
+function would.
+
+The middleware marks every HTTP request it sees with what it decided (:data:`GUARD_SCOPE_KEY`):
+the handler it guards the request for, :data:`METHOD_NOT_GUARDED`, or ``None`` when it found no
+guarded route. A request that owns its key carries its :class:`IdempotencyContext` in the
+scope: where the endpoint reports that it began, :func:`mark_retryable` that a failure had no
+side effect, and :func:`checkpoint` saves a recovery point; if the process dies after one, the
+retry that takes the key over sees it through ``idempotency_context(request).recovered_from``
+and can reconcile (ask the payment provider what happened) instead of acting again.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, Final, Protocol, TypeVar, Unpack, cast, overload
+
+from starlette.requests import HTTPConnection
+
+from starlette_idempotency._openapi_install import hook_fastapi
+from starlette_idempotency._options import (
+    ROUTE_OPTIONS,
+    IdempotencyPolicy,
+    RouteOptions,
+    unknown_option_error,
+)
+from starlette_idempotency._record import Checkpoint
+from starlette_idempotency.errors import (
+    ConfigurationError,
+    IdempotencyError,
+    UnguardedRequestError,
+)
+
+#: Where the middleware records, for every HTTP request it passes on, what it guards it as.
+GUARD_SCOPE_KEY = "starlette_idempotency.guard"
+#: The guard's mark for a request whose method it does not guard (a GET, say).
+METHOD_NOT_GUARDED: Final = "method not guarded"
+#: Where a guarded request's :class:`Marks` are (its :class:`IdempotencyContext`, once it owns
+#: its key).
+REQUEST_SCOPE_KEY = "starlette_idempotency.request"
+#: No guard saw the request (no mark in its scope).
+_UNSEEN: Final = object()
+
+
+class Marks(Protocol):
+    """What the endpoint side reports to the middleware about one request."""
+
+    #: The endpoint itself began (the decorator's wrapper ran).
+    endpoint_started: bool
+    #: :func:`mark_retryable`: the failure had no side effect, so the key is freed.
+    retryable: bool
+    #: The endpoint must not begin (its body is no valid command, and no key was acquired).
+    must_not_start: bool
+
+
+class InvalidCommandMarks:
+    """The marks of a request whose body ``fingerprint="validated"`` found invalid: the app
+    answers it (its own 422), and the endpoint must not begin unprotected."""
+
+    __slots__ = ("endpoint_started", "must_not_start", "retryable")
+
+    def __init__(self) -> None:
+        self.endpoint_started = False
+        self.retryable = False
+        self.must_not_start = True
+
+
+class UnprotectedEndpointError(RuntimeError):
+    """The endpoint began on a body that ``fingerprint="validated"`` found invalid.
+
+    The app's validation accepted what its own body model rejects, so no key was acquired;
+    running the endpoint would be unprotected.
+    """
+
+
+def _name(handler: Any) -> str:
+    return f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', handler)}"
+
+
+def _refusal(handler: Any, scope: Any, mark: Any) -> UnguardedRequestError:
+    route = f"{scope.get('method')} {scope.get('path')}"
+    if mark is _UNSEEN:
+        cause = (
+            "no IdempotencyMiddleware saw this request. Add it to the app that serves the "
+            "route (app.add_middleware(IdempotencyMiddleware, store=...)), or to an app that "
+            "mounts it; an app under test needs it too"
+        )
+    elif mark is None:
+        cause = (
+            "IdempotencyMiddleware saw the request but found no guarded route for it, so "
+            "something between them changed where it goes (a middleware inside "
+            "IdempotencyMiddleware that rewrites the path, or an app it cannot see into). Add "
+            "IdempotencyMiddleware inside that middleware (app.add_middleware it first), or "
+            "mount the app so that its routes are reachable through .routes"
+        )
+    else:
+        cause = (
+            f"IdempotencyMiddleware guarded the request as one to {_name(mark)}, so its key "
+            "and policy are another endpoint's (a middleware inside IdempotencyMiddleware "
+            "rewrote the path, or the route sits in an app it cannot see into)"
+        )
+    return UnguardedRequestError(f"@idempotent {_name(handler)} was not run for {route}: {cause}")
+
+
+def enter_endpoint(
+    handler: object, args: tuple[Any, ...], kwargs: dict[str, Any], keyword: str | None
+) -> None:
+    """Called by the ``@idempotent`` wrapper ``handler`` as it starts, with its arguments.
+
+    A router's call brings the request: FastAPI's under ``keyword`` (the wrapper's own
+    parameter is taken out of ``kwargs``), a Starlette endpoint's as its first argument (after
+    ``self`` for an ``HTTPEndpoint``). Such a call is refused unless a guard saw the request
+    and guarded it as a request to this very handler, or passed it on because its method is
+    not guarded. A direct call, as a unit test makes, brings none and runs.
+    """
+    if keyword is CONNECTION_PARAMETER:
+        connection = kwargs.pop(CONNECTION_PARAMETER, None)
+    else:
+        connection = kwargs.get(keyword) if keyword is not None else None
+    if connection is None:
+        for arg in args[:2]:
+            if isinstance(arg, HTTPConnection):
+                connection = arg
+                break
+    if not isinstance(connection, HTTPConnection):
+        return
+    scope = connection.scope
+    if scope.get("type") != "http" or "endpoint" not in scope:
+        return  # not a request a router dispatched
+    mark = scope.get(GUARD_SCOPE_KEY, _UNSEEN)
+    if mark is not handler and mark is not METHOD_NOT_GUARDED:
+        raise _refusal(handler, scope, mark)
+    marks: Marks | None = scope.get(REQUEST_SCOPE_KEY)
+    if marks is not None:
+        if marks.must_not_start:
+            raise UnprotectedEndpointError(UnprotectedEndpointError.__doc__)
+        marks.endpoint_started = True
+
+
+def mark_retryable(request: HTTPConnection) -> None:
+    """Tell the middleware this request's failure had no side effect: release its key.
+
+    Call it from a handler that refuses a request before writing anything (a duplicate e-mail,
+    say), so the client may fix the problem and retry with the same key. Outside a guarded
+    request it does nothing.
+    """
+    marks: Marks | None = request.scope.get(REQUEST_SCOPE_KEY)
+    if marks is not None:
+        marks.retryable = True
+
+
+class IdempotencyContext:
+    """The idempotency side of one guarded request that owns its key (what
+    :func:`idempotency_context` returns): the key, the recovery points an earlier attempt left,
+    and :meth:`checkpoint`."""
+
+    __slots__ = ()
+
+    #: The request's idempotency key.
+    key: str
+    #: Recovery points left by an earlier attempt that died, oldest first.
+    inherited: tuple[Checkpoint, ...]
+
+    @property
+    def recovered_from(self) -> str | None:
+        """The last recovery point of the attempt this request took over, if any."""
+        return self.inherited[-1].name if self.inherited else None
+
+    @property
+    def recovery_data(self) -> Any:
+        """The data saved with :attr:`recovered_from`."""
+        return self.inherited[-1].data if self.inherited else None
+
+    async def checkpoint(self, name: str, data: Any = None) -> None:
+        """Save a recovery point (JSON-serialisable ``data``) before the request goes on.
+
+        Raises :class:`~starlette_idempotency.errors.LockLostError` when another request has
+        taken the key over, ``IdempotencyError`` once the request's outcome is decided (from a
+        background task), and ``StoreError`` when it could not be saved: either way, do not go
+        on with the side effect.
+        """
+        raise NotImplementedError
+
+
+def idempotency_context(request: HTTPConnection) -> IdempotencyContext:
+    """The context of a guarded request that owns its idempotency key."""
+    context = request.scope.get(REQUEST_SCOPE_KEY)
+    if not isinstance(context, IdempotencyContext):
+        raise IdempotencyError(
+            "no idempotency context: the request is not guarded by IdempotencyMiddleware "
+            "or did not acquire its key"
+        )
+    return context
+
+
+async def checkpoint(request: HTTPConnection, name: str, data: Any = None) -> None:
+    """Save a recovery point on the request's idempotency record (see the module docs)."""
+    await idempotency_context(request).checkpoint(name, data)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+POLICY_ATTRIBUTE = "__idempotency_overrides__"
+MARKS_START_ATTRIBUTE = "__idempotency_marks_start__"
+#: The keyword the wrapper's signature adds for FastAPI to fill with the request.
+CONNECTION_PARAMETER = "__idempotency_connection"
+
+# What a route's options are checked against when the decorator runs (see idempotent()).
+_LOOSEST = IdempotencyPolicy(ttl_hours=1e9, lock_ttl_seconds=1e-9)
+
+
+def _is_connection_annotation(annotation: Any) -> bool:
+    """Whether FastAPI fills a parameter so annotated with the request."""
+    if isinstance(annotation, str):  # postponed, and not evaluable yet: judged by its name
+        return annotation.rpartition(".")[2] in ("Request", "HTTPConnection")
+    return isinstance(annotation, type) and issubclass(annotation, HTTPConnection)
+
+
+def _with_connection(func: Callable[..., Any]) -> tuple[inspect.Signature | None, str | None]:
+    """The wrapper's signature, and the keyword FastAPI will pass the request as.
+
+    When ``func`` declares a ``Request`` (or ``HTTPConnection``) parameter, the wrapper reads
+    the request there and keeps the signature; otherwise it adds a keyword-only
+    ``HTTPConnection`` parameter of its own. ``(None, None)`` when ``func`` has no signature.
+    """
+    try:
+        try:
+            signature = inspect.signature(func, eval_str=True)
+        except NameError:  # a forward reference FastAPI resolves later
+            signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return None, None
+    parameters = list(signature.parameters.values())
+    for parameter in parameters:
+        if _is_connection_annotation(parameter.annotation):
+            return None, parameter.name
+    added = inspect.Parameter(
+        CONNECTION_PARAMETER, inspect.Parameter.KEYWORD_ONLY, annotation=HTTPConnection
+    )
+    at = len(parameters)
+    if parameters and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD:
+        at -= 1  # keyword-only parameters go before **kwargs
+    parameters.insert(at, added)
+    return signature.replace(parameters=parameters), CONNECTION_PARAMETER
+
+
+def _wrap_marking_start(func: _F) -> _F:
+    signature, keyword = _with_connection(func)
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            enter_endpoint(async_wrapper, args, kwargs, keyword)
+            return await func(*args, **kwargs)
+
+        wrapper: Callable[..., Any] = async_wrapper
+    else:
+
+        @functools.wraps(func)
+        def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+            enter_endpoint(sync_wrapper, args, kwargs, keyword)
+            return func(*args, **kwargs)
+
+        wrapper = sync_wrapper
+    if signature is not None:
+        wrapper.__signature__ = signature  # type: ignore[attr-defined]
+    setattr(wrapper, MARKS_START_ATTRIBUTE, True)
+    return cast(_F, wrapper)
+
+
+@overload
+def idempotent(func: _F, /) -> _F: ...
+
+
+@overload
+def idempotent(func: None = None, /, **options: Unpack[RouteOptions]) -> Callable[[_F], _F]: ...
+
+
+def idempotent(func: Any = None, /, **options: Any) -> Any:
+    """Make a POST/PATCH endpoint idempotent under :class:`IdempotencyMiddleware`.
+
+    Every option left out takes the middleware's value; the documentation's options reference
+    describes each. Put it below ``@app.post(...)``; bare ``@idempotent`` takes every option
+    from the middleware::
+
+        @app.post("/payments")
+        @idempotent(ttl_hours=48, lock_ttl_seconds=60)
+        async def pay(body: Payment) -> Receipt: ...
+    """
+    if func is not None and not callable(func):
+        raise ConfigurationError(
+            f"@idempotent takes its options by name, e.g. @idempotent(ttl_hours=48), not {func!r}"
+        )
+    unknown = options.keys() - ROUTE_OPTIONS
+    if unknown:
+        raise unknown_option_error(unknown, ROUTE_OPTIONS, "@idempotent")
+    given = {name: value for name, value in options.items() if value is not None}
+    # Validate now, at import time, and keep the normalised values. Whether the lock outlives
+    # the retention depends on the middleware's values too: merged with the loosest ones here,
+    # it is checked with the real ones at startup.
+    validated = _LOOSEST.merged(given)
+    overrides = {name: getattr(validated, name) for name in given}
+
+    hook_fastapi()  # FastAPI may have been imported after this package
+
+    def decorate(func: _F) -> _F:
+        # Set on the function itself too: in the reverse order the router already holds it.
+        setattr(func, POLICY_ATTRIBUTE, overrides)
+        wrapper = _wrap_marking_start(func)
+        setattr(wrapper, POLICY_ATTRIBUTE, overrides)
+        return wrapper
+
+    return decorate if func is None else decorate(func)
+
+
+def misplaced_decorator_error(template: str) -> ConfigurationError:
+    """``@idempotent`` above the route decorator: the router holds the undecorated endpoint,
+    so the middleware could not tell a validation 422 from the handler's own."""
+    return ConfigurationError(
+        f"@idempotent is above the route decorator on {template}; put it below, so that it "
+        f"wraps the endpoint the router calls:\n\n"
+        f'    @app.post("{template}")\n    @idempotent(...)\n    async def endpoint(...): ...'
+    )
