@@ -64,18 +64,27 @@ _MULTIPART_MEDIA_TYPE = "multipart/form-data"
 _BY_NAME = operator.itemgetter(0)
 
 
-def _media_type(content_type: str) -> str:
-    return content_type.partition(";")[0].strip().lower()
+# A content type as its media type (parameters dropped) and whether FastAPI reads it as JSON;
+# requests send few distinct ones, so each is worked out once.
+_MEDIA_TYPES: dict[str, tuple[str, bool]] = {}
+_MAX_MEDIA_TYPES = 256
+
+
+def _media_type(content_type: str) -> tuple[str, bool]:
+    """``content_type``'s media type and whether it is JSON (see :data:`_MEDIA_TYPES`)."""
+    media_type = content_type.partition(";")[0].strip().lower()
+    main, _, sub = media_type.partition("/")
+    is_json = main == "application" and "/" not in sub and (sub == "json" or sub.endswith("+json"))
+    if len(_MEDIA_TYPES) >= _MAX_MEDIA_TYPES:
+        _MEDIA_TYPES.clear()
+    _MEDIA_TYPES[content_type] = known = (media_type, is_json)
+    return known
 
 
 def is_json_content_type(content_type: str) -> bool:
     """True for ``application/json`` and ``application/*+json`` (parameters ignored): the
     media types FastAPI reads as JSON, by the same rule."""
-    media_type = _media_type(content_type)
-    if media_type.count("/") != 1:
-        return False
-    main, _, sub = media_type.partition("/")
-    return main == "application" and (sub == "json" or sub.endswith("+json"))
+    return (_MEDIA_TYPES.get(content_type) or _media_type(content_type))[1]
 
 
 def drop_fields(value: Any, excluded: frozenset[str]) -> bool:
@@ -365,8 +374,8 @@ def raw_body_form(body: bytes, *, content_type: str, excluded: frozenset[str]) -
     """The body as the ``raw`` fingerprint sees it, as ``(kind, canonical bytes)``: JSON,
     urlencoded and multipart forms canonicalised, anything else as its bytes (see the module
     docstring)."""
-    media_type = _media_type(content_type)
-    if is_json_content_type(content_type):
+    media_type, is_json = _MEDIA_TYPES.get(content_type) or _media_type(content_type)
+    if is_json:
         canonical = canonical_json(body, excluded)
         if canonical is not None:
             return canonical

@@ -33,9 +33,9 @@ from starlette_idempotency._endpoint import REQUEST_SCOPE_KEY, IdempotencyContex
 from starlette_idempotency._options import IdempotencyPolicy
 from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
+from starlette_idempotency._renewal import HeldLock, LockRenewal, LockWatchdog
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
-from starlette_idempotency._timers import HeldLock, LockRenewal, Renewals
 from starlette_idempotency._types import ASGIApp, Clock, Message, Receive, Scope, Send
 from starlette_idempotency.errors import (
     ConfigurationError,
@@ -283,7 +283,7 @@ class Lease(IdempotencyContext):
 
 
 class ReplayingReceive:
-    """A receive that hands the buffered body to the app once, then defers to the client
+    """Its :meth:`receive` hands the buffered body to the app once, then defers to the client
     (so the app still sees ``http.disconnect``)."""
 
     __slots__ = ("_body", "_receive")
@@ -292,7 +292,7 @@ class ReplayingReceive:
         self._body: bytes | None = body
         self._receive = receive
 
-    async def __call__(self) -> Message:
+    async def receive(self) -> Message:
         body = self._body
         if body is None:
             return await self._receive()
@@ -300,9 +300,10 @@ class ReplayingReceive:
         return {"type": "http.request", "body": body, "more_body": False}
 
 
-class Run:
-    """The app running as the owner of ``lease``: :meth:`receive` and :meth:`send` are what
-    the app is given, and the outcome is settled before the response's last chunk goes out."""
+class Run(ReplayingReceive):
+    """The app running as the owner of ``lease``: :meth:`receive` (the body the middleware
+    read, then the client's) and :meth:`send` are what the app is given, and the outcome is
+    settled before the response's last chunk goes out."""
 
     __slots__ = (
         "_client_send",
@@ -312,7 +313,6 @@ class Run:
         "chunks",
         "ended",
         "raw_headers",
-        "receive",
         "settled",
         "size",
         "status",
@@ -323,8 +323,8 @@ class Run:
     ) -> None:
         self._lease = lease
         self._policy = policy
-        #: The app's ``receive``: the body the middleware already read, then the client's.
-        self.receive = ReplayingReceive(body, receive)
+        self._body = body  # as ReplayingReceive keeps it (no call to its __init__ per request)
+        self._receive = receive
         self._client_send = send
         self._renewal: LockRenewal | None = None
         self.status = 0
@@ -335,7 +335,7 @@ class Run:
         self.settled = False
 
     async def __call__(
-        self, app: ASGIApp, scope: Scope, events: RequestEvents, renewals: Renewals
+        self, app: ASGIApp, scope: Scope, events: RequestEvents, renewals: LockWatchdog
     ) -> None:
         """Run the app and settle the outcome, however it ends."""
         lease = self._lease
@@ -353,7 +353,8 @@ class Run:
         try:
             await app(scope, self.receive, self.send)
         finally:
-            self._stop_renewal()
+            if self._renewal is not None:
+                self._stop_renewal()
             if not self.settled:
                 # Shielded, so a cancelled request still settles or frees its key.
                 with anyio.CancelScope(shield=True):
@@ -375,7 +376,8 @@ class Run:
                 self.chunks.append(chunk)
             if not message.get("more_body", False):
                 self.ended = True
-                self._stop_renewal()  # a renewal now would find the record final
+                if self._renewal is not None:  # a renewal now would find the record final
+                    self._stop_renewal()
                 chunks = self.chunks
                 body = None if chunks is None else b"".join(chunks)
                 await self._lease.settle(self.status, self.raw_headers, body)
@@ -383,10 +385,9 @@ class Run:
         await self._client_send(message)
 
     def _stop_renewal(self) -> None:
-        renewal = self._renewal
-        if renewal is not None:
-            self._renewal = None
-            renewal.stop()
+        assert self._renewal is not None
+        self._renewal.stop()
+        self._renewal = None
 
     async def _settle_unfinished(self) -> None:
         """Settle a request whose response did not run to its end (see the module docs)."""

@@ -110,10 +110,13 @@ class IdempotencyPolicy:
     fingerprint_header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
     #: What of this route's responses is stored (the three options above, checked).
     stored_parts: StoredParts = field(init=False, repr=False, compare=False)
+    #: ``ttl_hours`` in seconds.
+    ttl_seconds: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, declared in _declared_types().items():
             check_option(name, declared, getattr(self, name))
+        object.__setattr__(self, "ttl_seconds", self.ttl_hours * 3600.0)
         if self.lock_ttl_seconds > self.ttl_seconds:
             raise ConfigurationError(
                 f"lock_ttl_seconds ({self.lock_ttl_seconds:g} s) must not exceed ttl_hours "
@@ -142,10 +145,6 @@ class IdempotencyPolicy:
             "fingerprint_header_names",
             frozenset(name.lower().encode("latin-1") for name in self.fingerprint_headers),
         )
-
-    @property
-    def ttl_seconds(self) -> float:
-        return self.ttl_hours * 3600.0
 
     def merged(self, overrides: Mapping[str, Any]) -> IdempotencyPolicy:
         """This policy with a route's overrides applied."""

@@ -113,6 +113,8 @@ class StoredParts:
     redact: Redactor | None = None
     _allowed: frozenset[str] | None = field(init=False, repr=False, compare=False)
     _refused: frozenset[str] = field(init=False, repr=False, compare=False)
+    #: :meth:`kept`'s answer for each header name seen so far (responses repeat their names).
+    known: dict[str, bool] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         allowed = None
@@ -137,12 +139,21 @@ class StoredParts:
             )
         object.__setattr__(self, "_allowed", allowed)
         object.__setattr__(self, "_refused", refused)
+        object.__setattr__(self, "known", {})
 
-    def kept(self, name: str, replay_header: str) -> bool:
-        """Whether the response header ``name`` (lower case) is stored."""
-        if never_stored(name) or name == replay_header or name in self._refused:
-            return False
-        return self._allowed is None or name in self._allowed or name in BODY_HEADERS
+    def kept(self, name: str) -> bool:
+        """Whether the response header ``name`` (lower case) is stored, the replay header
+        aside (see :attr:`known`)."""
+        kept = not (never_stored(name) or name in self._refused) and (
+            self._allowed is None or name in self._allowed or name in BODY_HEADERS
+        )
+        if len(self.known) < _MAX_KNOWN_NAMES:
+            self.known[name] = kept
+        return kept
+
+
+# Header names whose verdict a route remembers: responses repeat a few; a client cannot add any.
+_MAX_KNOWN_NAMES = 512
 
 
 #: The one header of a sealed copy: its scheme and key id (never a valid HTTP field name).
@@ -294,14 +305,23 @@ class ResponseKeeper:
         """The copy of a response the store keeps (``body`` is ``None`` when it was not
         captured whole), and a note for the outcome event when the redactor failed."""
         replay_header = self._replay_header_name
+        known = parts.known
         headers = []
+        content_type = None
         for raw_name, raw_value in raw_headers:
             name = raw_name.decode("latin-1").lower()
-            if parts.kept(name, replay_header) and not (body is None and name in BODY_HEADERS):
-                headers.append((name, raw_value.decode("latin-1")))
+            kept = known.get(name)
+            if kept is None:
+                kept = parts.kept(name)
+            if not kept or name == replay_header or (body is None and name in BODY_HEADERS):
+                continue
+            value = raw_value.decode("latin-1")
+            headers.append((name, value))
+            if content_type is None and name == "content-type":
+                content_type = value
         if body is None:
             headers.append(BODY_OMITTED_HEADER)
-        copy = StoredResponse(status, tuple(headers), body or b"", _content_type(headers))
+        copy = StoredResponse(status, tuple(headers), body or b"", content_type)
         note = None
         if parts.redact is not None:
             copy, note = self._redacted(parts, copy)
@@ -325,7 +345,8 @@ class ResponseKeeper:
                 name = name.lower()
                 if name == "content-length":
                     value = str(len(body))
-                if parts.kept(name, self._replay_header_name) or name == BODY_OMITTED_HEADER[0]:
+                kept = parts.kept(name) and name != self._replay_header_name
+                if kept or name == BODY_OMITTED_HEADER[0]:
                     headers.append((name, value))
         except Exception:
             logger.exception(

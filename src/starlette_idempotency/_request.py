@@ -232,7 +232,7 @@ class GuardedRequest:
         except HTTPException as exc:  # the app's own refusal (a bad token, say): its answer
             await self._events.decided(CheckResult.SCOPE_REFUSED, note=str(exc.status_code))
             await send_http_exception(
-                exc, self._scope, ReplayingReceive(body, self._receive), self._send
+                exc, self._scope, ReplayingReceive(body, self._receive).receive, self._send
             )
             return
         self._store_key = storage_key(owner, self._scope["method"], self._key_template, key)
@@ -266,7 +266,9 @@ class GuardedRequest:
             events=self._events,
             route=self._route,
             store_key=self._store_key,
-            record=self._owned_record(pending, acquired.record),
+            record=pending
+            if acquired.record is None
+            else self._owned_record(pending, acquired.record),
             responses=services.responses,
         )
         await self._events.decided(
@@ -276,12 +278,12 @@ class GuardedRequest:
         await run(services.app, self._scope, self._events, services.renewals)
 
     def _owned_record(
-        self, pending: IdempotencyRecord, taken_over: IdempotencyRecord | None
+        self, pending: IdempotencyRecord, taken_over: IdempotencyRecord
     ) -> IdempotencyRecord:
-        """The record this request now owns: ``pending``, or the expired record it took over
-        with that record's recovery points (which the store kept under our token, with a lease
-        of its own clock)."""
-        if taken_over is None or taken_over.status is not RecordStatus.IN_PROGRESS:
+        """The record this request now owns, having taken over an expired one: ``pending``, or
+        the record taken over with its recovery points (which the store kept under our token,
+        with a lease of its own clock)."""
+        if taken_over.status is not RecordStatus.IN_PROGRESS:
             return pending
         self._events.processing_timeout("expired_lease_taken_over")
         if not taken_over.checkpoints:
@@ -359,7 +361,7 @@ class GuardedRequest:
         await self._events.decided(CheckResult.INVALID_BODY)
         scope = self._scope
         scope[REQUEST_SCOPE_KEY] = InvalidCommandMarks()
-        await self._services.app(scope, ReplayingReceive(body, self._receive), self._send)
+        await self._services.app(scope, ReplayingReceive(body, self._receive).receive, self._send)
 
     async def _on_store_down(self, exc: StoreError, body: bytes) -> None:
         if self._policy.on_store_error == "fail_open":
@@ -369,7 +371,9 @@ class GuardedRequest:
                 self._events.shown_error(exc),
             )
             await self._events.decided(CheckResult.FAIL_OPEN)
-            await self._services.app(self._scope, ReplayingReceive(body, self._receive), self._send)
+            await self._services.app(
+                self._scope, ReplayingReceive(body, self._receive).receive, self._send
+            )
             return
         logger.error(
             "idempotency store unavailable, answering 503: %s", self._events.shown_error(exc)

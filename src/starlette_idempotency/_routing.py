@@ -173,7 +173,10 @@ def find_leaf(
     """The first route that fully matches ``scope``, with its full path template and the host
     it matched."""
     for route in routes:
-        if _is_included_router(route):
+        included = _INCLUDED_ROUTER_TYPES.get(type(route))  # known after the first request
+        if included is None:
+            included = _is_included_router(route)
+        if included:
             match, child_scope, matched, context = _included_router_match(route, scope)
             if match is not Match.FULL:
                 continue
@@ -273,14 +276,23 @@ def _wraps(outer: object, app: object) -> bool:
     return any(node is app for node in _stack(outer))
 
 
-def _routes_below(app: object) -> _Routes | None:
-    """The routes of the first router found by following ``.app`` down from ``app``."""
+def _router_below(app: object) -> object | None:
+    """The first layer found by following ``.app`` down from ``app`` that has routes."""
     for node in _stack(app):
         routes = getattr(node, "routes", None)
         if isinstance(routes, list) and all(isinstance(route, BaseRoute) for route in routes[:1]):
-            root_path = getattr(node, "root_path", "")
-            return _Routes(routes, root_path if isinstance(root_path, str) else "")
+            return node
     return None
+
+
+def _routes_below(app: object) -> _Routes | None:
+    """The routes of the first router found by following ``.app`` down from ``app``."""
+    node = _router_below(app)
+    if node is None:
+        return None
+    root_path = getattr(node, "root_path", "")
+    routes: Sequence[BaseRoute] = getattr(node, "routes")  # noqa: B009 - checked above
+    return _Routes(routes, root_path if isinstance(root_path, str) else "")
 
 
 def _router_for(scope: Scope, app: ASGIApp) -> _Routes | None:
@@ -316,12 +328,30 @@ class RouteResolver:
             tuple[int, int, str, str], tuple[BaseRoute, object, GuardedRoute | None]
         ] = {}
         self._warned_unrouted = False
+        # The app the middleware wraps, and the first layer below it with routes (None when
+        # there is none): found once, as the stack below a middleware does not change. Its
+        # routes are read afresh on every request.
+        self._below: tuple[object, object | None] | None = None
 
     def resolve(self, scope: Scope, app: ASGIApp) -> tuple[GuardedRoute, str] | None:
         """The guarded route ``scope`` reaches in ``app`` and the template its storage keys
         take (the path template, after the host the request matched, if any); ``None`` when
         the request is not guarded."""
-        leaf = self._locate(scope, app)
+        below = self._below
+        if below is None or below[0] is not app:
+            below = self._below = (app, _router_below(app))
+        router = below[1]
+        if router is None:
+            leaf = self._locate(scope, app)
+        else:
+            root_path = getattr(router, "root_path", "")
+            leaf = find_leaf(
+                router.routes,  # type: ignore[attr-defined]
+                # A copy: FastAPI's included routers write into the scope while matching.
+                {**scope, "root_path": root_path}
+                if isinstance(root_path, str) and root_path
+                else dict(scope),
+            )
         if leaf is None:
             return None
         method = scope["method"]

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from starlette_idempotency._keys import KeyScopeResolver
 from starlette_idempotency._protection import ResponseKeeper
+from starlette_idempotency._renewal import LockWatchdog
 from starlette_idempotency._responses import ErrorResponder
 from starlette_idempotency._store_calls import BoundedStore
-from starlette_idempotency._timers import Renewals
 from starlette_idempotency._types import ASGIApp, Clock
 from starlette_idempotency._waiting import Waiters
 from starlette_idempotency.observability import Observer
@@ -45,4 +45,4 @@ class RequestServices:
     key_scope: KeyScopeResolver
     waiters: Waiters
     #: Where running handlers' locks are renewed: one timer per loop, and the watchdog.
-    renewals: Renewals
+    renewals: LockWatchdog

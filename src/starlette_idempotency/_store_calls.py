@@ -15,7 +15,7 @@ they were, with a ``DeprecationWarning``.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TypeVar
 
@@ -49,7 +49,12 @@ OBSERVED_OPERATIONS = (
 
 
 class BoundedStore:
-    """The store's primitives, each bounded to ``timeout`` seconds, timed and traced."""
+    """The store's primitives, each bounded to ``timeout`` seconds, timed and traced.
+
+    Where there is nothing to bound, time, trace or translate (a store that never waits on
+    I/O, with no metrics sink and no tracing), :attr:`try_acquire`, :attr:`finish` and
+    :attr:`release` are the store's own methods: the calls of every request cost nothing here.
+    """
 
     __slots__ = (
         "_clock",
@@ -59,9 +64,19 @@ class BoundedStore:
         "_metrics",
         "_never_blocks",
         "_tracer",
+        "finish",
         "name",
+        "release",
         "store",
+        "try_acquire",
     )
+
+    #: ``try_acquire(key, pending, lock_ttl, *, recover=True)``, bounded.
+    try_acquire: Callable[..., Awaitable[AcquireResult]]
+    #: ``finish(key, record, ttl)``, bounded, and named for the outcome it writes.
+    finish: Callable[[str, IdempotencyRecord, float], Awaitable[FencedWrite]]
+    #: ``release(key, owner_token)``, bounded.
+    release: Callable[[str, str], Awaitable[bool]]
 
     def __init__(
         self,
@@ -98,6 +113,16 @@ class BoundedStore:
             for status, spelling in FINISH_SPELLINGS.items()
             if getattr(type(store), spelling, None) not in (None, getattr(StoreBase, spelling))
         }
+        direct = (
+            self._never_blocks
+            and metrics is None
+            and tracer is None
+            and not self._legacy_leases
+            and not self._finishers
+        )
+        self.try_acquire = store.try_acquire if direct else self._try_acquire
+        self.finish = store.finish if direct else self._finish
+        self.release = store.release if direct else self._release
         if self._finishers:
             overridden = " and ".join(f"{FINISH_SPELLINGS[s]}()" for s in self._finishers)
             deprecated(
@@ -106,7 +131,7 @@ class BoundedStore:
                 stacklevel=4,
             )
 
-    def try_acquire(
+    def _try_acquire(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> Awaitable[AcquireResult]:
         call = self.store.try_acquire(key, pending, lock_ttl, recover=recover)
@@ -121,7 +146,7 @@ class BoundedStore:
             return result
         return replace(result, lease_expired=result.record.lease_expired(self._clock()))
 
-    def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[FencedWrite]:
+    def _finish(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[FencedWrite]:
         finish = self._finishers.get(record.status, self.store.finish)
         # Metrics and spans name the outcome, as dashboards built on them expect.
         return self._call(FINISH_SPELLINGS[record.status], finish(key, record, ttl))
@@ -134,7 +159,7 @@ class BoundedStore:
             return self._call("save_progress", self.store.save_progress(key, dated, ttl))  # type: ignore[call-arg]
         return self._call("save_progress", self.store.save_progress(key, record, ttl, lease))
 
-    def release(self, key: str, owner_token: str) -> Awaitable[bool]:
+    def _release(self, key: str, owner_token: str) -> Awaitable[bool]:
         return self._call("release", self.store.release(key, owner_token))
 
     def renew(

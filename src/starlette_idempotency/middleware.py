@@ -27,13 +27,13 @@ from starlette_idempotency._options import (
     unknown_option_error,
 )
 from starlette_idempotency._protection import ResponseEncryption, ResponseKeeper
+from starlette_idempotency._renewal import LockWatchdog
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
 from starlette_idempotency._routing import RouteResolver, iter_routes, routes_for
 from starlette_idempotency._services import RequestLimits, RequestServices
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy, refuse_startup
-from starlette_idempotency._timers import RENEWAL_RESOLUTION, PerLoop, Renewals
 from starlette_idempotency._types import (
     DEFAULT_HEADER_NAME,
     REPLAY_HEADER,
@@ -45,7 +45,6 @@ from starlette_idempotency._types import (
     system_clock,
 )
 from starlette_idempotency._waiting import Waiters
-from starlette_idempotency._watchdog import LockWatchdog
 from starlette_idempotency.errors import ConfigurationError
 from starlette_idempotency.observability import (
     EventHook,
@@ -285,10 +284,10 @@ class IdempotencyMiddleware:
         )
         #: The duplicates waiting for a first request (``on_in_progress="wait"``).
         self.waiters = Waiters(bounded, max_waiters, self.observer.waiting)
-        #: Where running handlers wait for their first lock renewal (one timer per loop).
-        self.renewal_timers = PerLoop(RENEWAL_RESOLUTION)
-        #: What renews running handlers' locks while their event loop is blocked.
+        #: What keeps running handlers' locks: their loops' timers, and the watchdog thread.
         self.watchdog = LockWatchdog(store, self.observer)
+        #: Where running handlers wait for their first lock renewal (one timer per loop).
+        self.renewal_timers = self.watchdog.timers
         self._services = RequestServices(
             app=app,
             limits=RequestLimits(
@@ -304,7 +303,7 @@ class IdempotencyMiddleware:
             store=bounded,
             key_scope=KeyScopeResolver(key_scope),
             waiters=self.waiters,
-            renewals=Renewals(self.renewal_timers, self.watchdog),
+            renewals=self.watchdog,
         )
         self._startup_check = StartupCheck(store, check_store, self._check_routes)
         compressing = _compressing_layer_inside(app)

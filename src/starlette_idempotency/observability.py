@@ -116,17 +116,15 @@ class Observer:
         self._hash_keys = log_keys == "hashed"
         self._on_event = on_event
         self.metrics = metrics
+        #: Whether a hook or a metrics sink takes every event (the logger may, at INFO).
+        self.listens = on_event is not None or metrics is not None
         self._declare = getattr(metrics, "declare", None)
         self._observe_waiting = getattr(metrics, "observe_waiting", None)
 
     @property
     def wants_events(self) -> bool:
         """False when nobody listens: then the middleware builds no event at all."""
-        return (
-            self._on_event is not None
-            or self.metrics is not None
-            or logger.isEnabledFor(logging.INFO)
-        )
+        return self.listens or logger.isEnabledFor(logging.INFO)
 
     def shown_key(self, key: str | None) -> str | None:
         """``key`` as events and log messages show it (``log_keys``)."""
@@ -221,12 +219,12 @@ class StoreCallTracer:
 class RequestEvents:
     """Reports one request's check and outcome to the observer, timed from its start."""
 
-    __slots__ = ("_method", "_observer", "_started", "_template", "key")
+    __slots__ = ("_observer", "_started", "endpoint", "key")
 
     def __init__(self, observer: Observer, method: str, template: str) -> None:
         self._observer = observer
-        self._method = method
-        self._template = template
+        #: ``"POST /payments"``: the method and the route's template.
+        self.endpoint = f"{method} {template}"
         self._started = time.perf_counter()
         #: The request's idempotency key, once it was read and found valid.
         self.key: str | None = None
@@ -240,14 +238,9 @@ class RequestEvents:
         """A store error as log messages may show it (``log_keys``)."""
         return self._observer.shown_error(exc)
 
-    @property
-    def endpoint(self) -> str:
-        """``"POST /payments"``: the method and the route's template."""
-        return f"{self._method} {self._template}"
-
     async def decided(self, result: CheckResult, note: str | None = None) -> None:
         """What the middleware decided before the app ran (or instead of running it)."""
-        if self._observer.wants_events:
+        if self._observer.listens or logger.isEnabledFor(logging.INFO):
             await self._observer.emit(
                 "idempotency_check",
                 key=self.key,
@@ -261,7 +254,7 @@ class RequestEvents:
         self, result: OutcomeResult, status_code: int | None, note: str | None = None
     ) -> None:
         """How the request that owned its key ended."""
-        if self._observer.wants_events:
+        if self._observer.listens or logger.isEnabledFor(logging.INFO):
             await self._observer.emit(
                 "idempotency_outcome",
                 key=self.key,

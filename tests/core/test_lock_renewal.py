@@ -185,13 +185,13 @@ async def test_a_blocked_loop_is_reported_with_its_route(caplog: pytest.LogCaptu
     app = Starlette(routes=[Route("/compute", compute, methods=["POST"])])
     client = make_client(IdempotencyMiddleware(app, store=MemoryStore(), metrics=sink))
 
-    with caplog.at_level(logging.WARNING, logger="starlette_idempotency._watchdog"):
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency._renewal"):
         response = await client.post("/compute", headers={"Idempotency-Key": "k"})
     assert response.status_code == 200
     await eventually(lambda: sink.timeouts, message="the blocked loop to be counted")
 
     assert sink.timeouts == [("POST /compute", "event_loop_blocked")]
-    [warning] = [r.getMessage() for r in caplog.records if r.name.endswith("_watchdog")]
+    [warning] = [r.getMessage() for r in caplog.records if r.name.endswith("_renewal")]
     assert "event loop has been blocked" in warning
     assert "POST /compute" in warning
     assert "cannot be renewed outside the loop with MemoryStore" in warning
@@ -200,7 +200,7 @@ async def test_a_blocked_loop_is_reported_with_its_route(caplog: pytest.LogCaptu
 FORKED_CHILD = """
 import os, sys, warnings
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() in a process with a thread
-from starlette_idempotency._watchdog import _THREAD
+from starlette_idempotency._renewal import _THREAD
 _THREAD._start()
 assert _THREAD._thread is not None and _THREAD._thread.is_alive()
 pid = os.fork()

@@ -84,7 +84,7 @@ def create_app() -> ASGIApp:
     """``uvicorn --factory tests.stores.pod_app:create_app``."""
     runs: Counter[str] = Counter()
     observed = Observed()
-    logging.getLogger("starlette_idempotency._watchdog").addHandler(observed)
+    logging.getLogger("starlette_idempotency._renewal").addHandler(observed)
     checkpointed: Counter[str] = Counter()
     gates: dict[str, asyncio.Event] = {}
     store: IdempotencyStore

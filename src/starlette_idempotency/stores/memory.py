@@ -60,7 +60,9 @@ def _pack(record: IdempotencyRecord, deadline: float, lease: float | None = None
         if response is None
         else (response.status_code, response.headers, response.body, response.content_type),
         record.locked_until,
-        tuple((point.name, point.data, point.at) for point in record.checkpoints),
+        tuple([(point.name, point.data, point.at) for point in record.checkpoints])
+        if record.checkpoints
+        else (),
     )
     in_progress = record.status is RecordStatus.IN_PROGRESS
     return deadline, record.owner_token, in_progress, lease, marshal.dumps(fields)
@@ -162,8 +164,6 @@ class MemoryStore(StoreBase):
         return entry
 
     def _sweep(self, now: float) -> None:
-        if now < self._next_sweep:
-            return
         self._next_sweep = now + _SWEEP_INTERVAL_SECONDS
         for key in [k for k, entry in self._entries.items() if entry[0] <= now]:
             del self._entries[key]
@@ -173,7 +173,8 @@ class MemoryStore(StoreBase):
     ) -> AcquireResult:
         key = self._prefix + key
         now = self._monotonic()
-        self._sweep(now)
+        if now >= self._next_sweep:
+            self._sweep(now)
         entry = self._entries.get(key)
         if entry is None or entry[0] <= now:
             self._entries[key] = _pack(pending, now + lock_ttl)
@@ -207,15 +208,15 @@ class MemoryStore(StoreBase):
     async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         full_key = self._prefix + key
         now = self._monotonic()
-        current = self._live(full_key, now)
-        if current is None:
+        current = self._entries.get(full_key)
+        if current is None or current[0] <= now:
             written = FencedWrite.RECLAIMED
         elif current[1] != record.owner_token:
-            written = FencedWrite.LOST
+            return FencedWrite.LOST
         else:
             written = FencedWrite.WRITTEN
-        if written:
-            self._entries[full_key] = _pack(record, now + ttl)
+        self._entries[full_key] = _pack(record, now + ttl)
+        if self._changes:  # a duplicate waits in this process: wake it
             self._notify(key)
         return written
 

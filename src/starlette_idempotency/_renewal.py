@@ -1,5 +1,9 @@
-"""The lock watchdog: a thread of its own keeps the locks of running handlers while their event
-loop is blocked.
+"""Keeping a running handler's lock: renewed from its event loop every third of its TTL, and
+from the lock watchdog's thread while that loop is blocked.
+
+A :class:`LockRenewal` waits in its event loop's ``LoopTimer`` until the first third of the
+lock's TTL has passed, so a short handler costs no store round trip and no timer of its own;
+then a task renews the lock every third. A failed renewal never aborts the handler.
 
 A handler that blocks its event loop (an ``async def`` that computes without awaiting, or
 calls something blocking) stops every renewal of that loop: its lock, and the lock of every
@@ -27,17 +31,123 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from starlette_idempotency._timers import LockRenewal
+from starlette_idempotency._timers import PerLoop
 from starlette_idempotency.errors import StoreError
-from starlette_idempotency.observability import Observer
+from starlette_idempotency.observability import Observer, RequestEvents
 from starlette_idempotency.stores.base import IdempotencyStore, WatchdogStore
 
 logger = logging.getLogger(__name__)
+
+
+#: How late, at most, a renewal starts after its first third (less for short lock TTLs).
+RENEWAL_RESOLUTION = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLock:
+    """A lock as the store knows it, and the route it guards (for warnings and metrics)."""
+
+    store_key: str
+    owner_token: str
+    lock_ttl: float
+    endpoint: str
+
+
+class LockRenewal:
+    """Extends the lock every third of its TTL while the handler runs, until :meth:`stop`.
+
+    It waits in its loop's timer and is watched by the watchdog thread from the start (a
+    handler that blocks its loop at once would never let the loop renew). The watchdog reads
+    ``renewed_at`` (and the timer's ``checked_at``) from its thread.
+    """
+
+    __slots__ = (
+        "_context",
+        "_events",
+        "_renew",
+        "_task",
+        "due",
+        "fired",
+        "interval",
+        "lag_reported",
+        "lock",
+        "renewed_at",
+        "timer",
+    )
+
+    def __init__(
+        self,
+        renew: Callable[[], Awaitable[bool]],
+        events: RequestEvents,
+        lock: HeldLock,
+        watchdog: LockWatchdog,
+    ) -> None:
+        """Call ``renew`` every third of ``lock.lock_ttl`` until it answers false (the key is
+        held by someone else) or :meth:`stop`; ``events`` shows the key in warnings."""
+        self._renew = renew
+        self._events = events
+        self.lock = lock
+        self.interval = interval = lock.lock_ttl / 3
+        loop = asyncio.get_running_loop()
+        timers = watchdog.timers
+        timer = timers.last
+        if timer is None or timer.loop is not loop:
+            timer = timers.get(loop)
+        self.timer = timer
+        if interval / 10 < timer.resolution:  # a short lock TTL needs a finer check
+            timer.resolution = interval / 10
+        self._task: asyncio.Task[None] | None = None
+        # The renewal task starts from the loop timer's callback: give it this request's
+        # context (tracing spans, log correlation), not the one that armed the timer.
+        self._context = contextvars.copy_context()
+        self.due = loop.time() + interval
+        self.fired = False
+        #: When (``time.monotonic``) the lock was last extended, by the loop or the watchdog.
+        self.renewed_at = time.monotonic()
+        #: Whether the watchdog has reported this lock's loop as blocked.
+        self.lag_reported = False
+        timer.entries.add(self)
+        if timer.handle is None:
+            timer.arm()
+        thread = _THREAD
+        thread.watched[self] = watchdog
+        if not thread.awake:
+            thread.wake()
+
+    def fire(self) -> None:
+        self._task = self.timer.loop.create_task(self._loop(), context=self._context)
+
+    async def _loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                held = await self._renew()
+            except StoreError as exc:
+                logger.warning(
+                    "could not renew the lock for %r: %s",
+                    self._events.shown_key,
+                    self._events.shown_error(exc),
+                )
+            else:
+                if not held:  # another request holds the key; renew reported it
+                    return
+                self.renewed_at = time.monotonic()
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def stop(self) -> None:
+        _THREAD.watched.pop(self, None)
+        self.timer.entries.discard(self)
+        if self._task is not None:
+            self._task.cancel()
+
 
 #: How late, past its interval, a loop's own renewal may be before the watchdog renews.
 OVERDUE_SHARE = 0.5
@@ -48,19 +158,15 @@ _MAX_TICK_SECONDS = 0.25
 
 
 class LockWatchdog:
-    """One middleware's side of the watchdog: what its locks are renewed with (a connection
-    of the watchdog's own to its store) and reported to (its observer)."""
+    """One middleware's side of lock renewal: the timers its renewals wait on (one per event
+    loop), and the watchdog's means for its locks: what they are renewed with (a connection of
+    the watchdog's own to its store) and reported to (its observer)."""
 
     def __init__(self, store: IdempotencyStore, observer: Observer) -> None:
         self._keeper = _Keeper(store)
         self._observer = observer
-
-    def watch(self, renewal: LockRenewal) -> None:
-        """Watch ``renewal``'s lock until :meth:`unwatch` (called from its event loop)."""
-        _THREAD.watch(renewal, self)
-
-    def unwatch(self, renewal: LockRenewal) -> None:
-        _THREAD.unwatch(renewal)
+        #: Where running handlers wait for their first lock renewal (one timer per loop).
+        self.timers = PerLoop(RENEWAL_RESOLUTION)
 
     def look_at(self, renewal: LockRenewal, now: float) -> None:
         """Renew ``renewal``'s lock if its loop's own renewal is overdue, and report its loop
@@ -70,7 +176,7 @@ class LockWatchdog:
             if held:
                 renewal.renewed_at = time.monotonic()
             elif held is False:  # taken over or gone: its loop's renewal sorts that out
-                _THREAD.unwatch(renewal)
+                _THREAD.watched.pop(renewal, None)
         lag = now - renewal.timer.checked_at
         if lag >= renewal.lock.lock_ttl / 2 and not renewal.lag_reported:
             renewal.lag_reported = True
@@ -108,29 +214,25 @@ class LockWatchdog:
 class _WatchdogThread:
     """The process's watchdog thread and the locks it watches, with their middleware's side.
 
-    :meth:`watch` and :meth:`unwatch` run in event loops, without a lock: the thread copies the
-    dict in one step under the GIL. It sleeps on an event while nothing is watched; ``watch``
-    sets it only when the thread says it sleeps (``_awake`` is lowered before the thread looks
-    for locks one last time, and raised by ``watch`` after it added its own, so no lock is
-    ever left unwatched).
+    A renewal adds itself to :attr:`watched` and takes itself out, in its event loop and
+    without a lock: the thread copies the dict in one step under the GIL. The thread sleeps on
+    an event while nothing is watched, and a renewal wakes it (:meth:`wake`) only when the
+    thread says it sleeps (``awake`` is lowered before the thread looks for locks one last
+    time, and read by a renewal after it added its own, so no lock is ever left unwatched).
     """
 
     def __init__(self) -> None:
-        self._watched: dict[LockRenewal, LockWatchdog] = {}
+        self.watched: dict[LockRenewal, LockWatchdog] = {}
         self._wake = threading.Event()
-        self._awake = False
+        self.awake = False
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()
 
-    def watch(self, renewal: LockRenewal, watchdog: LockWatchdog) -> None:
-        self._watched[renewal] = watchdog
-        if not self._awake:
-            if self._thread is None:
-                self._start()
-            self._wake.set()
-
-    def unwatch(self, renewal: LockRenewal) -> None:
-        self._watched.pop(renewal, None)
+    def wake(self) -> None:
+        """Start the thread if it has not been, and wake it."""
+        if self._thread is None:
+            self._start()
+        self._wake.set()
 
     def _start(self) -> None:
         with self._starting:
@@ -143,14 +245,14 @@ class _WatchdogThread:
     def _run(self) -> None:
         in_use: set[LockWatchdog] = set()
         while True:
-            self._awake = False
-            if not self._watched:
+            self.awake = False
+            if not self.watched:
                 for watchdog in in_use:
                     watchdog.close()
                 in_use.clear()
                 self._wake.wait()
             self._wake.clear()
-            self._awake = True
+            self.awake = True
             while (tick := self._look_at_all(in_use)) is not None:
                 time.sleep(tick)
 
@@ -158,7 +260,7 @@ class _WatchdogThread:
         """Look at every watched lock once; how long to wait before the next look (``None``
         when there is none). The locks are referred to only while this runs, so that a
         finished request's objects are not kept alive by the thread while it sleeps."""
-        watched = self._watched.copy()
+        watched = self.watched.copy()
         if not watched:
             return None
         now = time.monotonic()
@@ -173,9 +275,9 @@ class _WatchdogThread:
 
     def forget_thread(self) -> None:
         """In a child process made by ``fork``: the parent's thread did not come along."""
-        self._watched.clear()
+        self.watched.clear()
         self._wake = threading.Event()
-        self._awake = False
+        self.awake = False
         self._thread = None
         self._starting = threading.Lock()
 

@@ -1,0 +1,92 @@
+"""The request path stays lean: a warm guarded POST on MemoryStore makes few calls into the
+package, through few of its files (a profile hook counts the calls whose code lives in it).
+
+This counts calls, never time: it is exact, and the same on a busy machine.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+import starlette_idempotency
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from tests.support.guarded import make_client
+
+PACKAGE = Path(starlette_idempotency.__file__).parent
+#: Issue #25's budget for a new key; a replay needs fewer.
+MAX_CALLS = 40
+#: Each is a room of its own: middleware, routing, the key, the fingerprint, the guarded
+#: request, the lease, lock renewal, what is stored, the record, events, the store, the clock
+#: and the endpoint's wrapper.
+MAX_FILES = 13
+
+
+class Payment(BaseModel):
+    accountId: str
+    amount: str
+    currency: str
+    merchantReference: str
+
+
+PAYMENT = {"accountId": "a_1", "amount": "9.99", "currency": "EUR", "merchantReference": "r_1"}
+
+
+def payments_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/payments", status_code=201)
+    @idempotent()
+    async def pay(payment: Payment) -> dict[str, str]:
+        return {"paymentId": "p_1", "amount": payment.amount}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=lambda r: "t")
+    return app
+
+
+@contextmanager
+def package_calls() -> Iterator[Counter[tuple[str, str]]]:
+    """Count the calls whose code lives in the package, by (file, function)."""
+    counted: Counter[tuple[str, str]] = Counter()
+    root = str(PACKAGE)
+
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            counted[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
+
+    sys.setprofile(profile)
+    try:
+        yield counted
+    finally:
+        sys.setprofile(None)
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["new key", "replay"])
+async def test_a_warm_guarded_post_stays_within_the_budget(replay: bool) -> None:
+    client = make_client(payments_app())
+    for _ in range(3):  # warm: routes resolved, media types and header verdicts known
+        await client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": uuid.uuid4().hex})
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    if replay:
+        await client.post("/payments", json=PAYMENT, headers=headers)
+    with package_calls() as counted:
+        answer = await client.post("/payments", json=PAYMENT, headers=headers)
+    assert answer.status_code == 201
+    assert (answer.headers.get("x-idempotent-replay") == "true") is replay
+    calls = sum(counted.values())
+    files = {file for file, _ in counted}
+    shown = "\n".join(
+        f"{n:3d} {Path(file).relative_to(PACKAGE)}:{name}" for (file, name), n in counted.items()
+    )
+    assert calls <= MAX_CALLS, f"{calls} calls into the package:\n{shown}"
+    assert len(files) <= MAX_FILES, f"{len(files)} files:\n{shown}"
