@@ -252,6 +252,19 @@ class WatchdogStore(Protocol):
 
 
 @runtime_checkable
+class ConnectionOwningStore(Protocol):
+    """A store that says whether it opened its connections itself (``RedisStore.from_url``,
+    ``PostgresStore.from_dsn``): the middleware then closes it (:meth:`aclose`) when the
+    app's lifespan ends. A store without the attribute, or with a client or pool passed in,
+    is the app's to close."""
+
+    @property
+    def owns_connections(self) -> bool: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
 class ChangeNotifyingStore(Protocol):
     """A store that can announce changes to a key, so waiting duplicates need not poll."""
 
