@@ -1,0 +1,225 @@
+"""Stores built at import time, as a FastAPI module builds them, through the app's lifespan:
+opened by the startup check in the lifespan's event loop, closed by the middleware when the
+lifespan ends when the store opened its connections itself, and left open when the app passed
+them in. Starlette's ``TestClient`` runs each ``with`` block in an event loop of its own, so an
+app started twice also shows that the second start opens its own connections.
+
+The servers are the real ones: PostgreSQL's ``pg_stat_activity`` and Redis's ``CLIENT LIST``
+count the connections by a name of the test's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from starlette.types import Message
+
+from starlette_idempotency import (
+    ConfigurationError,
+    IdempotencyMiddleware,
+    PostgresStore,
+    RedisStore,
+    idempotent,
+)
+from starlette_idempotency.stores.base import IdempotencyStore
+from starlette_idempotency.stores.redis import DriverName
+from starlette_idempotency.testing._isolation import delete_prefixed_at, run_admin, unique_prefix
+from tests.support.conditions import eventually_sync
+
+ROUNDS = 2  # each start of the app, in a new event loop
+
+
+@pytest.fixture
+def name() -> str:
+    return f"lifespan-{uuid.uuid4().hex[:12]}"
+
+
+def postgres_connections(dsn: str, name: str) -> int:
+    count: int = run_admin(
+        dsn, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", name
+    )
+    return count
+
+
+def redis_connections(url: str, name: str) -> int:
+    async def count() -> int:
+        client = aioredis.from_url(url)
+        try:
+            clients: list[dict[str, Any]] = await client.client_list()
+        finally:
+            await client.aclose()
+        return sum(entry.get("name") == name for entry in clients)
+
+    return asyncio.run(count())
+
+
+def guarded_app(store: IdempotencyStore, lifespan: Any = None) -> tuple[FastAPI, list[int]]:
+    """A FastAPI app as a module builds it, and the runs of its one guarded route."""
+    runs: list[int] = []
+    app = FastAPI(lifespan=lifespan)
+    app.add_middleware(IdempotencyMiddleware, store=store, key_scope=lambda request: "t")
+
+    @app.post("/pay")
+    @idempotent()
+    async def pay() -> dict[str, int]:
+        runs.append(1)
+        return {"run": len(runs)}
+
+    return app, runs
+
+
+def pay_twice(client: TestClient, key: str) -> None:
+    """The same request twice: the handler runs once, the second gets the stored answer."""
+    first = client.post("/pay", headers={"Idempotency-Key": key})
+    second = client.post("/pay", headers={"Idempotency-Key": key})
+    assert first.status_code == 200, first.text
+    assert second.json() == first.json()
+    assert second.headers.get("x-idempotent-replay") == "true"
+
+
+async def run_lifespan(app: FastAPI) -> list[str]:
+    """Start and stop ``app`` in this event loop, as a server does; the messages it sent."""
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    messages: Iterator[Message] = iter(
+        [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    )
+    sent: list[str] = []
+
+    async def receive() -> Message:
+        return next(messages)
+
+    async def send(message: Message) -> None:
+        sent.append(message["type"])
+
+    await app(scope, receive, send)
+    return sent
+
+
+def schema_lifespan(store: PostgresStore) -> Any:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await store.create_schema()
+        yield
+
+    return lifespan
+
+
+@pytest.mark.postgres
+def test_from_dsn_opens_at_startup_and_closes_when_the_app_stops(
+    postgres_dsn: str, postgres_table: str, name: str
+) -> None:
+    store = PostgresStore.from_dsn(
+        postgres_dsn, table=postgres_table, server_settings={"application_name": name}
+    )
+    app, runs = guarded_app(store, schema_lifespan(store))
+    for round_ in range(ROUNDS):
+        assert postgres_connections(postgres_dsn, name) == 0
+        with TestClient(app) as client:
+            assert postgres_connections(postgres_dsn, name) == 1  # the startup opened it
+            pay_twice(client, f"key-{round_}")
+        assert postgres_connections(postgres_dsn, name) == 0
+    assert len(runs) == ROUNDS
+
+
+@pytest.mark.postgres
+def test_a_pool_the_app_hands_over_in_its_lifespan_stays_the_apps(
+    postgres_dsn: str, postgres_table: str, name: str
+) -> None:
+    store = PostgresStore(table=postgres_table)
+    pools: list[Any] = []
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        options = {"server_settings": {"application_name": name}}
+        async with asyncpg.create_pool(postgres_dsn, min_size=1, **options) as pool:
+            store.use_pool(pool)
+            await store.create_schema()
+            yield
+            # the app's shutdown runs before the middleware's: the pool still works here
+            assert await pool.fetchval("SELECT 1") == 1
+            pools.append(pool)
+
+    app, runs = guarded_app(store, lifespan)
+    for round_ in range(ROUNDS):
+        with TestClient(app) as client:
+            pay_twice(client, f"key-{round_}")
+        assert postgres_connections(postgres_dsn, name) == 0  # closed by the app, as it said
+    assert len(runs) == ROUNDS
+    assert len(pools) == ROUNDS
+    assert pools[0] is not pools[1]
+
+
+@pytest.mark.postgres
+async def test_a_pool_the_app_owns_outlives_the_app(postgres_dsn: str, postgres_table: str) -> None:
+    """The middleware never closes a pool passed in: what opened it closes it."""
+    async with asyncpg.create_pool(postgres_dsn, min_size=1) as pool:
+        store = PostgresStore(pool, table=postgres_table)
+        await store.create_schema()
+        app, _ = guarded_app(store)
+        assert await run_lifespan(app) == [
+            "lifespan.startup.complete",
+            "lifespan.shutdown.complete",
+        ]
+        assert not pool.is_closing()
+        assert await store.get("nothing") is None
+
+
+@pytest.mark.postgres
+def test_a_store_never_handed_a_pool_refuses_the_startup(postgres_table: str) -> None:
+    app, _ = guarded_app(PostgresStore(table=postgres_table))  # the lifespan forgot use_pool
+    with (
+        pytest.raises(ConfigurationError, match=r"has no pool: .*store\.use_pool\(pool\)"),
+        TestClient(app),
+    ):
+        pass
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    prefix = unique_prefix()
+    yield prefix
+    asyncio.run(delete_prefixed_at(redis_url, prefix))
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("driver", ["redis-py", "glide"])
+def test_redis_from_url_closes_when_the_app_stops(
+    redis_url: str, redis_prefix: str, name: str, driver: DriverName
+) -> None:
+    store = RedisStore.from_url(redis_url, key_prefix=redis_prefix, driver=driver, client_name=name)
+    app, runs = guarded_app(store)
+    for round_ in range(ROUNDS):
+        with TestClient(app) as client:
+            assert redis_connections(redis_url, name) >= 1  # the startup check connected
+            pay_twice(client, f"key-{round_}")
+        eventually_sync(
+            lambda: redis_connections(redis_url, name) == 0,
+            timeout=5,
+            message=f"the {driver} connections named {name} to close",
+        )
+    assert len(runs) == ROUNDS
+
+
+@pytest.mark.redis
+async def test_a_redis_client_the_app_passed_in_stays_open(
+    redis_url: str, redis_prefix: str, name: str
+) -> None:
+    client = aioredis.from_url(redis_url, client_name=name)
+    try:
+        app, _ = guarded_app(RedisStore(client, key_prefix=redis_prefix))
+        assert await run_lifespan(app) == [
+            "lifespan.startup.complete",
+            "lifespan.shutdown.complete",
+        ]
+        assert await asyncio.to_thread(redis_connections, redis_url, name) >= 1
+    finally:
+        await client.aclose()
