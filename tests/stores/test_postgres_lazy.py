@@ -10,6 +10,7 @@ import asyncio
 import gc
 import uuid
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
@@ -282,3 +283,23 @@ async def test_a_watchdog_store_of_a_lazy_store_opens_in_its_own_loop(
     assert await asyncio.to_thread(renew_in_a_thread)
     await store.aclose()
     eventually_sync(lambda: backends(postgres_dsn, app_name) == 0, timeout=5)
+
+
+async def test_without_a_dsn_the_libpq_environment_says_where(
+    postgres_dsn: str, postgres_table: str, monkeypatch: pytest.MonkeyPatch, schema: None
+) -> None:
+    parts = urlsplit(postgres_dsn)
+    for variable, value in {
+        "PGHOST": parts.hostname,
+        "PGPORT": str(parts.port or 5432),
+        "PGUSER": parts.username,
+        "PGDATABASE": parts.path.strip("/"),
+    }.items():
+        monkeypatch.setenv(variable, value or "")
+    store = PostgresStore.from_dsn(None, table=postgres_table)
+    assert store.describe() == (
+        f"postgres at {parts.hostname}:{parts.port or 5432}/{parts.path.strip('/')} "
+        f"table {postgres_table}"
+    )
+    assert await store.get("k") is None
+    await store.aclose()

@@ -436,7 +436,7 @@ class PostgresStore(StoreBase):
         """A store with an asyncpg pool of its own on ``dsn``, opened on first use.
 
         Nothing connects here, so the store can be built at import time (``uvicorn
-        main:app``, gunicorn's ``--preload``): the pool is opened by the first operation, in
+        main:app``): the pool is opened by the first operation, in
         the running event loop, once however many requests arrive together; with the
         middleware, that is its startup check, in the server's loop. :meth:`aclose` closes
         it, and the middleware calls it when the app's lifespan ends; that event loop then
