@@ -61,11 +61,8 @@ async def check_store(store: object) -> list[StoreFinding]:
     return [StoreFinding("error", f"{store.describe()} is unreachable: {message}")]
 
 
-async def close_own_connections(store: object) -> None:
-    """Close ``store`` if it opened its connections itself; a failure is logged, not raised
-    (the app stops either way)."""
-    if not (isinstance(store, ConnectionOwningStore) and store.owns_connections):
-        return
+async def close_own_connections(store: ConnectionOwningStore) -> None:
+    """Close ``store``; a failure is logged, not raised (the app stops either way)."""
     try:
         async with asyncio.timeout(CLOSE_TIMEOUT_SECONDS):
             await store.aclose()
@@ -116,6 +113,10 @@ class StartupCheck:
         check_routes: Callable[[Scope], None] = lambda scope: None,
     ) -> None:
         self._store = store
+        #: The store, when it opened its connections itself: closed when the app stops.
+        self._own = (
+            store if isinstance(store, ConnectionOwningStore) and store.owns_connections else None
+        )
         self.policy = policy
         self._check_routes = check_routes
 
@@ -129,6 +130,8 @@ class StartupCheck:
         The store's own connections are closed before the lifespan's last message goes out
         (``shutdown.complete``, or a failed startup or shutdown): the app's shutdown has run by
         then, and a server ends the event loop, cancelling what still runs, once it hears it.
+        A new ``lifespan.startup`` lets them open again (an app started again in the same
+        event loop, as test runners do).
         """
         refusal: IdempotencyError | None = None
 
@@ -142,14 +145,17 @@ class StartupCheck:
                 except IdempotencyError as exc:
                     refusal = exc
                     message = startup_failed(exc)
-            if message["type"] in _LIFESPAN_ENDS:
-                await close_own_connections(self._store)
+            if message["type"] in _LIFESPAN_ENDS and self._own is not None:
+                await close_own_connections(self._own)
             await send(message)
 
         async def receive_after_refusal() -> Message:
             if refusal is not None:
                 return {"type": "lifespan.shutdown"}
-            return await receive()
+            message = await receive()
+            if message["type"] == "lifespan.startup" and self._own is not None:
+                self._own.reopen()  # closed when the app last stopped, in this event loop
+            return message
 
         await app(scope, receive_after_refusal, send_after_check)
         if refusal is not None:

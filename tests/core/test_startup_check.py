@@ -296,6 +296,9 @@ class OwningStore(MemoryStore):
     def owns_connections(self) -> bool:
         return self.owns
 
+    def reopen(self) -> None:
+        self.sent.append("reopen")
+
     async def aclose(self) -> None:
         self.sent.append("aclose")
         if self.fails:
@@ -325,7 +328,21 @@ def lifespan_messages(app: Starlette, sent: list[str]) -> None:
 def test_a_store_that_owns_its_connections_is_closed_before_the_shutdown_completes() -> None:
     sent: list[str] = []
     lifespan_messages(app_with(OwningStore(sent), check_store="off"), sent)
-    assert sent == ["lifespan.startup.complete", "aclose", "lifespan.shutdown.complete"]
+    assert sent == ["reopen", "lifespan.startup.complete", "aclose", "lifespan.shutdown.complete"]
+
+
+def test_an_app_started_again_lets_the_store_open_again() -> None:
+    sent: list[str] = []
+    app = app_with(OwningStore(sent), check_store="off")
+    lifespan_messages(app, sent)
+    lifespan_messages(app, sent)
+    assert sent.count("reopen") == 2
+    assert sent[4:] == [
+        "reopen",
+        "lifespan.startup.complete",
+        "aclose",
+        "lifespan.shutdown.complete",
+    ]
 
 
 def test_a_store_given_its_connections_is_left_to_the_app() -> None:
@@ -352,7 +369,7 @@ def test_a_refused_startup_closes_the_store_before_the_server_hears_of_it() -> N
     app = Starlette(routes=[Route("/items", items)])  # GET: the middleware does not guard it
     app.add_middleware(IdempotencyMiddleware, store=OwningStore(sent), check_store="off")
     lifespan_messages(app, sent)
-    assert sent == ["aclose", "lifespan.startup.failed"]
+    assert sent == ["reopen", "aclose", "lifespan.startup.failed"]
 
 
 def test_a_failed_startup_of_the_app_closes_the_store() -> None:
@@ -366,7 +383,7 @@ def test_a_failed_startup_of_the_app_closes_the_store() -> None:
     app.add_middleware(IdempotencyMiddleware, store=OwningStore(sent), check_store="off")
     with pytest.raises(RuntimeError, match="the app's own startup failed"):
         lifespan_messages(app, sent)
-    assert sent == ["aclose", "lifespan.startup.failed"]
+    assert sent == ["reopen", "aclose", "lifespan.startup.failed"]
 
 
 def test_a_store_that_fails_to_close_is_logged_and_the_app_stops(
@@ -375,7 +392,7 @@ def test_a_store_that_fails_to_close_is_logged_and_the_app_stops(
     sent: list[str] = []
     with caplog.at_level(logging.WARNING):
         lifespan_messages(app_with(OwningStore(sent, fails=True), check_store="off"), sent)
-    assert sent == ["lifespan.startup.complete", "aclose", "lifespan.shutdown.complete"]
+    assert sent == ["reopen", "lifespan.startup.complete", "aclose", "lifespan.shutdown.complete"]
     assert any(
         "closing its connections failed" in r.getMessage()
         and "broke while closing" in r.getMessage()

@@ -111,6 +111,19 @@ async def test_a_closed_store_opens_nothing_more_in_its_loop(
     assert backends(postgres_dsn, app_name) == 0
 
 
+async def test_reopen_lets_a_closed_store_open_a_pool_again_in_its_loop(
+    postgres_dsn: str, postgres_table: str, app_name: str, schema: None
+) -> None:
+    """What the middleware does when the app starts again in the same event loop."""
+    store = lazy_store(postgres_dsn, postgres_table, app_name)
+    for _ in range(2):
+        store.reopen()
+        assert await store.get("k") is None
+        assert backends(postgres_dsn, app_name) == 1
+        await store.aclose()
+        assert backends(postgres_dsn, app_name) == 0
+
+
 async def test_a_store_closed_before_its_first_use_stays_closed(
     postgres_dsn: str, postgres_table: str, app_name: str
 ) -> None:

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from fastapi import FastAPI
@@ -86,22 +87,39 @@ def pay_twice(client: TestClient, key: str) -> None:
     assert second.headers.get("x-idempotent-replay") == "true"
 
 
-async def run_lifespan(app: FastAPI) -> list[str]:
-    """Start and stop ``app`` in this event loop, as a server does; the messages it sent."""
-    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
-    messages: Iterator[Message] = iter(
-        [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
-    )
-    sent: list[str] = []
+class Lifespan:
+    """An app's lifespan run in this event loop, as a server runs it."""
 
-    async def receive() -> Message:
-        return next(messages)
+    def __init__(self, app: FastAPI) -> None:
+        self.inbox: asyncio.Queue[Message] = asyncio.Queue()
+        self.messages: list[str] = []
+        self.answered = asyncio.Event()
+        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+        self.task = asyncio.ensure_future(app(scope, self.inbox.get, self._send))
 
-    async def send(message: Message) -> None:
-        sent.append(message["type"])
+    async def _send(self, message: Message) -> None:
+        self.messages.append(message["type"])
+        self.answered.set()
 
-    await app(scope, receive, send)
-    return sent
+    async def step(self, name: str) -> None:
+        self.answered.clear()
+        await self.inbox.put({"type": f"lifespan.{name}"})
+        async with asyncio.timeout(10):
+            await self.answered.wait()
+
+    async def stop(self) -> list[str]:
+        await self.step("shutdown")
+        await self.task
+        return self.messages
+
+
+async def run_lifespan(app: FastAPI, *, stop: bool = True) -> Lifespan:
+    """Start ``app`` in this event loop (and stop it, unless told not to)."""
+    lifespan = Lifespan(app)
+    await lifespan.step("startup")
+    if stop:
+        await lifespan.stop()
+    return lifespan
 
 
 def schema_lifespan(store: PostgresStore) -> Any:
@@ -127,6 +145,29 @@ def test_from_dsn_opens_at_startup_and_closes_when_the_app_stops(
             assert postgres_connections(postgres_dsn, name) == 1  # the startup opened it
             pay_twice(client, f"key-{round_}")
         assert postgres_connections(postgres_dsn, name) == 0
+    assert len(runs) == ROUNDS
+
+
+@pytest.mark.postgres
+async def test_from_dsn_opens_again_when_the_app_starts_again_in_the_same_loop(
+    postgres_dsn: str, postgres_table: str, name: str
+) -> None:
+    """As schemathesis, or tests sharing one event loop, start and stop an app."""
+    store = PostgresStore.from_dsn(
+        postgres_dsn, table=postgres_table, server_settings={"application_name": name}
+    )
+    app, runs = guarded_app(store, schema_lifespan(store))
+    transport = httpx.ASGITransport(app=app)
+    for round_ in range(ROUNDS):
+        started = await run_lifespan(app, stop=False)
+        assert started.messages == ["lifespan.startup.complete"]
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            key = {"Idempotency-Key": f"key-{round_}"}
+            first, retry = [await client.post("/pay", headers=key) for _ in range(2)]
+        assert first.status_code == 200, first.text
+        assert retry.headers["x-idempotent-replay"] == "true"
+        await started.stop()
+        assert await asyncio.to_thread(postgres_connections, postgres_dsn, name) == 0
     assert len(runs) == ROUNDS
 
 
@@ -165,7 +206,7 @@ async def test_a_pool_the_app_owns_outlives_the_app(postgres_dsn: str, postgres_
         store = PostgresStore(pool, table=postgres_table)
         await store.create_schema()
         app, _ = guarded_app(store)
-        assert await run_lifespan(app) == [
+        assert (await run_lifespan(app)).messages == [
             "lifespan.startup.complete",
             "lifespan.shutdown.complete",
         ]
@@ -216,7 +257,7 @@ async def test_a_redis_client_the_app_passed_in_stays_open(
     client = aioredis.from_url(redis_url, client_name=name)
     try:
         app, _ = guarded_app(RedisStore(client, key_prefix=redis_prefix))
-        assert await run_lifespan(app) == [
+        assert (await run_lifespan(app)).messages == [
             "lifespan.startup.complete",
             "lifespan.shutdown.complete",
         ]

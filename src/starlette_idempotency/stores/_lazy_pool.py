@@ -3,7 +3,8 @@
 A store built at import time (``PostgresStore.from_dsn``) exists before any event loop runs,
 and an asyncpg pool works only in the loop that opened it. So the pool is opened by the first
 operation that needs it (the middleware's startup check, in the server's loop), once however
-many callers wait for it, and closed by :meth:`LazyPool.close`; that loop then gets no other.
+many callers wait for it, and closed by :meth:`LazyPool.close`; that loop then gets no other
+until :meth:`LazyPool.reopen` (the app starting again, in the same loop).
 
 When the loop that closed its pool has ended, a later loop opens a new one: a test client runs
 each start of the app in a loop of its own. A second loop is refused while the first is not
@@ -90,6 +91,10 @@ class LazyPool(Generic[PoolT]):
         if pool is not None:
             await pool.close()
 
+    def reopen(self) -> None:
+        """Let a closed pool open again on first use (no-op while it is open)."""
+        self._closed = False
+
     def _move_to(self, loop: asyncio.AbstractEventLoop, *, closing: bool) -> None:
         """Make ``loop`` the pool's loop, if the loop it had is done with it."""
         if self._loop is not None and not self._loop.is_closed():
@@ -110,5 +115,5 @@ class LazyPool(Generic[PoolT]):
     def _closed_message(self) -> str:
         return (
             f"{self._name} is closed (by aclose(), which the middleware calls when the app's "
-            "lifespan ends): no new one is opened in this event loop"
+            "lifespan ends): no new one is opened in this event loop until the app starts again"
         )

@@ -440,8 +440,8 @@ class PostgresStore(StoreBase):
         the running event loop, once however many requests arrive together; with the
         middleware, that is its startup check, in the server's loop. :meth:`aclose` closes
         it, and the middleware calls it when the app's lifespan ends; that event loop then
-        gets no other. A later event loop opens a new one (a test client that starts the app
-        again runs it in a loop of its own).
+        gets no other until the app starts again (:meth:`reopen`). A later event loop opens a
+        new one (a test client that starts the app again runs it in a loop of its own).
 
         ``pool_options`` go to ``asyncpg.create_pool`` (``min_size`` defaults to 1, and the
         connect timeout to ``operation_timeout``); ``dsn`` may be ``None`` to connect as the
@@ -508,6 +508,12 @@ class PostgresStore(StoreBase):
         """Whether the store opened its pool itself (``from_dsn``, ``connect``): the
         middleware then closes it when the app's lifespan ends."""
         return self._own_pool is not None
+
+    def reopen(self) -> None:
+        """Let a store closed by :meth:`aclose` open its own pool again, on first use: the
+        middleware calls it when the app starts again in the same event loop."""
+        if self._own_pool is not None:
+            self._own_pool.reopen()
 
     async def _current_pool(self) -> Any:
         """The pool to use now: the store's own (opened if need be), or the one passed in."""
@@ -840,8 +846,8 @@ class PostgresStore(StoreBase):
 
     async def aclose(self) -> None:
         """Close the pool the store opened itself (:meth:`from_dsn`, :meth:`connect`), after
-        which it opens no other in this event loop; a pool passed in stays open, and the
-        store usable with it."""
+        which it opens no other in this event loop (until :meth:`reopen`); a pool passed in
+        stays open, and the store usable with it."""
         undoing = list(self._undoing)  # undoing abandoned acquires is best effort
         for task in undoing:
             task.cancel()

@@ -252,6 +252,10 @@ class RedisStore(StoreBase):
         closes it when the app's lifespan ends."""
         return self._owns_client
 
+    def reopen(self) -> None:
+        """Nothing to do: a client the store created connects again on its next command
+        after :meth:`aclose` (the middleware calls this when the app starts again)."""
+
     def describe(self) -> str:
         """Where the store is, for messages: ``redis at 127.0.0.1:6379/0`` (no password)."""
         return self._driver.describe()
