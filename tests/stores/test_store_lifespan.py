@@ -33,6 +33,7 @@ from starlette_idempotency import (
 )
 from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.stores.redis import DriverName
+from starlette_idempotency.testing import FaultyStore
 from starlette_idempotency.testing._isolation import delete_prefixed_at, run_admin, unique_prefix
 from tests.support.conditions import eventually_sync
 
@@ -264,3 +265,28 @@ async def test_a_redis_client_the_app_passed_in_stays_open(
         assert await asyncio.to_thread(redis_connections, redis_url, name) >= 1
     finally:
         await client.aclose()
+
+
+@pytest.mark.postgres
+async def test_the_plugins_postgres_store_outlives_an_app_the_test_stops(
+    postgres_store: PostgresStore,
+) -> None:
+    """A test reads the records after stopping its app: the fixture's store is its own."""
+    app, _ = guarded_app(FaultyStore(postgres_store))
+    assert (await run_lifespan(app)).messages[-1] == "lifespan.shutdown.complete"
+    app, _ = guarded_app(postgres_store)
+    assert (await run_lifespan(app)).messages[-1] == "lifespan.shutdown.complete"
+    assert await postgres_store.get("k") is None
+
+
+@pytest.mark.redis
+async def test_a_faulty_store_is_never_closed_by_the_app(redis_url: str, redis_prefix: str) -> None:
+    """The wrapped store is the test's: wrapping one that owns its client changes nothing."""
+    inner = RedisStore.from_url(redis_url, key_prefix=redis_prefix)
+    try:
+        wrapped = FaultyStore(inner)
+        app, _ = guarded_app(wrapped)
+        await run_lifespan(app)
+        assert wrapped.calls["aclose"] == 0
+    finally:
+        await inner.aclose()
