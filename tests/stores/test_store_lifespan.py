@@ -290,3 +290,16 @@ async def test_a_faulty_store_is_never_closed_by_the_app(redis_url: str, redis_p
         assert wrapped.calls["aclose"] == 0
     finally:
         await inner.aclose()
+
+
+@pytest.mark.postgres
+async def test_without_a_lifespan_a_store_never_handed_a_pool_answers_503(
+    postgres_table: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, runs = guarded_app(PostgresStore(table=postgres_table))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        response = await client.post("/pay", headers={"Idempotency-Key": "k"})
+    assert response.status_code == 503
+    assert runs == []
+    assert any("has no pool: hand it the pool" in r.getMessage() for r in caplog.records)
