@@ -43,6 +43,10 @@ Behind PgBouncer in transaction pooling mode, create the pool with
 ``statement_cache_size=0`` (asyncpg's named prepared statements do not survive a change of
 server connection); nothing else in the store depends on session state.
 
+The pool is the app's (passed in, or handed over with ``use_pool``) or the store's own
+(``from_dsn``), which it opens on first use in the running event loop and closes in ``aclose``
+(see :mod:`._lazy_pool`); nothing in the statements depends on which.
+
 Why one module: the store's operations, the mapping of its rows to records and the rule for
 when a statement may be sent again all answer one question, what one SQL statement did, and
 each is read against the others (a retry is safe only for statements shaped as these are).
@@ -405,8 +409,8 @@ class PostgresStore(StoreBase):
     ) -> None:
         #: The pool passed in or handed over (``use_pool``); ``None`` while there is none.
         self._pool = pool
-        #: How the store opens a pool of its own (``from_dsn``): the DSN, the pool's options,
-        #: and the pool of the running event loop.
+        #: A pool of the store's own (``from_dsn``): its DSN and options, and the pool itself,
+        #: opened on first use in the running event loop.
         self._dsn: str | None = None
         self._pool_options: dict[str, Any] = {}
         self._own_pool: LazyPool[Any] | None = None
@@ -436,12 +440,12 @@ class PostgresStore(StoreBase):
         """A store with an asyncpg pool of its own on ``dsn``, opened on first use.
 
         Nothing connects here, so the store can be built at import time (``uvicorn
-        main:app``): the pool is opened by the first operation, in
-        the running event loop, once however many requests arrive together; with the
-        middleware, that is its startup check, in the server's loop. :meth:`aclose` closes
-        it, and the middleware calls it when the app's lifespan ends; that event loop then
-        gets no other until the app starts again (:meth:`reopen`). A later event loop opens a
-        new one (a test client that starts the app again runs it in a loop of its own).
+        main:app``): the pool is opened by the first operation, in the running event loop,
+        once however many requests arrive together; with the middleware, that is its startup
+        check, in the server's loop. :meth:`aclose` closes it, and the middleware calls it
+        when the app's lifespan ends; that event loop then gets no other until the app starts
+        again (:meth:`reopen`). A later event loop opens a new one (a test client that starts
+        the app again runs it in a loop of its own).
 
         ``pool_options`` go to ``asyncpg.create_pool`` (``min_size`` defaults to 1, and the
         connect timeout to ``operation_timeout``); ``dsn`` may be ``None`` to connect as the
@@ -803,8 +807,9 @@ class PostgresStore(StoreBase):
         raises :class:`ConfigurationError` for a store that cannot work as it is configured
         (no pool handed over, pool options asyncpg refuses), which refuses the app's startup.
 
-        It is the first operation of an app that starts: a store built by :meth:`from_dsn`
-        opens its pool here, in the server's event loop."""
+        With the middleware it is the store's first operation unless the app's own startup
+        used the store: a store built by :meth:`from_dsn` then opens its pool here, in the
+        server's event loop."""
         try:
             row = await self._fetchrow("check", "check", self._table, _COLUMNS)
         except StoreError as exc:
