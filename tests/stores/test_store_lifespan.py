@@ -11,6 +11,7 @@ count the connections by a name of the test's own.
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -303,3 +304,29 @@ async def test_without_a_lifespan_a_store_never_handed_a_pool_answers_503(
     assert response.status_code == 503
     assert runs == []
     assert any("has no pool: hand it the pool" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.postgres
+@pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")
+def test_a_test_client_without_its_lifespan_is_told_to_use_it(
+    postgres_dsn: str, postgres_table: str, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Outside a ``with`` block, each request runs in an event loop of its own and nothing
+    closes the pool the first one opened: the second is refused (503), saying why."""
+    store = PostgresStore.from_dsn(
+        postgres_dsn, table=postgres_table, server_settings={"application_name": name}
+    )
+
+    async def migrate(store: PostgresStore) -> None:
+        await store.create_schema()
+        await store.aclose()
+
+    asyncio.run(migrate(store))
+    app, runs = guarded_app(store)
+    client = TestClient(app)
+    assert client.post("/pay", headers={"Idempotency-Key": "a"}).status_code == 200
+    assert client.post("/pay", headers={"Idempotency-Key": "b"}).status_code == 503
+    assert runs == [1]
+    assert any("a TestClient outside a `with` block" in r.getMessage() for r in caplog.records)
+    del client, app, store
+    gc.collect()  # the first loop's pool, which nothing could close
