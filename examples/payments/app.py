@@ -53,8 +53,7 @@ from examples.payments.ledger import DuplicateEmail, Ledger, Row, decode_items, 
 from starlette_idempotency import (
     IdempotencyMiddleware,
     IdempotencyStore,
-    KeyScope,
-    MetricsSink,
+    PostgresStore,
     PrometheusMetrics,
     checkpoint,
     idempotency_context,
@@ -258,60 +257,12 @@ class PodIdHeader:
         await self.app(scope, receive, send_with_pod)
 
 
-class StoreSlot:
-    """Where the lifespan puts the idempotency store once it has opened it."""
-
-    def __init__(self) -> None:
-        self.store: IdempotencyStore | None = None
-
-
-class LateIdempotencyMiddleware:
-    """:class:`IdempotencyMiddleware`, built on the first request with the store the lifespan
-    opened: the app's middleware stack is built before any ``await`` could open a pool. Built
-    again when a new lifespan opened another store (a test client that restarts the app)."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        slot: StoreSlot,
-        pod_id: str,
-        key_scope: KeyScope | None = None,
-        metrics: MetricsSink | None = None,
-    ) -> None:
-        self.app = app
-        self.slot = slot
-        self.pod_id = pod_id
-        self.key_scope = key_scope
-        self.metrics = metrics
-        self._inner: IdempotencyMiddleware | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        store = self.slot.store
-        if store is None:
-            raise RuntimeError("the idempotency store is not open: did the lifespan run?")
-        if self._inner is None or self._inner.store is not store:
-            self._inner = IdempotencyMiddleware(
-                self.app,
-                store=store,
-                pod_id=self.pod_id,
-                key_scope=self.key_scope,
-                metrics=self.metrics,
-            )
-        await self._inner(scope, receive, send)
-
-
-async def _open_store(settings: Settings) -> IdempotencyStore:
+def _store(settings: Settings) -> IdempotencyStore:
+    """The idempotency store, built with the app: it connects on first use, in the server's
+    event loop (the middleware's startup check), and the middleware closes it when the app
+    stops."""
     if settings.store == "postgres":
-        from starlette_idempotency.stores.postgres import PostgresStore
-
-        assert settings.database_url is not None
-        postgres = await PostgresStore.connect(settings.database_url, max_size=10)
-        await postgres.create_schema()
-        return postgres
+        return PostgresStore.from_dsn(settings.database_url, max_size=10)
     if settings.redis_url is None:
         raise RuntimeError("REDIS_URL is required with IDEMPOTENCY_STORE=redis")
     from redis.asyncio.retry import Retry
@@ -348,9 +299,11 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
 
 
 def build_api(settings: Settings) -> FastAPI:
-    """The FastAPI app, its tables created and its stores opened by its lifespan."""
+    """The FastAPI app: its ledger opened and its tables created by its lifespan."""
     pod = settings.pod_id
-    slot = StoreSlot()
+    if settings.database_url is None:
+        raise RuntimeError("DATABASE_URL is required")
+    store = _store(settings)
     # Merchant references whose POST /payments is sleeping on X-Demo-Delay-Ms right now.
     delayed: set[str] = set()
 
@@ -360,21 +313,17 @@ def build_api(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.database_url is None:
-            raise RuntimeError("DATABASE_URL is required")
+        assert settings.database_url is not None
         ledger = await Ledger.open(settings.database_url)
         try:
             await ledger.create_schema()
-            slot.store = await _open_store(settings)
+            if isinstance(store, PostgresStore):
+                await store.create_schema()
             app.state.ledger = ledger
             logger.info("%s ready (idempotency store: %s)", pod, settings.store)
             yield
         finally:
-            try:
-                if slot.store is not None:
-                    await slot.store.aclose()
-            finally:
-                await ledger.close()
+            await ledger.close()
 
     app = FastAPI(title="payments demo", lifespan=lifespan)
 
@@ -560,8 +509,8 @@ def build_api(settings: Settings) -> FastAPI:
     registry = CollectorRegistry()
     app.mount("/metrics", make_asgi_app(registry=registry))
     app.add_middleware(
-        LateIdempotencyMiddleware,
-        slot=slot,
+        IdempotencyMiddleware,
+        store=store,
         pod_id=pod,
         key_scope=_key_scope,
         metrics=PrometheusMetrics(registry=registry),

@@ -1,9 +1,16 @@
-"""The store check the middleware runs when the app starts (and ``doctor`` from a shell).
+"""The store around the app's lifespan: checked when the app starts (and by ``doctor`` from a
+shell), closed when it stops.
 
 A store that implements :class:`~starlette_idempotency.stores.base.CheckableStore` is reached
 once at startup: unreachable is logged as one error naming the store and its address, and what
 weakens the guarantees (a Redis that may evict or forget records) as warnings. With
-``check_store="fail"`` an error refuses the startup instead.
+``check_store="fail"`` an error refuses the startup instead; a store that cannot work as it is
+configured (a ``ConfigurationError``) refuses it whatever the policy. For a store that opens its
+connections on first use, the check is what opens them, in the server's event loop.
+
+A store that opened its connections itself
+(:class:`~starlette_idempotency.stores.base.ConnectionOwningStore`) is closed when the
+lifespan ends, before the server hears of it; a client or pool the app passed in stays open.
 """
 
 from __future__ import annotations
@@ -15,7 +22,11 @@ from typing import Literal
 
 from starlette_idempotency._types import ASGIApp, Message, Receive, Scope, Send
 from starlette_idempotency.errors import ConfigurationError, IdempotencyError, StoreError
-from starlette_idempotency.stores.base import CheckableStore, StoreFinding
+from starlette_idempotency.stores.base import (
+    CheckableStore,
+    ConnectionOwningStore,
+    StoreFinding,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +34,19 @@ StoreCheckPolicy = Literal["warn", "fail", "off"]
 
 #: How long the whole check may take before the store counts as unreachable.
 CHECK_TIMEOUT_SECONDS = 5.0
+#: How long closing the store's own connections may take when the app stops.
+CLOSE_TIMEOUT_SECONDS = 5.0
+#: The lifespan's last words to the server: after them the app serves nothing more.
+_LIFESPAN_ENDS = frozenset(
+    {"lifespan.startup.failed", "lifespan.shutdown.complete", "lifespan.shutdown.failed"}
+)
 
 
 async def check_store(store: object) -> list[StoreFinding]:
-    """What ``store`` reports about itself; ``[]`` for a store that cannot check itself."""
+    """What ``store`` reports about itself; ``[]`` for a store that cannot check itself.
+
+    Raises the :class:`ConfigurationError` of a store that cannot work as it is configured;
+    any other failure of the check is an ``error`` finding."""
     if not isinstance(store, CheckableStore):
         return []
     try:
@@ -34,9 +54,20 @@ async def check_store(store: object) -> list[StoreFinding]:
             return await store.check()
     except TimeoutError:
         message = f"no answer within {CHECK_TIMEOUT_SECONDS:g}s"
+    except ConfigurationError:
+        raise
     except Exception as exc:  # a store's check must not stop the app on its own
         message = f"its check failed: {exc!r}"
     return [StoreFinding("error", f"{store.describe()} is unreachable: {message}")]
+
+
+async def close_own_connections(store: ConnectionOwningStore) -> None:
+    """Close ``store``; a failure is logged, not raised (the app stops either way)."""
+    try:
+        async with asyncio.timeout(CLOSE_TIMEOUT_SECONDS):
+            await store.aclose()
+    except Exception as exc:  # TimeoutError included: asyncpg then terminates its connections
+        logger.warning("idempotency store: closing its connections failed: %r", exc)
 
 
 def log_findings(findings: list[StoreFinding]) -> None:
@@ -68,7 +99,8 @@ def startup_failed(refusal: IdempotencyError) -> Message:
 
 class StartupCheck:
     """Runs the checks when the app reports ``lifespan.startup.complete``: after the app's own
-    startup, which may be where the store connects, and once its routes are all in place.
+    startup, which may be where it hands the store its pool, and once its routes are all in
+    place. Closes the store's own connections when the lifespan ends.
 
     ``check_routes`` raises :class:`ConfigurationError` for routes that would not work as
     written; that refuses the startup whatever ``policy`` says about the store.
@@ -81,6 +113,10 @@ class StartupCheck:
         check_routes: Callable[[Scope], None] = lambda scope: None,
     ) -> None:
         self._store = store
+        #: The store, when it opened its connections itself: closed when the app stops.
+        self._own = (
+            store if isinstance(store, ConnectionOwningStore) and store.owns_connections else None
+        )
         self.policy = policy
         self._check_routes = check_routes
 
@@ -90,6 +126,12 @@ class StartupCheck:
         A refused startup goes out as ``lifespan.startup.failed``; then the app is told to shut
         down (closing what its startup opened), and the refusal is raised, as Starlette raises
         a failed startup: a server exits, and a ``TestClient`` raises it instead of waiting.
+
+        The store's own connections are closed before the lifespan's last message goes out
+        (``shutdown.complete``, or a failed startup or shutdown): the app's shutdown has run by
+        then, and a server ends the event loop, cancelling what still runs, once it hears it.
+        A new ``lifespan.startup`` lets them open again (an app started again in the same
+        event loop, as test runners do).
         """
         refusal: IdempotencyError | None = None
 
@@ -103,12 +145,17 @@ class StartupCheck:
                 except IdempotencyError as exc:
                     refusal = exc
                     message = startup_failed(exc)
+            if message["type"] in _LIFESPAN_ENDS and self._own is not None:
+                await close_own_connections(self._own)
             await send(message)
 
         async def receive_after_refusal() -> Message:
             if refusal is not None:
                 return {"type": "lifespan.shutdown"}
-            return await receive()
+            message = await receive()
+            if message["type"] == "lifespan.startup" and self._own is not None:
+                self._own.reopen()  # closed when the app last stopped, in this event loop
+            return message
 
         await app(scope, receive_after_refusal, send_after_check)
         if refusal is not None:

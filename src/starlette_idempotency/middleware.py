@@ -161,8 +161,8 @@ def _check_store_object(store: object) -> None:
     if isinstance(store, str):
         raise ConfigurationError(
             f"store must be a store instance, not the string {store!r}: "
-            f"pass store=RedisStore.from_url({store!r}) for Redis, or a PostgresStore "
-            "connected in your lifespan (await PostgresStore.connect(dsn))"
+            f"pass store=RedisStore.from_url({store!r}) for Redis, or "
+            "store=PostgresStore.from_dsn(dsn) for PostgreSQL"
         )
     if not isinstance(store, IdempotencyStore):
         missing = [

@@ -29,6 +29,7 @@ from starlette_idempotency import (
 from starlette_idempotency import _store_check as store_check_module
 from starlette_idempotency._store_check import REFUSED_STARTUP
 from starlette_idempotency.stores.base import StoreFinding
+from tests.support.records import pending
 
 
 class SelfCheckingStore(MemoryStore):
@@ -275,3 +276,137 @@ def test_a_class_endpoint_method_the_middleware_does_not_guard_refuses_the_start
     assert answer["type"] == "lifespan.startup.failed"
     assert answer["message"].startswith("@idempotent on /items (PUT) does nothing")
     assert "(POST)" not in answer["message"]
+
+
+# --- closing the store's own connections when the lifespan ends ----------------------------
+
+
+class OwningStore(MemoryStore):
+    """A store that opened its connections itself (``ConnectionOwningStore``), or was handed
+    them (``owns_connections=False``); ``aclose`` says when it ran, among the lifespan's
+    messages to the server."""
+
+    def __init__(self, sent: list[str], *, owns: bool = True, fails: bool = False) -> None:
+        super().__init__()
+        self.sent = sent
+        self.owns = owns
+        self.fails = fails
+
+    @property
+    def owns_connections(self) -> bool:
+        return self.owns
+
+    def reopen(self) -> None:
+        self.sent.append("reopen")
+
+    async def aclose(self) -> None:
+        self.sent.append("aclose")
+        if self.fails:
+            raise StoreError("the connection broke while closing")
+
+
+def lifespan_messages(app: Starlette, sent: list[str]) -> None:
+    """Run the app's lifespan (startup, then shutdown) as a server does, noting the messages
+    it sends in ``sent``."""
+
+    async def main() -> None:
+        messages = iter([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
+
+        async def receive() -> Message:
+            return next(messages)
+
+        async def send(message: Message) -> None:
+            sent.append(message["type"])
+
+        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+        with contextlib.suppress(IdempotencyError):
+            await app(scope, receive, send)
+
+    asyncio.run(main())
+
+
+def test_a_store_that_owns_its_connections_is_closed_before_the_shutdown_completes() -> None:
+    sent: list[str] = []
+    lifespan_messages(app_with(OwningStore(sent), check_store="off"), sent)
+    assert sent == ["reopen", "lifespan.startup.complete", "aclose", "lifespan.shutdown.complete"]
+
+
+def test_an_app_started_again_lets_the_store_open_again() -> None:
+    sent: list[str] = []
+    app = app_with(OwningStore(sent), check_store="off")
+    lifespan_messages(app, sent)
+    lifespan_messages(app, sent)
+    assert sent.count("reopen") == 2
+    assert sent[4:] == [
+        "reopen",
+        "lifespan.startup.complete",
+        "aclose",
+        "lifespan.shutdown.complete",
+    ]
+
+
+def test_a_store_given_its_connections_is_left_to_the_app() -> None:
+    sent: list[str] = []
+    lifespan_messages(app_with(OwningStore(sent, owns=False), check_store="off"), sent)
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+
+
+def test_a_memory_store_keeps_its_records_when_the_app_stops() -> None:
+    store = MemoryStore()
+    app = app_with(store, check_store="off")
+    sent: list[str] = []
+    asyncio.run(store.try_acquire("k", pending("k"), 30))
+    lifespan_messages(app, sent)
+    assert asyncio.run(store.get("k")) is not None
+
+
+def test_a_refused_startup_closes_the_store_before_the_server_hears_of_it() -> None:
+    @idempotent()
+    async def items(request: Request) -> Response:
+        return Response()
+
+    sent: list[str] = []
+    app = Starlette(routes=[Route("/items", items)])  # GET: the middleware does not guard it
+    app.add_middleware(IdempotencyMiddleware, store=OwningStore(sent), check_store="off")
+    lifespan_messages(app, sent)
+    assert sent == ["reopen", "aclose", "lifespan.startup.failed"]
+
+
+def test_a_failed_startup_of_the_app_closes_the_store() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        raise RuntimeError("the app's own startup failed")
+        yield
+
+    sent: list[str] = []
+    app = Starlette(lifespan=lifespan)
+    app.add_middleware(IdempotencyMiddleware, store=OwningStore(sent), check_store="off")
+    with pytest.raises(RuntimeError, match="the app's own startup failed"):
+        lifespan_messages(app, sent)
+    assert sent == ["reopen", "aclose", "lifespan.startup.failed"]
+
+
+def test_a_store_that_fails_to_close_is_logged_and_the_app_stops(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sent: list[str] = []
+    with caplog.at_level(logging.WARNING):
+        lifespan_messages(app_with(OwningStore(sent, fails=True), check_store="off"), sent)
+    assert sent == ["reopen", "lifespan.startup.complete", "aclose", "lifespan.shutdown.complete"]
+    assert any(
+        "closing its connections failed" in r.getMessage()
+        and "broke while closing" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+class MisconfiguredStore(SelfCheckingStore):
+    async def check(self) -> list[StoreFinding]:
+        raise ConfigurationError("PostgresStore has no pool: hand it yours with use_pool")
+
+
+def test_a_store_that_cannot_work_as_configured_refuses_the_startup_whatever_the_policy() -> None:
+    store = MisconfiguredStore([])
+    assert failed_startup(app_with(store, check_store="warn")).startswith(
+        "PostgresStore has no pool"
+    )

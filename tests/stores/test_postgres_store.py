@@ -320,7 +320,7 @@ async def test_works_without_prepared_statement_cache(
 )
 def test_invalid_table_names_are_rejected(table: str) -> None:
     with pytest.raises(ConfigurationError, match="invalid table name"):
-        PostgresStore(pool=None, table=table)  # type: ignore[arg-type]
+        PostgresStore(table=table)
 
 
 async def test_create_schema_concurrently(postgres_dsn: str, postgres_table: str) -> None:

@@ -135,8 +135,9 @@ def redis_backend(
 
 @contextlib.asynccontextmanager
 async def postgres_backend(request: pytest.FixtureRequest) -> AsyncIterator[ClockedStore]:
-    """A PostgresStore on a table of the test's own in this run's database."""
-    store = await PostgresStore.connect(
+    """A PostgresStore on a table of the test's own in this run's database, built as an app
+    builds it at import time (its pool opened by its first operation)."""
+    store = PostgresStore.from_dsn(
         request.getfixturevalue("postgres_dsn"), table=request.getfixturevalue("postgres_table")
     )
     try:

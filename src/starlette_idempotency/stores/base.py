@@ -252,6 +252,23 @@ class WatchdogStore(Protocol):
 
 
 @runtime_checkable
+class ConnectionOwningStore(Protocol):
+    """A store that says whether it opened its connections itself (``RedisStore.from_url``,
+    ``PostgresStore.from_dsn``): the middleware then closes it (:meth:`aclose`) when the
+    app's lifespan ends, and lets it open them again (:meth:`reopen`) when the app starts
+    again. A store without these, or with a client or pool passed in, is the app's to close."""
+
+    @property
+    def owns_connections(self) -> bool: ...
+
+    def reopen(self) -> None:
+        """Let a store closed by ``aclose`` open its connections again, on first use."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
 class ChangeNotifyingStore(Protocol):
     """A store that can announce changes to a key, so waiting duplicates need not poll."""
 

@@ -43,6 +43,10 @@ Behind PgBouncer in transaction pooling mode, create the pool with
 ``statement_cache_size=0`` (asyncpg's named prepared statements do not survive a change of
 server connection); nothing else in the store depends on session state.
 
+The pool is the app's (passed in, or handed over with ``use_pool``) or the store's own
+(``from_dsn``), which it opens on first use in the running event loop and closes in ``aclose``
+(see :mod:`._lazy_pool`); nothing in the statements depends on which.
+
 Why one module: the store's operations, the mapping of its rows to records and the rule for
 when a statement may be sent again all answer one question, what one SQL statement did, and
 each is read against the others (a retry is safe only for statements shaped as these are).
@@ -75,6 +79,7 @@ from starlette_idempotency._record import (
     checkpoints_to_wire,
 )
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
+from starlette_idempotency.stores._lazy_pool import LazyPool
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     AcquireResult,
@@ -301,17 +306,43 @@ def _location(dsn: str | None, options: Mapping[str, Any]) -> str:
     return f"{host}/{database}"
 
 
-def _pool_location(pool: object) -> str:
-    """Where an asyncpg pool connects (asyncpg keeps its arguments, privately)."""
+def _connect_options(pool: object) -> tuple[str | None, Mapping[str, Any]] | None:
+    """The DSN and connect options of an asyncpg pool (asyncpg keeps them, privately);
+    ``None`` for a pool whose options cannot be read back."""
     args, options = getattr(pool, "_connect_args", None), getattr(pool, "_connect_kwargs", None)
     if not isinstance(args, tuple | list) or not isinstance(options, Mapping):
-        return "an unknown address (a pool passed in)"
-    dsn = args[0] if args and isinstance(args[0], str) else None
-    return _location(dsn, options)
+        return None
+    return (args[0] if args and isinstance(args[0], str) else None), options
+
+
+def _pool_location(pool: object) -> str:
+    """Where an asyncpg pool connects."""
+    connect = _connect_options(pool)
+    return "an unknown address (a pool passed in)" if connect is None else _location(*connect)
+
+
+def _is_open(pool: object) -> bool:
+    """Whether ``pool`` is open, as far as it says (asyncpg's ``is_closing``)."""
+    is_closing = getattr(pool, "is_closing", None)
+    return not (callable(is_closing) and is_closing())
 
 
 async def _keep_session(connection: Any) -> None:
-    """A pool ``reset`` that sends nothing (see :meth:`PostgresStore.connect`)."""
+    """A pool ``reset`` that sends nothing (see :meth:`PostgresStore.from_dsn`)."""
+
+
+async def _create_pool(dsn: str | None, options: Mapping[str, Any]) -> Any:
+    """An asyncpg pool, opened in the running event loop; options asyncpg refuses are a
+    :class:`ConfigurationError`, and a database it cannot reach a :class:`StoreError`."""
+    asyncpg = _asyncpg()
+    try:
+        return await asyncpg.create_pool(dsn, **options)
+    except asyncpg.ClientConfigurationError as exc:
+        _raise_store_error(exc, "connect")
+    except (TypeError, ValueError) as exc:  # an option asyncpg does not take, or a bad value
+        raise ConfigurationError(f"PostgresStore pool options: {exc}") from exc
+    except Exception as exc:
+        _raise_store_error(exc, "connect")
 
 
 def _checkpoints_json(record: IdempotencyRecord) -> str | None:
@@ -349,8 +380,17 @@ def _record_from_row(row: Mapping[str, Any]) -> IdempotencyRecord:
 class PostgresStore(StoreBase):
     """Idempotency records in one PostgreSQL table, shared by every process that uses it.
 
-    Pass your own asyncpg pool (it stays open on :meth:`aclose`) or let :meth:`connect` open
-    one. Call :meth:`create_schema` once (or run ``starlette-idempotency migrate``) before use.
+    Three ways to give it its connections:
+
+    * ``PostgresStore.from_dsn(dsn)`` (at import time): the store opens an asyncpg pool of its
+      own on first use, in the running event loop, and :meth:`aclose` closes it (the
+      middleware does when the app's lifespan ends). ``await PostgresStore.connect(dsn)`` is
+      the same, opened at once.
+    * ``PostgresStore(pool)``: your pool, which stays yours (:meth:`aclose` leaves it open).
+    * ``PostgresStore()`` (at import time), then :meth:`use_pool` in your lifespan: your pool,
+      opened in your lifespan, handed over before the app serves.
+
+    Call :meth:`create_schema` once (or run ``starlette-idempotency migrate``) before use.
     ``operation_timeout`` (seconds) bounds each operation, the wait for a pooled connection
     and its one retry included; past it the operation raises
     :class:`~starlette_idempotency.errors.StoreTimeoutError`. ``None`` waits forever.
@@ -361,17 +401,22 @@ class PostgresStore(StoreBase):
 
     def __init__(
         self,
-        pool: PoolLike,
+        pool: PoolLike | None = None,
         *,
         table: str = DEFAULT_TABLE,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         operation_timeout: float | None = DEFAULT_OPERATION_TIMEOUT,
     ) -> None:
+        #: The pool passed in or handed over (``use_pool``); ``None`` while there is none.
         self._pool = pool
-        self._owned_pool: Any = None
+        #: A pool of the store's own (``from_dsn``): its DSN and options, and the pool itself,
+        #: opened on first use in the running event loop.
+        self._dsn: str | None = None
+        self._pool_options: dict[str, Any] = {}
+        self._own_pool: LazyPool[Any] | None = None
         self._table_name = table
         self._table, _ = _quote_table(table)
-        self._location = _pool_location(pool)
+        self._location = None if pool is None else _pool_location(pool)
         self._prefix = f"{key_prefix}:"
         self._timeout = operation_timeout
         self._sql = {
@@ -383,36 +428,108 @@ class PostgresStore(StoreBase):
         self._undoing: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def connect(
+    def from_dsn(
         cls,
-        dsn: str,
+        dsn: str | None,
         *,
         table: str = DEFAULT_TABLE,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         operation_timeout: float | None = DEFAULT_OPERATION_TIMEOUT,
         **pool_options: Any,
     ) -> PostgresStore:
-        """Open an asyncpg pool on ``dsn`` (closed again by :meth:`aclose`).
+        """A store with an asyncpg pool of its own on ``dsn``, opened on first use.
+
+        Nothing connects here, so the store can be built at import time (``uvicorn
+        main:app``): the pool is opened by the first operation, in the running event loop,
+        once however many requests arrive together; with the middleware, that is its startup
+        check, in the server's loop. :meth:`aclose` closes it, and the middleware calls it
+        when the app's lifespan ends; that event loop then gets no other until the app starts
+        again (:meth:`reopen`). A later event loop opens a new one (a test client that starts
+        the app again runs it in a loop of its own).
 
         ``pool_options`` go to ``asyncpg.create_pool`` (``min_size`` defaults to 1, and the
-        connect timeout to ``operation_timeout``). The pool skips asyncpg's reset of a
+        connect timeout to ``operation_timeout``); ``dsn`` may be ``None`` to connect as the
+        libpq environment (``PGHOST``...) says. The pool skips asyncpg's reset of a
         connection on its way back to the pool (a round trip per statement here): the store's
         single statements leave no session state behind.
         """
-        _quote_table(table)  # fail on a bad name before connecting
-        asyncpg = _asyncpg()
+        store = cls(table=table, key_prefix=key_prefix, operation_timeout=operation_timeout)
         pool_options.setdefault("min_size", 1)
         pool_options.setdefault("reset", _keep_session)
         if operation_timeout is not None:
             pool_options.setdefault("timeout", operation_timeout)
-        try:
-            pool = await asyncpg.create_pool(dsn, **pool_options)
-        except Exception as exc:
-            _raise_store_error(exc, "connect")
-        store = cls(pool, table=table, key_prefix=key_prefix, operation_timeout=operation_timeout)
-        store._owned_pool = pool
+        store._dsn, store._pool_options = dsn, pool_options
+        store._own_pool = LazyPool(
+            lambda: _create_pool(dsn, pool_options), name="PostgresStore's own pool"
+        )
         store._location = _location(dsn, pool_options)
         return store
+
+    @classmethod
+    async def connect(
+        cls,
+        dsn: str | None,
+        *,
+        table: str = DEFAULT_TABLE,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        operation_timeout: float | None = DEFAULT_OPERATION_TIMEOUT,
+        **pool_options: Any,
+    ) -> PostgresStore:
+        """:meth:`from_dsn`, its pool opened now: a database it cannot reach raises here."""
+        store = cls.from_dsn(
+            dsn,
+            table=table,
+            key_prefix=key_prefix,
+            operation_timeout=operation_timeout,
+            **pool_options,
+        )
+        await store._current_pool()
+        return store
+
+    def use_pool(self, pool: PoolLike) -> None:
+        """Hand the store the pool your app opened, in its lifespan before it yields: the
+        store uses it from then on, and leaves it to you to close.
+
+        For a store built without a pool (``PostgresStore(table=...)``). A second pool is
+        refused while the first is open; once your lifespan closed it, a new lifespan (a test
+        client that starts the app again) hands over its own.
+        """
+        if self._own_pool is not None:
+            raise ConfigurationError(
+                "this PostgresStore opens a pool of its own (PostgresStore.from_dsn or "
+                "connect): to hand it yours, build it as PostgresStore(table=...) instead"
+            )
+        if self._pool is not None and self._pool is not pool and _is_open(self._pool):
+            raise ConfigurationError(
+                "this PostgresStore already uses a pool, which is still open: hand it one "
+                "pool (use_pool once per lifespan, after the previous lifespan closed its pool)"
+            )
+        self._pool = pool
+        self._location = _pool_location(pool)
+
+    @property
+    def owns_connections(self) -> bool:
+        """Whether the store opened its pool itself (``from_dsn``, ``connect``): the
+        middleware then closes it when the app's lifespan ends."""
+        return self._own_pool is not None
+
+    def reopen(self) -> None:
+        """Let a store closed by :meth:`aclose` open its own pool again, on first use: the
+        middleware calls it when the app starts again in the same event loop."""
+        if self._own_pool is not None:
+            self._own_pool.reopen()
+
+    async def _current_pool(self) -> Any:
+        """The pool to use now: the store's own (opened if need be), or the one passed in."""
+        if self._own_pool is not None:
+            return await self._own_pool.get()
+        if self._pool is None:
+            raise ConfigurationError(
+                f"PostgresStore (table {self._table_name}) has no pool: hand it the pool your "
+                "app opens with store.use_pool(pool) in your lifespan, before it yields, or "
+                "build it with PostgresStore.from_dsn(dsn) to let it open its own"
+            )
+        return self._pool
 
     async def _run(
         self, operation: str, attempt: Callable[[], Awaitable[_T]], *, retry: bool = True
@@ -438,7 +555,7 @@ class PostgresStore(StoreBase):
                     )
                     # A restart, failover or timeout that ended this connection ended the
                     # pool's others too: have them all replaced rather than tried one by one.
-                    await self._pool.expire_connections()
+                    await (await self._current_pool()).expire_connections()
                     return await attempt()
         except Exception as exc:
             _raise_store_error(exc, operation)
@@ -467,7 +584,8 @@ class PostgresStore(StoreBase):
 
         A connection the server ended while it sat idle is never used (see
         :class:`_EndedWhileIdle`)."""
-        async with self._pool.acquire() as connection:
+        pool = await self._current_pool()
+        async with pool.acquire() as connection:
             if _ended_while_idle(connection):
                 connection.terminate()
                 raise _EndedWhileIdle("the server had ended the pooled connection while idle")
@@ -525,7 +643,8 @@ class PostgresStore(StoreBase):
         """Create the table and its expiry index if missing; true when the table was created."""
 
         async def create() -> bool:
-            async with self._pool.acquire() as connection, connection.transaction():
+            pool = await self._current_pool()
+            async with pool.acquire() as connection, connection.transaction():
                 await connection.execute(self._sql["schema_lock"])
                 existed = await connection.fetchval(self._sql["table_exists"], self._table)
                 await connection.execute(self._schema)
@@ -645,25 +764,22 @@ class PostgresStore(StoreBase):
 
     async def watchdog_store(self) -> PostgresStore | None:
         """A store over the same table with a pool of one connection of its own (same
-        connection options), opened in the calling event loop, for the lock watchdog's thread;
-        ``None`` for a pool whose options cannot be read back."""
-        args = getattr(self._pool, "_connect_args", None)
-        options = getattr(self._pool, "_connect_kwargs", None)
-        if not isinstance(args, tuple | list) or not isinstance(options, Mapping):
+        connection options), opened in the event loop that uses it first, the lock watchdog
+        thread's; ``None`` for a pool whose options cannot be read back."""
+        options: Mapping[str, Any]
+        if self._own_pool is not None:
+            dsn, options = self._dsn, self._pool_options
+        elif (connect := _connect_options(self._pool)) is not None:
+            dsn, options = connect
+        else:
             return None
-        try:
-            pool = await _asyncpg().create_pool(*args, min_size=1, max_size=1, **options)
-        except Exception as exc:
-            _raise_store_error(exc, "watchdog connect")
-        store = PostgresStore(
-            pool,
+        return PostgresStore.from_dsn(
+            dsn,
             table=self._table_name,
             key_prefix=self._prefix[:-1],
             operation_timeout=self._timeout,
+            **{**options, "min_size": 1, "max_size": 1},
         )
-        store._owned_pool = pool
-        store._location = self._location
-        return store
 
     async def purge_expired(self, batch_size: int = 1000) -> int:
         """Delete expired rows, ``batch_size`` per statement, until a batch comes back short;
@@ -680,15 +796,23 @@ class PostgresStore(StoreBase):
 
     def describe(self) -> str:
         """Where the store is, for messages: ``postgres at host:port/db table name``."""
+        if self._location is None:
+            return f"postgres (no pool handed over yet) table {self._table_name}"
         return f"postgres at {self._location} table {self._table_name}"
 
     async def check(self) -> list[StoreFinding]:
         """Reach the database and report what would break or weaken the store: an ``error``
         when it is unreachable, read-only, or the table is missing or incomplete; a
-        ``warning`` when a crash can lose acknowledged records. Never raises a store error."""
+        ``warning`` when a crash can lose acknowledged records. Never raises a store error;
+        raises :class:`ConfigurationError` for a store that cannot work as it is configured
+        (no pool handed over, pool options asyncpg refuses), which refuses the app's startup.
+
+        With the middleware it is the store's first operation unless the app's own startup
+        used the store: a store built by :meth:`from_dsn` then opens its pool here, in the
+        server's event loop."""
         try:
             row = await self._fetchrow("check", "check", self._table, _COLUMNS)
-        except (StoreError, ConfigurationError) as exc:
+        except StoreError as exc:
             return [StoreFinding("error", f"{self.describe()} is unreachable: {exc}")]
         table = f"table {self._table_name} in {self._location}"
         missing = ", ".join(row["missing_columns"] or ())
@@ -726,14 +850,18 @@ class PostgresStore(StoreBase):
         return [StoreFinding(level, message) for found, level, message in candidates if found]
 
     async def aclose(self) -> None:
-        """Close the pool :meth:`connect` opened; a pool passed in stays open."""
+        """Close the pool the store opened itself (:meth:`from_dsn`, :meth:`connect`), after
+        which it opens no other in this event loop (until :meth:`reopen`); a pool passed in
+        stays open, and the store usable with it."""
         undoing = list(self._undoing)  # undoing abandoned acquires is best effort
         for task in undoing:
             task.cancel()
         await asyncio.gather(*undoing, return_exceptions=True)
-        pool, self._owned_pool = self._owned_pool, None
-        if pool is not None:
-            await pool.close()
+        if self._own_pool is not None:
+            try:
+                await self._own_pool.close()
+            except Exception as exc:
+                _raise_store_error(exc, "close")
 
     async def __aenter__(self) -> PostgresStore:
         return self

@@ -105,12 +105,16 @@ def postgres_table() -> str:
 @pytest_asyncio.fixture
 async def postgres_store(postgres_dsn: str, postgres_table: str) -> AsyncIterator[PostgresStore]:
     """A :class:`~starlette_idempotency.PostgresStore` on the test's own table (schema
-    created), closed after the test."""
+    created), on a pool of the fixture's that it closes after the test: an app the test
+    starts and stops leaves it open, for the test to read the records after."""
+    import asyncpg  # type: ignore[import-untyped]
+
     from starlette_idempotency.stores.postgres import PostgresStore
 
-    store = await PostgresStore.connect(postgres_dsn, table=postgres_table)
-    try:
-        await store.create_schema()
-        yield store
-    finally:
-        await store.aclose()
+    async with asyncpg.create_pool(postgres_dsn, min_size=1) as pool:
+        store = PostgresStore(pool, table=postgres_table)
+        try:
+            await store.create_schema()
+            yield store
+        finally:
+            await store.aclose()

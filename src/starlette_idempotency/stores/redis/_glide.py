@@ -23,6 +23,7 @@ from typing import Any, ParamSpec, TypeAlias, TypeGuard, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 from starlette_idempotency.errors import ConfigurationError
+from starlette_idempotency.stores._lazy_pool import retrieve_exception
 from starlette_idempotency.stores.redis._driver import Arg, lua_source
 
 try:
@@ -103,13 +104,6 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _retrieve_exception(task: asyncio.Task[TGlideClient]) -> None:
-    # A creation nobody awaits any more (its callers were cancelled) must not log
-    # "exception was never retrieved": its callers got their own errors.
-    if not task.cancelled():
-        task.exception()
-
-
 class GlideSubscription:
     """A client of its own for pub/sub, made from the command client's configuration, so the
     change notices never take messages a user's own subscriptions on that client wait for."""
@@ -172,7 +166,7 @@ class GlideDriver:
             return self._client
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.get_running_loop().create_task(self._create())
-            self._connecting.add_done_callback(_retrieve_exception)
+            self._connecting.add_done_callback(retrieve_exception)
         # Shielded: a first caller cut short by its deadline leaves the creation to others.
         return await asyncio.shield(self._connecting)
 

@@ -209,6 +209,11 @@ class RedisStore(StoreBase):
     ) -> RedisStore:
         """A store with a client of its own for ``url``, closed by :meth:`aclose`.
 
+        Nothing connects here, so the store can be built at import time: the client connects
+        on first use, in the running event loop (with the middleware, at its startup check),
+        and the middleware closes it when the app's lifespan ends. Used again after that, it
+        connects again (a test client that starts the app again, in a new event loop).
+
         ``driver="redis-py"`` (the ``redis`` extra): ``client_options`` go to
         ``redis.asyncio.from_url`` (timeouts, retry, pool size); ``max_connections`` defaults
         to 1000 rather than redis-py's 100, past which a burst of concurrent requests would
@@ -240,6 +245,16 @@ class RedisStore(StoreBase):
             owns_client=True,
         )
         return store
+
+    @property
+    def owns_connections(self) -> bool:
+        """Whether the store created its client itself (:meth:`from_url`): the middleware then
+        closes it when the app's lifespan ends."""
+        return self._owns_client
+
+    def reopen(self) -> None:
+        """Nothing to do: a client the store created connects again on its next command
+        after :meth:`aclose` (the middleware calls this when the app starts again)."""
 
     def describe(self) -> str:
         """Where the store is, for messages: ``redis at 127.0.0.1:6379/0`` (no password)."""
