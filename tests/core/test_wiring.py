@@ -23,7 +23,7 @@ from starlette.endpoints import HTTPEndpoint
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Host, Mount, Route, Router
+from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from starlette_idempotency import (
@@ -36,6 +36,7 @@ from starlette_idempotency import (
 from starlette_idempotency.errors import UnguardedRequestError
 from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
 from tests.support.guarded import make_client
+from tests.support.routing import Rewriting
 
 runs: Counter[str] = Counter()
 
@@ -97,18 +98,6 @@ async def test_a_partial_endpoint_is_guarded() -> None:
 
 
 # -- requests no guard saw --------------------------------------------------------------------
-
-
-class Rewriting:
-    """A middleware that serves ``/v1/...`` from the routes at ``/...``."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            scope = {**scope, "path": scope["path"].removeprefix("/v1")}
-        await self.app(scope, receive, send)
 
 
 def charges_app(*middleware: Middleware) -> Starlette:
@@ -404,3 +393,28 @@ async def test_the_middlewares_own_answers_are_never_cached() -> None:
     answers.append(await client.post("/orders", json={"a": 2}, headers=headers))  # 422
     assert [answer.status_code for answer in answers] == [400, 413, 422]
     assert all(answer.headers["cache-control"] == "no-store" for answer in answers)
+
+
+class BareRoute(BaseRoute):
+    """A custom route that sets no ``endpoint`` in the scope and hides its endpoint."""
+
+    def __init__(self, path: str, call: Any) -> None:
+        self.path = path
+        self._call = call
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        return (Match.FULL, {}) if scope.get("path") == self.path else (Match.NONE, {})
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self._call(Request(scope, receive))
+        await response(scope, receive, send)
+
+
+async def test_a_custom_route_the_guard_cannot_read_is_refused() -> None:
+    app = Starlette(routes=[BareRoute("/charges", functools.partial(charge, currency="EUR"))])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    before = runs["partial"]
+    async with raising_client(app) as client:
+        with pytest.raises(UnguardedRequestError, match="found no guarded route"):
+            await client.post("/charges", headers=key())
+    assert runs["partial"] == before

@@ -14,6 +14,7 @@ import httpx
 from starlette.endpoints import HTTPEndpoint
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from starlette_idempotency import idempotent
 
@@ -85,3 +86,15 @@ async def assert_behaviour(
         assert "x-idempotent-replay" not in retry.headers
         assert keyless.json() == {"ran": name}
         assert endpoints.runs[name] == before + 3
+
+
+class Rewriting:
+    """A middleware that serves ``/v1/...`` from the routes at ``/...``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            scope = {**scope, "path": scope["path"].removeprefix("/v1")}
+        await self.app(scope, receive, send)

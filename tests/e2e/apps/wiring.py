@@ -22,9 +22,10 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Host, Mount, Route, Router
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, IdempotencyStore, MemoryStore, idempotent
+from tests.support.routing import Rewriting
 
 runs: Counter[str] = Counter()
 
@@ -59,18 +60,6 @@ async def graphql(scope: Scope, receive: Receive, send: Send) -> None:
 
 async def counts(request: Request) -> Response:
     return JSONResponse(dict(runs))
-
-
-class Rewriting:
-    """Serves ``/v1/...`` from the routes at ``/...`` (placed inside the guard)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            scope = {**scope, "path": scope["path"].removeprefix("/v1")}
-        await self.app(scope, receive, send)
 
 
 def _routes() -> list[BaseRoute]:
