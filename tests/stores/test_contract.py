@@ -558,7 +558,6 @@ async def test_a_watchdog_store_renews_from_a_thread_of_its_own(
     own, made, used and closed in another thread's event loop while this one waits."""
     if not isinstance(store, WatchdogStore):
         pytest.skip(f"{type(store).__name__} has no watchdog store (its locks live in process)")
-    await held(store, make_record, SHORT_TTL)
     pending = make_record("k2", "owner-a")
     await store.try_acquire("k2", pending, LOCK_TTL)
     assert await store.save_progress("k2", checkpointed(pending, 0.0), RETENTION_TTL, 0)
@@ -567,6 +566,9 @@ async def test_a_watchdog_store_renews_from_a_thread_of_its_own(
         own = await store.watchdog_store()
         assert own is not None
         try:
+            # k1's short lock is taken once the connection is open (valkey-glide's takes a
+            # while to open), so that it cannot lapse before its renewal is asked for.
+            await held(own, make_record, SHORT_TTL)
             return [
                 await own.renew("k1", "owner-a", LOCK_TTL),
                 await own.renew("k1", "owner-b", LOCK_TTL),
