@@ -36,6 +36,9 @@ class RedisChangeListener:
         self._waiters: Counter[str] = Counter()
         self._subscribed: set[str] = set()
         self._lingering: dict[str, asyncio.TimerHandle] = {}
+        # One SUBSCRIBE at a time: redis-py's PubSub opens its connection on first use without
+        # a lock (5.0 at least), so concurrent first subscribes each open, and leak, their own.
+        self._subscribing = asyncio.Lock()
 
     async def wait(self, channel: str) -> None:
         """Return once a notice arrives on ``channel`` (or the connection broke)."""
@@ -58,13 +61,16 @@ class RedisChangeListener:
     async def _subscribe(self, channel: str) -> None:
         if channel in self._subscribed:
             return
-        try:
-            if self._pubsub is None:
-                self._pubsub = self._open_subscription()
-            await self._pubsub.subscribe(channel)
-        except Exception as exc:
-            raise StoreError(f"redis SUBSCRIBE {channel!r} failed: {exc}") from exc
-        self._subscribed.add(channel)
+        async with self._subscribing:
+            if channel in self._subscribed:
+                return
+            try:
+                if self._pubsub is None:
+                    self._pubsub = self._open_subscription()
+                await self._pubsub.subscribe(channel)
+            except Exception as exc:
+                raise StoreError(f"redis SUBSCRIBE {channel!r} failed: {exc}") from exc
+            self._subscribed.add(channel)
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
 
