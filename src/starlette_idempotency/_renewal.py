@@ -23,8 +23,8 @@ Limits: the thread needs the GIL, so a C call that holds it for longer than the 
 watchdog too, as does a frozen process (``SIGSTOP``, a paused VM). A store without a
 ``watchdog_store()`` (``MemoryStore``, whose locks live in this process) gets the warning only.
 
-The thread starts with the first lock to watch and then waits, idle and without a timer, while
-there is none; its store connections are closed when it goes idle.
+The thread starts with the first lock to watch; once there has been none for a few seconds it
+waits, idle and without a timer, until the next, and closes its store connections.
 """
 
 from __future__ import annotations
@@ -155,6 +155,8 @@ OVERDUE_SHARE = 0.5
 BLOCKED_REASON = "event_loop_blocked"
 _MIN_TICK_SECONDS = 0.01
 _MAX_TICK_SECONDS = 0.25
+#: How long the thread keeps ticking with no lock to watch before it waits to be woken.
+_IDLE_AFTER_SECONDS = 5.0
 
 
 class LockWatchdog:
@@ -253,8 +255,27 @@ class _WatchdogThread:
                 self._wake.wait()
             self._wake.clear()
             self.awake = True
-            while (tick := self._look_at_all(in_use)) is not None:
-                time.sleep(tick)
+            self._watch(in_use)
+
+    def _watch(self, in_use: set[LockWatchdog]) -> None:
+        """Look at the watched locks every tick until none has been watched for a while.
+
+        Under load the locks come and go between ticks (a short handler holds one for a few
+        milliseconds); going idle at each gap would make every other request wake the thread,
+        and each wake costs the event loop a hand-over of the GIL."""
+        idle_since: float | None = None
+        while True:
+            tick = self._look_at_all(in_use)
+            if tick is None:
+                now = time.monotonic()
+                if idle_since is None:
+                    idle_since = now
+                elif now - idle_since >= _IDLE_AFTER_SECONDS:
+                    return
+                tick = _MAX_TICK_SECONDS
+            else:
+                idle_since = None
+            time.sleep(tick)
 
     def _look_at_all(self, in_use: set[LockWatchdog]) -> float | None:
         """Look at every watched lock once; how long to wait before the next look (``None``

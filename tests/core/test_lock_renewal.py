@@ -17,6 +17,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency._renewal import _THREAD
 from starlette_idempotency.observability import IdempotencyEvent
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
@@ -195,6 +196,35 @@ async def test_a_blocked_loop_is_reported_with_its_route(caplog: pytest.LogCaptu
     assert "event loop has been blocked" in warning
     assert "POST /compute" in warning
     assert "cannot be renewed outside the loop with MemoryStore" in warning
+
+
+async def test_requests_with_gaps_between_them_do_not_wake_the_watchdog_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under load the locks come and go between the watchdog's ticks. A thread that went idle
+    at each gap would be woken by the next request, and each wake costs the event loop a
+    hand-over of the GIL: the thread keeps ticking through gaps instead."""
+    wakes: list[float] = []
+    wake = _THREAD.wake
+
+    def counted_wake() -> None:
+        wakes.append(time.monotonic())
+        wake()
+
+    monkeypatch.setattr(_THREAD, "wake", counted_wake)
+
+    @idempotent()
+    async def quick(request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/quick", quick, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore()))
+    for n in range(40):
+        response = await client.post("/quick", headers={"Idempotency-Key": f"gap-{n}"})
+        assert response.status_code == 200
+        await asyncio.sleep(0.02)  # the gap: no lock is held until the next request
+
+    assert len(wakes) <= 1
 
 
 FORKED_CHILD = """
