@@ -52,6 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--micro-requests", type=int, default=2000, help="requests per trial")
     parser.add_argument("--micro-trials", type=int, default=7, help="in-process trials")
+    parser.add_argument(
+        "--micro-in-flight",
+        type=int,
+        default=1,
+        help="in-process requests at a time (32 to match wrk's connections)",
+    )
     for section in ("load", "sampling", "micro", "ablation"):
         parser.add_argument(f"--skip-{section}", action="store_true", help=f"no {section} section")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 3 s runs")
@@ -249,10 +255,14 @@ def main(argv: list[str] | None = None) -> int:
             names = micro.micro_configs(configs, services.redis_url is not None)
             found_micro = micro.run_async(
                 lambda: micro.microbench(
-                    names, args.micro_requests, args.micro_trials, services.redis_url
+                    names,
+                    args.micro_requests,
+                    args.micro_trials,
+                    services.redis_url,
+                    args.micro_in_flight,
                 )
             )
-            lines += ["## In-process", "", micro.table(found_micro), ""]
+            lines += ["## In-process", "", micro.table(found_micro, args.micro_in_flight), ""]
             raw["micro"] = [dataclasses.asdict(m) for m in found_micro]
     if not args.skip_ablation:
         with private_services(redis=True, postgres=False) as services:

@@ -1,12 +1,14 @@
-"""In-process microbenchmark: the ASGI app awaited directly, one request after another.
+"""In-process microbenchmark: the ASGI app awaited directly, ``in_flight`` requests at a time.
 
-No network and no concurrency: each request builds its scope by hand (:mod:`bench.asgi`) and
-awaits the app on uvloop, so the numbers are the CPU a request costs with nothing else in the
-way. Both the wall time and the process's CPU time (``time.process_time``: every thread, so
-valkey-glide's Rust threads count) are kept; with a Redis store the wall time also holds the
-waits for Redis. The garbage collector's share is timed with a ``gc.callbacks`` stopwatch.
-Under load the same code may cost more (32 requests in flight, caches shared with uvicorn):
-set these numbers beside :mod:`bench.sampling`'s before trusting either.
+No network: each request builds its scope by hand (:mod:`bench.asgi`) and awaits the app on
+uvloop, so the numbers are the CPU a request costs with nothing else in the way. Both the wall
+time and the process's CPU time (``time.process_time``: every thread, so valkey-glide's Rust
+threads count) are kept; with a Redis store the wall time also holds the waits for Redis. The
+garbage collector's share is timed, and its collections counted, with a ``gc.callbacks``
+stopwatch. One request at a time shows a layer's own work; as many in flight as wrk keeps (32)
+shows what the collector adds under load, where the objects of many requests alive at once
+make its youngest generation's collections far more frequent. Set these numbers beside
+:mod:`bench.sampling`'s before trusting either.
 """
 
 from __future__ import annotations
@@ -54,12 +56,14 @@ class MicroResult:
     wall_us: list[float] = field(default_factory=list)
     cpu_us: list[float] = field(default_factory=list)
     gc_us: list[float] = field(default_factory=list)
+    collections: list[int] = field(default_factory=list)
 
 
 @contextlib.contextmanager
 def gc_stopwatch() -> Iterator[list[float]]:
-    """Seconds spent in the cyclic garbage collector inside the block (``[total]``)."""
-    spent = [0.0]
+    """Seconds spent in the cyclic garbage collector inside the block, and how many collections
+    ran (``[seconds, collections]``)."""
+    spent = [0.0, 0.0]
     started = [0.0]
 
     def watch(phase: str, info: dict[str, Any]) -> None:
@@ -67,6 +71,7 @@ def gc_stopwatch() -> Iterator[list[float]]:
             started[0] = time.perf_counter()
         else:
             spent[0] += time.perf_counter() - started[0]
+            spent[1] += 1
 
     gc.callbacks.append(watch)
     try:
@@ -75,13 +80,18 @@ def gc_stopwatch() -> Iterator[list[float]]:
         gc.callbacks.remove(watch)
 
 
-async def timed(app: Any, keys: list[str]) -> tuple[float, float]:
-    """Wall and CPU µs per request over ``keys``, one request after another."""
+async def timed(app: Any, keys: list[str], in_flight: int = 1) -> tuple[float, float]:
+    """Wall and CPU µs per request over ``keys``, ``in_flight`` requests at a time."""
+    waiting = iter(keys)
+
+    async def one_after_another() -> None:
+        for key in waiting:
+            reply = await call(app, key=key)
+            if reply.status != 201:
+                raise RuntimeError(f"micro request answered {reply.status}: {reply.body[:200]!r}")
+
     started, cpu_started = time.perf_counter_ns(), time.process_time_ns()
-    for key in keys:
-        reply = await call(app, key=key)
-        if reply.status != 201:
-            raise RuntimeError(f"micro request answered {reply.status}: {reply.body[:200]!r}")
+    await asyncio.gather(*(one_after_another() for _ in range(in_flight)))
     cpu = (time.process_time_ns() - cpu_started) / 1000 / len(keys)
     return (time.perf_counter_ns() - started) / 1000 / len(keys), cpu
 
@@ -94,7 +104,7 @@ def keys_for(mode: Mode, label: str, requests: int) -> list[str]:
 
 
 async def microbench(
-    configs: tuple[str, ...], requests: int, trials: int, redis_url: str | None
+    configs: tuple[str, ...], requests: int, trials: int, redis_url: str | None, in_flight: int
 ) -> list[MicroResult]:
     """Trials interleaved across configurations and modes; the apps stay up between them."""
     results = {(c, m): MicroResult(c, m) for c in configs for m in MODES}
@@ -115,22 +125,26 @@ async def microbench(
                 gc.collect()
                 gc.freeze()
                 with gc_stopwatch() as spent:
-                    wall, cpu = await timed(apps[config], keys)
+                    wall, cpu = await timed(apps[config], keys, in_flight)
                 gc.unfreeze()
                 result.wall_us.append(wall)
                 result.cpu_us.append(cpu)
                 result.gc_us.append(spent[0] * 1e6 / requests)
+                result.collections.append(int(spent[1]))
     return list(results.values())
 
 
-def table(results: list[MicroResult]) -> str:
+def table(results: list[MicroResult], in_flight: int) -> str:
     lines = [
-        "In-process µs per request, medians of the trials (no network, one request at a time):",
+        f"In-process µs per request, medians of the trials (no network, {in_flight} in flight):",
         "",
-        "| config | mode | wall | CPU | of it in the collector |",
-        "|---|---|---|---|---|",
+        "| config | mode | wall | CPU | of it in the collector | collections |",
+        "|---|---|---|---|---|---|",
     ]
     for result in results:
         wall, cpu, gc_us = map(statistics.median, (result.wall_us, result.cpu_us, result.gc_us))
-        lines.append(f"| {result.config} | {result.mode} | {wall:.1f} | {cpu:.1f} | {gc_us:.1f} |")
+        runs = statistics.median(result.collections)
+        lines.append(
+            f"| {result.config} | {result.mode} | {wall:.1f} | {cpu:.1f} | {gc_us:.1f} | {runs:g} |"
+        )
     return "\n".join(lines)
