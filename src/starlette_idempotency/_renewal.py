@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import math
 import os
 import threading
 import time
@@ -119,7 +120,7 @@ class LockRenewal:
             timer.arm()
         thread = _THREAD
         thread.watched[self] = watchdog
-        if not thread.awake:
+        if tick_for(interval) < thread.sleeping_for:
             thread.wake()
 
     def fire(self) -> None:
@@ -155,6 +156,13 @@ OVERDUE_SHARE = 0.5
 BLOCKED_REASON = "event_loop_blocked"
 _MIN_TICK_SECONDS = 0.01
 _MAX_TICK_SECONDS = 0.25
+
+
+def tick_for(interval: float) -> float:
+    """How often the watchdog looks at a lock renewed every ``interval`` seconds."""
+    return min(max(interval / 4, _MIN_TICK_SECONDS), _MAX_TICK_SECONDS)
+
+
 #: How long the thread keeps ticking with no lock to watch before it waits to be woken.
 _IDLE_AFTER_SECONDS = 5.0
 
@@ -217,16 +225,19 @@ class _WatchdogThread:
     """The process's watchdog thread and the locks it watches, with their middleware's side.
 
     A renewal adds itself to :attr:`watched` and takes itself out, in its event loop and
-    without a lock: the thread copies the dict in one step under the GIL. The thread sleeps on
-    an event while nothing is watched, and a renewal wakes it (:meth:`wake`) only when the
-    thread says it sleeps (``awake`` is lowered before the thread looks for locks one last
-    time, and read by a renewal after it added its own, so no lock is ever left unwatched).
+    without a lock: the thread copies the dict in one step under the GIL. Between looks the
+    thread sleeps on an event for :attr:`sleeping_for` seconds (forever while it is idle), and
+    a renewal wakes it (:meth:`wake`) only when its lock needs a look sooner than that. The
+    thread raises ``sleeping_for`` to infinity before it copies the dict, and a renewal reads
+    it after it added its own lock, so a lock the copy missed always wakes the thread: no lock
+    waits longer than its own tick for its first look.
     """
 
     def __init__(self) -> None:
         self.watched: dict[LockRenewal, LockWatchdog] = {}
         self._wake = threading.Event()
-        self.awake = False
+        #: How long the thread sleeps before its next look (infinite while idle or looking).
+        self.sleeping_for = math.inf
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()
 
@@ -247,14 +258,12 @@ class _WatchdogThread:
     def _run(self) -> None:
         in_use: set[LockWatchdog] = set()
         while True:
-            self.awake = False
+            self.sleeping_for = math.inf
             if not self.watched:
                 for watchdog in in_use:
                     watchdog.close()
                 in_use.clear()
                 self._wake.wait()
-            self._wake.clear()
-            self.awake = True
             self._watch(in_use)
 
     def _watch(self, in_use: set[LockWatchdog]) -> None:
@@ -265,6 +274,8 @@ class _WatchdogThread:
         and each wake costs the event loop a hand-over of the GIL."""
         idle_since: float | None = None
         while True:
+            self._wake.clear()
+            self.sleeping_for = math.inf  # a lock added from here on wakes the thread
             tick = self._look_at_all(in_use)
             if tick is None:
                 now = time.monotonic()
@@ -275,7 +286,8 @@ class _WatchdogThread:
                 tick = _MAX_TICK_SECONDS
             else:
                 idle_since = None
-            time.sleep(tick)
+            self.sleeping_for = tick
+            self._wake.wait(tick)
 
     def _look_at_all(self, in_use: set[LockWatchdog]) -> float | None:
         """Look at every watched lock once; how long to wait before the next look (``None``
@@ -291,14 +303,13 @@ class _WatchdogThread:
             except Exception:  # the watchdog must outlive any one lock's trouble
                 logger.exception("the lock watchdog failed on a lock of %s", renewal.lock.endpoint)
             in_use.add(watchdog)
-        tick = min(renewal.interval for renewal in watched) / 4
-        return min(max(tick, _MIN_TICK_SECONDS), _MAX_TICK_SECONDS)
+        return tick_for(min(renewal.interval for renewal in watched))
 
     def forget_thread(self) -> None:
         """In a child process made by ``fork``: the parent's thread did not come along."""
         self.watched.clear()
         self._wake = threading.Event()
-        self.awake = False
+        self.sleeping_for = math.inf
         self._thread = None
         self._starting = threading.Lock()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from starlette_idempotency._renewal import _THREAD
+from starlette_idempotency._renewal import _THREAD, LockRenewal, LockWatchdog
 from starlette_idempotency.observability import IdempotencyEvent
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
@@ -225,6 +226,51 @@ async def test_requests_with_gaps_between_them_do_not_wake_the_watchdog_each(
         await asyncio.sleep(0.02)  # the gap: no lock is held until the next request
 
     assert len(wakes) <= 1
+
+
+async def test_a_short_lock_is_looked_at_within_its_own_tick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handler that blocks its loop at once needs the watchdog before its lock lapses. The
+    thread, ticking at its longest for the 30 s locks it saw last, is woken by a lock whose
+    tick is shorter, rather than looking at it up to a quarter of a second later."""
+    looks: list[tuple[str, float]] = []
+    look_at = LockWatchdog.look_at
+
+    def recorded(self: LockWatchdog, renewal: LockRenewal, now: float) -> None:
+        looks.append((renewal.lock.endpoint, now))
+        look_at(self, renewal, now)
+
+    monkeypatch.setattr(LockWatchdog, "look_at", recorded)
+    registered: dict[str, float] = {}
+
+    @idempotent()
+    async def usual(request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    @idempotent(lock_ttl_seconds=0.2)
+    async def blocking(request: Request) -> Response:
+        registered[request.headers["idempotency-key"]] = time.monotonic()
+        time.sleep(0.15)  # noqa: ASYNC251 - blocks its loop, the case under test
+        return JSONResponse({"ok": True})
+
+    app = Starlette(
+        routes=[
+            Route("/usual", usual, methods=["POST"]),
+            Route("/blocking", blocking, methods=["POST"]),
+        ]
+    )
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore()))
+    delays = []
+    for n in range(5):
+        await client.post("/usual", headers={"Idempotency-Key": f"usual-{n}"})
+        key = f"blocking-{n}"
+        assert (await client.post("/blocking", headers={"Idempotency-Key": key})).status_code == 200
+        started = registered[key]
+        later = [at for endpoint, at in looks if endpoint == "POST /blocking" and at >= started]
+        delays.append(min(later, default=math.inf) - started)  # inf: never looked at
+
+    assert max(delays) < 0.1, delays
 
 
 FORKED_CHILD = """
