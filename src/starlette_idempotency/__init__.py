@@ -27,6 +27,7 @@ if _typing.TYPE_CHECKING:
     from starlette_idempotency._protection import ResponseEncryption
     from starlette_idempotency._record import StoredResponse
     from starlette_idempotency._responses import IdempotencyProblem
+    from starlette_idempotency._transaction import IdempotencyTransaction, idempotency_transaction
     from starlette_idempotency.client import AsyncIdempotentTransport, IdempotentTransport
     from starlette_idempotency.errors import (
         ConfigurationError,
@@ -64,6 +65,7 @@ _HOMES = {
     "IdempotencyMiddleware": "starlette_idempotency.middleware",
     "IdempotencyProblem": "starlette_idempotency._responses",
     "IdempotencyStore": "starlette_idempotency.stores.base",
+    "IdempotencyTransaction": "starlette_idempotency._transaction",
     "IdempotentTransport": "starlette_idempotency.client",
     "KeyScope": "starlette_idempotency.middleware",
     "LockLostError": "starlette_idempotency.errors",
@@ -80,6 +82,7 @@ _HOMES = {
     "UnguardedRequestError": "starlette_idempotency.errors",
     "checkpoint": "starlette_idempotency._endpoint",
     "idempotency_context": "starlette_idempotency._endpoint",
+    "idempotency_transaction": "starlette_idempotency._transaction",
     "idempotent": "starlette_idempotency._endpoint",
     "mark_retryable": "starlette_idempotency._endpoint",
     "storage_key": "starlette_idempotency._keys",
@@ -124,6 +127,7 @@ __all__ = [
     "IdempotencyMiddleware",
     "IdempotencyProblem",
     "IdempotencyStore",
+    "IdempotencyTransaction",
     "IdempotentTransport",
     "KeyScope",
     "LockLostError",
@@ -141,6 +145,7 @@ __all__ = [
     "__version__",
     "checkpoint",
     "idempotency_context",
+    "idempotency_transaction",
     "idempotent",
     "mark_retryable",
     "storage_key",

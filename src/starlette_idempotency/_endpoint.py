@@ -24,8 +24,11 @@ and can reconcile (ask the payment provider what happened) instead of acting aga
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any, Final, Protocol, TypeVar, Unpack, cast, overload
 
@@ -165,27 +168,63 @@ def mark_retryable(request: HTTPConnection) -> None:
         marks.retryable = True
 
 
-class IdempotencyContext:
-    """The idempotency side of one guarded request that owns its key (what
-    :func:`idempotency_context` returns): the key, the recovery points an earlier attempt left,
-    and :meth:`checkpoint`."""
+class KeyOwner:
+    """What the endpoint side can reach of a request that owns its key (the middleware's lease
+    on it): the base a lease declares itself by, with the few members the endpoint side uses."""
 
     __slots__ = ()
 
-    #: The request's idempotency key.
+    #: The request's idempotency key, as the client sent it.
     key: str
+    #: The key as the store knows it (scope, method, route and key).
+    store_key: str
     #: Recovery points left by an earlier attempt that died, oldest first.
     inherited: tuple[Checkpoint, ...]
 
     @property
+    def request_fingerprint(self) -> str:
+        raise NotImplementedError
+
+    async def checkpoint(self, name: str, data: Any = None) -> None:
+        raise NotImplementedError
+
+
+_DERIVED_KEY_DOMAIN = b"starlette-idempotency derived key v1\0"
+_LABEL = re.compile(r"[\x21-\x7e]{1,200}")
+
+
+class IdempotencyContext:
+    """What a handler can learn and record about its own guarded request, once it owns its
+    key (what :func:`idempotency_context` returns): the key, the recovery points an earlier
+    attempt left, :meth:`checkpoint` and :meth:`derived_key`. A read-only view: the outcome is
+    the middleware's to decide."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: KeyOwner) -> None:
+        self._owner = owner
+
+    @property
+    def key(self) -> str:
+        """The request's idempotency key."""
+        return self._owner.key
+
+    @property
+    def inherited(self) -> tuple[Checkpoint, ...]:
+        """Recovery points left by an earlier attempt that died, oldest first."""
+        return self._owner.inherited
+
+    @property
     def recovered_from(self) -> str | None:
         """The last recovery point of the attempt this request took over, if any."""
-        return self.inherited[-1].name if self.inherited else None
+        inherited = self._owner.inherited
+        return inherited[-1].name if inherited else None
 
     @property
     def recovery_data(self) -> Any:
         """The data saved with :attr:`recovered_from`."""
-        return self.inherited[-1].data if self.inherited else None
+        inherited = self._owner.inherited
+        return inherited[-1].data if inherited else None
 
     async def checkpoint(self, name: str, data: Any = None) -> None:
         """Save a recovery point (JSON-serialisable ``data``) before the request goes on.
@@ -195,18 +234,51 @@ class IdempotencyContext:
         background task), and ``StoreError`` when it could not be saved: either way, do not go
         on with the side effect.
         """
-        raise NotImplementedError
+        await self._owner.checkpoint(name, data)
+
+    def derived_key(self, label: str) -> str:
+        """An idempotency key for a call this request makes to another service (a payment
+        provider, an internal API), named by ``label`` (``"stripe.charge"``, say).
+
+        It is the same on every retry of this request and after a takeover of its key, so the
+        provider answers a second attempt with the first one's result; it differs for every
+        other key, route, scope, request body and label. 43 characters of ``[A-Za-z0-9_-]``
+        (an unpadded base64url SHA-256), from which neither the client's key nor the scope can
+        be read back.
+        """
+        if not isinstance(label, str) or _LABEL.fullmatch(label) is None:
+            raise ConfigurationError(
+                f"derived_key() takes a label of 1 to 200 visible ASCII characters, such as "
+                f"'stripe.charge', not {label!r}"
+            )
+        owner = self._owner
+        digest = hashlib.sha256(
+            b"\0".join(
+                (
+                    _DERIVED_KEY_DOMAIN,
+                    owner.store_key.encode(),
+                    owner.request_fingerprint.encode(),
+                    label.encode(),
+                )
+            )
+        ).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
 def idempotency_context(request: HTTPConnection) -> IdempotencyContext:
     """The context of a guarded request that owns its idempotency key."""
-    context = request.scope.get(REQUEST_SCOPE_KEY)
-    if not isinstance(context, IdempotencyContext):
+    return IdempotencyContext(key_owner(request))
+
+
+def key_owner(request: HTTPConnection) -> KeyOwner:
+    """The lease of a guarded request that owns its key; ``IdempotencyError`` otherwise."""
+    owner = request.scope.get(REQUEST_SCOPE_KEY)
+    if not isinstance(owner, KeyOwner):
         raise IdempotencyError(
             "no idempotency context: the request is not guarded by IdempotencyMiddleware "
             "or did not acquire its key"
         )
-    return context
+    return owner
 
 
 async def checkpoint(request: HTTPConnection, name: str, data: Any = None) -> None:

@@ -29,11 +29,11 @@ from typing import Any
 
 import anyio
 
-from starlette_idempotency._endpoint import REQUEST_SCOPE_KEY, IdempotencyContext
+from starlette_idempotency._endpoint import REQUEST_SCOPE_KEY, KeyOwner
 from starlette_idempotency._options import IdempotencyPolicy
 from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
-from starlette_idempotency._renewal import HeldLock, LockRenewal, LockWatchdog
+from starlette_idempotency._renewal import HeldLock, LockRenewal, LockRenewals
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._types import ASGIApp, Clock, Message, Receive, Scope, Send
@@ -44,7 +44,7 @@ from starlette_idempotency.errors import (
     StoreError,
 )
 from starlette_idempotency.observability import OutcomeResult, RequestEvents
-from starlette_idempotency.stores.base import FencedWrite
+from starlette_idempotency.stores.base import FencedWrite, IdempotencyStore
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ _PRE_ENDPOINT_STATUSES = frozenset({401, 403, 422})
 _UNCAPTURABLE_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
 
 
-class Lease(IdempotencyContext):
+class Lease(KeyOwner):
     """A key this request owns, from the acquire until its outcome is settled."""
 
     __slots__ = (
@@ -72,8 +72,10 @@ class Lease(IdempotencyContext):
         "key",
         "must_not_start",
         "record",
+        "recorded",
         "retryable",
         "store_key",
+        "transaction_open",
     )
 
     def __init__(
@@ -104,9 +106,36 @@ class Lease(IdempotencyContext):
         self.endpoint_started = False
         self.retryable = False
         self.must_not_start = False
+        #: An idempotency_transaction holds the record's row (see _transaction).
+        self.transaction_open = False
+        #: The outcome an idempotency_transaction committed: its status and body.
+        self.recorded: tuple[int, bytes] | None = None
+
+    @property
+    def request_fingerprint(self) -> str:
+        return self.record.request_fingerprint
+
+    @property
+    def policy(self) -> IdempotencyPolicy:
+        return self._route.policy
+
+    @property
+    def store(self) -> IdempotencyStore:
+        """The store the record is in (unbounded: the app's transaction has its own limits)."""
+        return self._store.store
 
     async def checkpoint(self, name: str, data: Any = None) -> None:
         """Save a recovery point on the record (see ``checkpoint``)."""
+        if self.transaction_open:
+            raise IdempotencyError(
+                f"checkpoint({name!r}) inside idempotency_transaction: call tx.checkpoint(), "
+                "which writes it in the transaction that holds the record"
+            )
+        record = self.with_checkpoint(name, data)
+        await self._save_progress(record, self._route.policy.lock_ttl_seconds)
+
+    def with_checkpoint(self, name: str, data: Any) -> IdempotencyRecord:
+        """The record with one more recovery point, to be saved while the handler runs."""
         if not self._store.store.supports_recovery:
             raise ConfigurationError(
                 f"{type(self._store.store).__name__} cannot keep recovery points: use "
@@ -119,14 +148,12 @@ class Lease(IdempotencyContext):
                 "freed): a recovery point can only be saved while the handler runs, before its "
                 "response ends (not from a background task, which runs after it)"
             )
-        policy = self._route.policy
         now = self._clock()
-        record = replace(
+        return replace(
             self.record,
             checkpoints=(*self.record.checkpoints, Checkpoint(name, data, now)),
-            expires_at=now + policy.ttl_seconds,
+            expires_at=now + self._route.policy.ttl_seconds,
         )
-        await self._save_progress(record, policy.lock_ttl_seconds)
 
     async def _save_progress(self, record: IdempotencyRecord, lease: float) -> None:
         saved = await self._store.save_progress(
@@ -142,6 +169,10 @@ class Lease(IdempotencyContext):
         """Extend the lock (for a record with recovery points, its lease), taking the key back
         if it vanished; false once another request holds it (then there is nothing left to
         renew)."""
+        if self.transaction_open:  # its row is locked: nobody can take the key over
+            return True
+        if self.recorded is not None:  # the transaction finished the record
+            return False
         policy = self._route.policy
         renewed = await self._store.renew(
             self.store_key, self.record, policy.lock_ttl_seconds, policy.ttl_seconds
@@ -190,28 +221,14 @@ class Lease(IdempotencyContext):
         captured whole), or release the key: 5xx, 408, 429, a retryable mark, a status from
         before the endpoint."""
         self._decided = True
-        route = self._route
-        if (
-            self.retryable
-            or status >= 500
-            or status in _TRANSIENT_STATUSES
-            or (
-                not self.endpoint_started if route.marks_start else status in _PRE_ENDPOINT_STATUSES
-            )
-        ):
+        if self.recorded is not None:
+            await self._sent_recorded(status, body)
+            return
+        if self.frees_key(status):
             await self.release(status)
             return
-        completed = status < 400
-        policy = route.policy
-        ttl = policy.ttl_seconds
-        kept, note = self._responses.keep(
-            policy.stored_parts, self.store_key, status, raw_headers, body
-        )
-        record = self.record.finished(
-            RecordStatus.COMPLETED if completed else RecordStatus.FAILED,
-            kept,
-            expires_at=self._clock() + ttl,
-        )
+        record, note = self.outcome(status, raw_headers, body)
+        ttl = self._route.policy.ttl_seconds
         try:
             stored = await self._store.finish(self.store_key, record, ttl)
         except StoreError as exc:
@@ -238,13 +255,60 @@ class Lease(IdempotencyContext):
                 self._events.shown_key,
             )
             await self._events.lock_lost("complete_found_gone", "reclaimed", status)
-        await self._events.ended(
-            OutcomeResult.COMPLETED if completed else OutcomeResult.FAILED, status, note
+        await self._events.ended(_result_of(status), status, note)
+
+    def frees_key(self, status: int) -> bool:
+        """Whether a response of ``status`` frees the key for a retry instead of being stored:
+        5xx, 408, 429, a retryable mark, a status from before the endpoint."""
+        return (
+            self.retryable
+            or status >= 500
+            or status in _TRANSIENT_STATUSES
+            or (
+                not self.endpoint_started
+                if self._route.marks_start
+                else status in _PRE_ENDPOINT_STATUSES
+            )
         )
+
+    def outcome(
+        self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes | None
+    ) -> tuple[IdempotencyRecord, str | None]:
+        """The finished record of a response kept as the outcome, and the redactor's note."""
+        policy = self._route.policy
+        kept, note = self._responses.keep(
+            policy.stored_parts, self.store_key, status, raw_headers, body
+        )
+        record = self.record.finished(
+            RecordStatus.COMPLETED if status < 400 else RecordStatus.FAILED,
+            kept,
+            expires_at=self._clock() + policy.ttl_seconds,
+        )
+        return record, note
+
+    async def _sent_recorded(self, status: int | None, body: bytes | None) -> None:
+        """The response going out after an idempotency_transaction committed the outcome: it
+        is not written again; one that differs from the committed one is an error of the
+        app's (retries are answered with the committed one)."""
+        assert self.recorded is not None
+        recorded_status, recorded_body = self.recorded
+        if status != recorded_status or (body is not None and body != recorded_body):
+            logger.error(
+                "the response to idempotency key %r (%s) differs from the one its "
+                "idempotency_transaction committed (%s); retries are answered with the "
+                "committed one. Return the response tx.respond() returned, unchanged",
+                self._events.shown_key,
+                "no response" if status is None else f"status {status}",
+                f"status {recorded_status}",
+            )
+        await self._events.ended(_result_of(recorded_status), status)
 
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
         self._decided = True
+        if self.recorded is not None:  # committed with the app's writes: never undone here
+            await self._sent_recorded(status, None)
+            return
         if self.record.checkpoints:
             # Recovery points mean a side effect may have happened: keep them for the retry.
             await self._keep_for_recovery(status)
@@ -280,6 +344,10 @@ class Lease(IdempotencyContext):
                 self._events.shown_error(exc),
             )
         await self._events.ended(OutcomeResult.RELEASED, status)
+
+
+def _result_of(status: int) -> OutcomeResult:
+    return OutcomeResult.COMPLETED if status < 400 else OutcomeResult.FAILED
 
 
 class ReplayingReceive:
@@ -335,7 +403,7 @@ class Run(ReplayingReceive):
         self.settled = False
 
     async def __call__(
-        self, app: ASGIApp, scope: Scope, events: RequestEvents, renewals: LockWatchdog
+        self, app: ASGIApp, scope: Scope, events: RequestEvents, renewals: LockRenewals
     ) -> None:
         """Run the app and settle the outcome, however it ends."""
         lease = self._lease
@@ -347,7 +415,11 @@ class Run(ReplayingReceive):
         policy = self._policy
         if policy.renew_lock:
             lock = HeldLock(
-                lease.store_key, lease.record.owner_token, policy.lock_ttl_seconds, events.endpoint
+                lease.store_key,
+                lease.record.owner_token,
+                policy.lock_ttl_seconds,
+                events.endpoint,
+                policy.max_processing_seconds,
             )
             self._renewal = LockRenewal(lease.renew, events, lock, renewals)
         try:

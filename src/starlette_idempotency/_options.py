@@ -94,6 +94,7 @@ class IdempotencyPolicy:
     fingerprint_headers: tuple[str, ...] = ()
     on_store_error: StoreErrorPolicy = "fail_closed"
     renew_lock: bool = True
+    max_processing_seconds: float = 300.0
     fingerprint: FingerprintMode = "raw"
     fingerprint_version: str = "1"
     on_fingerprint_change: FingerprintChangePolicy = "replay"
@@ -166,6 +167,7 @@ class RouteOptions(TypedDict, total=False):
     fingerprint_headers: Sequence[str]
     on_store_error: StoreErrorPolicy
     renew_lock: bool
+    max_processing_seconds: float
     fingerprint: FingerprintMode
     fingerprint_version: str
     on_fingerprint_change: FingerprintChangePolicy

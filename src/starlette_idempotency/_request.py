@@ -41,7 +41,7 @@ from starlette_idempotency._responses import (
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._services import RequestServices
 from starlette_idempotency._types import Receive, Scope, Send
-from starlette_idempotency.errors import StoreError
+from starlette_idempotency.errors import LockLostError, StoreError
 from starlette_idempotency.observability import CheckResult, RequestEvents
 from starlette_idempotency.stores.base import AcquireResult
 
@@ -275,7 +275,25 @@ class GuardedRequest:
             CheckResult.ACQUIRED, note="recovering" if lease.inherited else None
         )
         run = Run(lease, policy, body, self._receive, self._send)
-        await run(services.app, self._scope, self._events, services.renewals)
+        try:
+            await run(services.app, self._scope, self._events, services.renewals)
+        except LockLostError:
+            if run.status:  # the response had begun: nothing else can be sent
+                raise
+            await self._answer_after_takeover(fingerprint)
+
+    async def _answer_after_takeover(self, fingerprint: str) -> None:
+        """This attempt's lease lapsed and another took its key over, so its transaction
+        refused to commit (``idempotency_transaction`` raised ``LockLostError``): answer it
+        as the duplicate it now is, with the other attempt's outcome once there is one."""
+        try:
+            record = await self._services.store.get(self._store_key)
+        except StoreError:
+            record = None
+        if record is None or record.status is RecordStatus.IN_PROGRESS:
+            await self._reject_in_progress(record, note="lock_lost")
+            return
+        await self._answer_existing(AcquireResult(acquired=False, record=record), fingerprint)
 
     def _owned_record(
         self, pending: IdempotencyRecord, taken_over: IdempotencyRecord

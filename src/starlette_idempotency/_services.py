@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from starlette_idempotency._keys import KeyScopeResolver
 from starlette_idempotency._protection import ResponseKeeper
-from starlette_idempotency._renewal import LockWatchdog
+from starlette_idempotency._renewal import LockRenewals
 from starlette_idempotency._responses import ErrorResponder
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._types import ASGIApp, Clock
@@ -44,5 +44,5 @@ class RequestServices:
     store: BoundedStore
     key_scope: KeyScopeResolver
     waiters: Waiters
-    #: Where running handlers' locks are renewed: one timer per loop, and the watchdog.
-    renewals: LockWatchdog
+    #: Where running handlers' locks are renewed: one timer per loop.
+    renewals: LockRenewals

@@ -11,7 +11,8 @@ Store-call deadlines (:class:`CallDeadlines`) bound a call with such an entry in
 (``Task.cancel``, then ``Task.uncancel`` to tell our cancellation from anyone else's), so a
 request cancelled from outside during a store call stays cancelled.
 
-Lock renewals wait on the same timer (``_renewal``).
+Lock renewals wait on timers of their own (``_renewal``), which also report a loop that was
+blocked: a check that comes much later than its resolution says the loop ran nothing between.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
@@ -32,20 +34,25 @@ class Timed(Protocol):
     def fire(self) -> None: ...
 
 
+#: Told, in the loop, that its timer's check came ``gap`` seconds after the previous one.
+GapHook = Callable[["LoopTimer", float], None]
+
+
 class LoopTimer:
     """The entries waiting on one event loop, and the timer that checks them every
     ``resolution`` seconds while there are any."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, resolution: float) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, resolution: float, on_gap: GapHook | None = None
+    ) -> None:
         self.loop = loop
         self.resolution = resolution
         self.entries: set[Timed] = set()
         #: The scheduled check, while entries wait (and one check after).
         self.handle: asyncio.TimerHandle | None = None
-        #: When (``time.monotonic``) the loop last ran a check: while entries wait, a loop
-        #: whose last check is much older than ``resolution`` is blocked (the lock watchdog,
-        #: in a thread of its own, reads it).
+        #: When (``time.monotonic``) the loop last ran a check.
         self.checked_at = time.monotonic()
+        self._on_gap = on_gap
 
     @property
     def armed(self) -> bool:
@@ -66,7 +73,11 @@ class LoopTimer:
         self.entries.discard(entry)
 
     def _check(self) -> None:
-        self.checked_at = time.monotonic()
+        checked_at = time.monotonic()
+        gap = checked_at - self.checked_at
+        self.checked_at = checked_at
+        if self._on_gap is not None and gap > 4 * self.resolution:  # the loop was blocked
+            self._on_gap(self, gap)
         now = self.loop.time()
         due = [entry for entry in self.entries if not entry.fired and entry.due <= now]
         # Re-armed before firing: an entry whose fire() fails cannot stop the others' timer.
@@ -79,8 +90,9 @@ class LoopTimer:
 class PerLoop:
     """One :class:`LoopTimer` per event loop; the last one used is found without a lookup."""
 
-    def __init__(self, resolution: float) -> None:
+    def __init__(self, resolution: float, on_gap: GapHook | None = None) -> None:
         self.resolution = resolution
+        self._on_gap = on_gap
         self._timers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopTimer] = (
             weakref.WeakKeyDictionary()
         )
@@ -91,7 +103,7 @@ class PerLoop:
         if timer is None or timer.loop is not loop:
             timer = self._timers.get(loop)
             if timer is None:
-                timer = self._timers[loop] = LoopTimer(loop, self.resolution)
+                timer = self._timers[loop] = LoopTimer(loop, self.resolution, self._on_gap)
             self.last = timer
         return timer
 

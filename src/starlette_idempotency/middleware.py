@@ -27,7 +27,7 @@ from starlette_idempotency._options import (
     unknown_option_error,
 )
 from starlette_idempotency._protection import ResponseEncryption, ResponseKeeper
-from starlette_idempotency._renewal import LockWatchdog
+from starlette_idempotency._renewal import LockRenewals
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
 from starlette_idempotency._routing import RouteResolver, iter_routes, routes_for
@@ -284,10 +284,8 @@ class IdempotencyMiddleware:
         )
         #: The duplicates waiting for a first request (``on_in_progress="wait"``).
         self.waiters = Waiters(bounded, max_waiters, self.observer.waiting)
-        #: What keeps running handlers' locks: their loops' timers, and the watchdog thread.
-        self.watchdog = LockWatchdog(store, self.observer)
-        #: Where running handlers wait for their first lock renewal (one timer per loop).
-        self.renewal_timers = self.watchdog.timers
+        #: What keeps running handlers' locks: their loops' timers.
+        self.renewals = LockRenewals(self.observer)
         self._services = RequestServices(
             app=app,
             limits=RequestLimits(
@@ -303,7 +301,7 @@ class IdempotencyMiddleware:
             store=bounded,
             key_scope=KeyScopeResolver(key_scope),
             waiters=self.waiters,
-            renewals=self.watchdog,
+            renewals=self.renewals,
         )
         self._startup_check = StartupCheck(store, check_store, self._check_routes)
         compressing = _compressing_layer_inside(app)

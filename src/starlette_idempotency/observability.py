@@ -78,6 +78,8 @@ PROCESSING_TIMEOUT_REASONS = (
     "renewal_found_gone",
     "complete_found_gone",
     "expired_lease_taken_over",
+    "event_loop_blocked",
+    "max_processing_seconds",
 )
 
 

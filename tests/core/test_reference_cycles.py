@@ -1,8 +1,7 @@
 """A guarded request leaves no reference cycles behind: what it allocates is freed by reference
 counting, not by the garbage collector (whose full collections stall every request in flight).
 Measured against the bare app, whose own framework may leave some, in a process of its own:
-in the test run's, whatever an earlier test leaves for the collector (a closed event loop and
-its timers, once the lock watchdog's thread lets go of them) would be counted too."""
+in the test run's, whatever an earlier test leaves for the collector would be counted too."""
 
 from __future__ import annotations
 

@@ -141,9 +141,13 @@ def test_the_declared_reasons_are_those_the_engine_reports() -> None:
     reported = {
         reason
         for path in SRC.rglob("*.py")
-        for reason in re.findall(
-            r"(?:lock_lost|processing_timeout)\(\s*\"(\w+)\"", path.read_text(encoding="utf-8")
+        for found in re.findall(
+            r"(?:lock_lost|processing_timeout)\(\s*\"(\w+)\"|^\w+_REASON = \"(\w+)\"",
+            path.read_text(encoding="utf-8"),
+            re.MULTILINE,
         )
+        for reason in found
+        if reason
     }
     assert reported == set(PROCESSING_TIMEOUT_REASONS)
 

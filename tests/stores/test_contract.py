@@ -6,7 +6,6 @@ the key to disappear (``harness.expire``), so the same test bodies cover both.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -23,7 +22,6 @@ from starlette_idempotency.stores.base import (
     CheckableStore,
     FencedWrite,
     IdempotencyStore,
-    WatchdogStore,
 )
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished
 from tests.support.stores import ClockedStore
@@ -549,37 +547,3 @@ async def test_renewing_a_checkpointed_lease_keeps_its_checkpoints(
 def pending_at(record: IdempotencyRecord, now: float) -> IdempotencyRecord:
     """``record`` as a pod whose clock reads ``now`` makes it."""
     return replace(record, created_at=now, expires_at=now + LOCK_TTL)
-
-
-async def test_a_watchdog_store_renews_from_a_thread_of_its_own(
-    store: IdempotencyStore, make_record: MakeRecord
-) -> None:
-    """What the lock watchdog opens: a store over the same records with connections of its
-    own, made, used and closed in another thread's event loop while this one waits."""
-    if not isinstance(store, WatchdogStore):
-        pytest.skip(f"{type(store).__name__} has no watchdog store (its locks live in process)")
-    pending = make_record("k2", "owner-a")
-    await store.try_acquire("k2", pending, LOCK_TTL)
-    assert await store.save_progress("k2", checkpointed(pending, 0.0), RETENTION_TTL, 0)
-
-    async def renew_there() -> list[bool]:
-        own = await store.watchdog_store()
-        assert own is not None
-        try:
-            # k1's short lock is taken once the connection is open (valkey-glide's takes a
-            # while to open), so that it cannot lapse before its renewal is asked for.
-            await held(own, make_record, SHORT_TTL)
-            return [
-                await own.renew("k1", "owner-a", LOCK_TTL),
-                await own.renew("k1", "owner-b", LOCK_TTL),
-                await own.renew("k2", "owner-a", LOCK_TTL),
-            ]
-        finally:
-            await own.aclose()
-
-    assert await asyncio.to_thread(asyncio.run, renew_there()) == [True, False, True]
-    busy = await store.try_acquire("k2", make_record("k2", "owner-b"), LOCK_TTL)
-    assert not busy.acquired
-    assert busy.lease_expired is False  # the lease renewed from the other thread
-    await asyncio.sleep(SHORT_TTL * 2)  # past the first lock's TTL: renewed, it still holds
-    assert not (await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)).acquired

@@ -18,7 +18,6 @@ import pytest
 from starlette_idempotency.errors import ConfigurationError, StoreError
 from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.testing._isolation import run_admin
-from tests.support.conditions import eventually_sync
 from tests.support.postgres import wait_for_no_backends
 from tests.support.records import pending
 
@@ -274,28 +273,6 @@ async def test_use_pool_is_refused_on_a_store_with_a_pool_of_its_own(
         with pytest.raises(ConfigurationError, match=r"opens a pool of its own .*PostgresStore\("):
             store.use_pool(pool)
     await store.aclose()
-
-
-async def test_a_watchdog_store_of_a_lazy_store_opens_in_its_own_loop(
-    postgres_dsn: str, postgres_table: str, app_name: str, schema: None
-) -> None:
-    store = lazy_store(postgres_dsn, postgres_table, app_name)
-    assert await store.try_acquire("k", pending("k", "owner"), 30)
-    own = await store.watchdog_store()
-    assert own is not None
-
-    def renew_in_a_thread() -> bool:
-        async def renew() -> bool:
-            try:
-                return await own.renew("k", "owner", 30)
-            finally:
-                await own.aclose()
-
-        return asyncio.run(renew())
-
-    assert await asyncio.to_thread(renew_in_a_thread)
-    await store.aclose()
-    eventually_sync(lambda: backends(postgres_dsn, app_name) == 0, timeout=5)
 
 
 async def test_without_a_dsn_the_libpq_environment_says_where(

@@ -20,7 +20,6 @@ from starlette_idempotency.stores.base import (
     FencedWrite,
     StoreBase,
     StoreFinding,
-    WatchdogStore,
 )
 
 # Each of these has one home elsewhere; the names exported here before still resolve.
@@ -49,5 +48,4 @@ __all__ = [
     "RecordStatus",
     "StoreBase",
     "StoreFinding",
-    "WatchdogStore",
 ]

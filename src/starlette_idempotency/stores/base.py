@@ -240,18 +240,6 @@ class StoreBase(IdempotencyStore):
 
 
 @runtime_checkable
-class WatchdogStore(Protocol):
-    """A store that can open a connection of its own for the lock watchdog, which renews the
-    locks of running handlers from a thread of its own while their event loop is blocked."""
-
-    async def watchdog_store(self) -> IdempotencyStore | None:
-        """A store over the same records with connections of its own, opened in the calling
-        event loop (the watchdog thread's) and used and closed (``aclose``) only there;
-        ``None`` when the store cannot make one (the watchdog then only warns)."""
-        ...
-
-
-@runtime_checkable
 class ConnectionOwningStore(Protocol):
     """A store that says whether it opened its connections itself (``RedisStore.from_url``,
     ``PostgresStore.from_dsn``): the middleware then closes it (:meth:`aclose`) when the

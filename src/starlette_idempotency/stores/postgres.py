@@ -56,30 +56,29 @@ from __future__ import annotations
 
 import asyncio
 import getpass
-import hashlib
 import logging
 import os
 import re
 import select
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import UTC, datetime
-from functools import cache
-from importlib import resources
 from types import TracebackType
 from typing import Any, Literal, NoReturn, Protocol, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-import orjson
-
 from starlette_idempotency._record import (
     IdempotencyRecord,
     RecordStatus,
-    StoredResponse,
-    checkpoints_from_wire,
-    checkpoints_to_wire,
 )
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.stores._lazy_pool import LazyPool
+from starlette_idempotency.stores._postgres_sql import (
+    DEFAULT_TABLE,
+    Statement,
+    TableQueries,
+    record_from_row,
+    row_params,
+    schema_sql,
+)
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     AcquireResult,
@@ -90,18 +89,16 @@ from starlette_idempotency.stores.base import (
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["DEFAULT_OPERATION_TIMEOUT", "DEFAULT_TABLE", "PostgresStore", "schema_sql"]
+
 _T = TypeVar("_T")
 
-DEFAULT_TABLE = "idempotency_keys"
 DEFAULT_OPERATION_TIMEOUT = 10.0
 
 # A row can change between the two statements of try_acquire (released, or taken over and
 # finished); then it starts again. Running out of attempts needs sustained churn on one key.
 _ACQUIRE_ATTEMPTS = 5
 
-_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_$]{0,62}"
-_TABLE_NAME = re.compile(rf"(?:({_IDENTIFIER})\.)?({_IDENTIFIER})")
-_QUERY_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _HOST_PORT = re.compile(r"(.+):(\d+)")
 
 # How long the undo of an abandoned acquire waits before trying again while the database fails.
@@ -155,50 +152,6 @@ def _asyncpg() -> Any:
             "PostgresStore needs asyncpg: pip install 'starlette-idempotency[postgres]'"
         ) from exc
     return asyncpg
-
-
-def _quote_table(table: str) -> tuple[str, str]:
-    """The quoted table name and the quoted name of its expiry index."""
-    match = _TABLE_NAME.fullmatch(table)
-    if match is None:
-        raise ConfigurationError(
-            f"invalid table name {table!r}: use an identifier (letters, digits, _ and $, "
-            "at most 63 characters), optionally schema-qualified as schema.table"
-        )
-    schema, name = match.groups()
-    quoted = f'"{name}"' if schema is None else f'"{schema}"."{name}"'
-    # Index names share the 63-byte limit: a long table name is cut and made unique by a hash,
-    # since CREATE INDEX IF NOT EXISTS would skip the index of a second table with the same cut.
-    stem = name if len(name) <= 47 else f"{name[:38]}_{hashlib.sha1(name.encode()).hexdigest()[:8]}"
-    return quoted, f'"{stem}_expires_at_idx"'
-
-
-def schema_sql(table: str = DEFAULT_TABLE) -> str:
-    """The DDL :meth:`PostgresStore.create_schema` runs for ``table`` (what ``starlette-idempotency
-    migrate --sql`` prints, for a migration tool): every statement ``IF NOT EXISTS``."""
-    quoted, index = _quote_table(table)
-    return _sql_file("schema.sql").replace("{table}", quoted).replace("{index}", index)
-
-
-@cache
-def _sql_file(name: str) -> str:
-    return (
-        resources.files("starlette_idempotency.stores")
-        .joinpath("sql", name)
-        .read_text(encoding="utf-8")
-    )
-
-
-@cache
-def _named_queries() -> dict[str, str]:
-    """``queries.sql`` split at its ``-- name:`` lines, comment lines dropped."""
-    parts = _QUERY_NAME.split(_sql_file("queries.sql"))
-    return {
-        name: "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("--"))
-        .strip()
-        .rstrip(";")
-        for name, body in zip(parts[1::2], parts[2::2], strict=True)
-    }
 
 
 def _raise_store_error(exc: Exception, operation: str) -> NoReturn:
@@ -345,38 +298,6 @@ async def _create_pool(dsn: str | None, options: Mapping[str, Any]) -> Any:
         _raise_store_error(exc, "connect")
 
 
-def _checkpoints_json(record: IdempotencyRecord) -> str | None:
-    if not record.checkpoints:
-        return None
-    return orjson.dumps(checkpoints_to_wire(record.checkpoints)).decode()
-
-
-def _record_from_row(row: Mapping[str, Any]) -> IdempotencyRecord:
-    """A record from the "record columns" that ``get`` and ``acquire_takeover`` select."""
-    response = None
-    if row["response_status_code"] is not None:
-        headers = orjson.loads(row["response_headers"] or "[]")
-        response = StoredResponse(
-            status_code=row["response_status_code"],
-            headers=tuple((str(name), str(value)) for name, value in headers),
-            body=bytes(row["response_body"] or b""),
-            content_type=row["response_content_type"],
-        )
-    lease_until = row["lease_until"]
-    return IdempotencyRecord(
-        key=row["idempotency_key"],
-        status=RecordStatus(row["status"]),
-        request_fingerprint=row["request_fingerprint"],
-        fingerprint_version=row["fingerprint_version"],
-        owner_token=row["owner_token"],
-        created_at=row["created_at"].timestamp(),
-        expires_at=row["record_expires_at"].timestamp(),
-        response=response,
-        locked_until=None if lease_until is None else lease_until.timestamp(),
-        checkpoints=checkpoints_from_wire(orjson.loads(row["checkpoints"] or "[]")),
-    )
-
-
 class PostgresStore(StoreBase):
     """Idempotency records in one PostgreSQL table, shared by every process that uses it.
 
@@ -415,13 +336,13 @@ class PostgresStore(StoreBase):
         self._pool_options: dict[str, Any] = {}
         self._own_pool: LazyPool[Any] | None = None
         self._table_name = table
-        self._table, _ = _quote_table(table)
+        #: The store's statements (also run in the app's transaction: ``_transaction``).
+        self.queries = queries = TableQueries(table, key_prefix)
+        self._table = queries.table
         self._location = None if pool is None else _pool_location(pool)
-        self._prefix = f"{key_prefix}:"
+        self._prefix = queries.prefix
         self._timeout = operation_timeout
-        self._sql = {
-            name: query.replace("{table}", self._table) for name, query in _named_queries().items()
-        }
+        self._sql = queries.sql
         self._schema = schema_sql(table)
         # Whether statements need an explicit READ COMMITTED transaction (None: not known yet).
         self._explicit_isolation: bool | None = None
@@ -564,6 +485,10 @@ class PostgresStore(StoreBase):
         """The first value of the named ``query``, run as ``operation`` (see :meth:`_run`)."""
         return self._run(operation, lambda: self._value(query, *args))
 
+    def _execute(self, operation: str, statement: Statement) -> Awaitable[Any]:
+        """The first value of ``statement``, run as ``operation`` (see :meth:`_run`)."""
+        return self._fetchval(operation, statement.query, *statement.args)
+
     def _fetchrow(self, operation: str, query: str, *args: Any) -> Awaitable[Any]:
         """The first row of the named ``query``, run as ``operation`` (see :meth:`_run`)."""
         return self._run(operation, lambda: self._row(query, *args))
@@ -618,27 +543,6 @@ class PostgresStore(StoreBase):
                 isolation,
             )
 
-    @staticmethod
-    def _row_params(storage_key: str, record: IdempotencyRecord, ttl: float) -> tuple[Any, ...]:
-        """The "row parameters" ($1 to $14) of ``queries.sql``."""
-        response = record.response
-        return (
-            storage_key,
-            record.key,
-            record.status.value,
-            record.request_fingerprint,
-            record.fingerprint_version,
-            record.owner_token,
-            response.status_code if response else None,
-            orjson.dumps([list(pair) for pair in response.headers]).decode() if response else None,
-            response.body if response else None,
-            response.content_type if response else None,
-            datetime.fromtimestamp(record.created_at, UTC),
-            datetime.fromtimestamp(record.expires_at, UTC),
-            float(ttl),
-            _checkpoints_json(record),
-        )
-
     async def create_schema(self) -> bool:
         """Create the table and its expiry index if missing; true when the table was created."""
 
@@ -660,7 +564,7 @@ class PostgresStore(StoreBase):
         """Write ``pending`` if the key is free (see the protocol); a live ``InProgress`` row
         that already holds ``pending``'s owner token counts as acquired (the engine taking its
         key back), with ``record`` that row only when it carries checkpoints."""
-        params = self._row_params(self._prefix + key, pending, lock_ttl)
+        params = row_params(self._prefix + key, pending, lock_ttl)
 
         async def acquire() -> AcquireResult | None:
             for _ in range(_ACQUIRE_ATTEMPTS):
@@ -669,7 +573,7 @@ class PostgresStore(StoreBase):
                 row = await self._row("acquire_takeover", *params, recover)
                 if row is None or not (row["taken_over"] or row["live"]):
                     continue  # released or changed in between: insert again
-                found = _record_from_row(row)
+                found = record_from_row(row)
                 if (
                     found.owner_token == pending.owner_token
                     and found.status is RecordStatus.IN_PROGRESS
@@ -730,23 +634,13 @@ class PostgresStore(StoreBase):
             )
 
     async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
-        params = self._row_params(self._prefix + key, record, ttl)
-        return FencedWrite(await self._fetchval("finish", "finish", *params))
+        return FencedWrite(await self._execute("finish", self.queries.finish(key, record, ttl)))
 
     async def save_progress(
         self, key: str, record: IdempotencyRecord, ttl: float, lease: float
     ) -> bool:
-        saved = await self._fetchval(
-            "save_progress",
-            "save_progress",
-            self._prefix + key,
-            record.owner_token,
-            _checkpoints_json(record),
-            float(lease),
-            datetime.fromtimestamp(record.expires_at, UTC),
-            float(ttl),
-        )
-        return saved is not None
+        statement = self.queries.save_progress(key, record, ttl, lease)
+        return await self._execute("save_progress", statement) is not None
 
     async def release(self, key: str, owner_token: str) -> bool:
         released = await self._fetchval("release", "release", self._prefix + key, owner_token)
@@ -760,26 +654,7 @@ class PostgresStore(StoreBase):
 
     async def get(self, key: str) -> IdempotencyRecord | None:
         row = await self._fetchrow("get", "get", self._prefix + key)
-        return None if row is None else _record_from_row(row)
-
-    async def watchdog_store(self) -> PostgresStore | None:
-        """A store over the same table with a pool of one connection of its own (same
-        connection options), opened in the event loop that uses it first, the lock watchdog
-        thread's; ``None`` for a pool whose options cannot be read back."""
-        options: Mapping[str, Any]
-        if self._own_pool is not None:
-            dsn, options = self._dsn, self._pool_options
-        elif (connect := _connect_options(self._pool)) is not None:
-            dsn, options = connect
-        else:
-            return None
-        return PostgresStore.from_dsn(
-            dsn,
-            table=self._table_name,
-            key_prefix=self._prefix[:-1],
-            operation_timeout=self._timeout,
-            **{**options, "min_size": 1, "max_size": 1},
-        )
+        return None if row is None else record_from_row(row)
 
     async def purge_expired(self, batch_size: int = 1000) -> int:
         """Delete expired rows, ``batch_size`` per statement, until a batch comes back short;

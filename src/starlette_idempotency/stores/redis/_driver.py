@@ -99,12 +99,6 @@ class RedisDriver(Protocol):
         -> value, ``""`` for a parameter the server does not know."""
         ...
 
-    def twin(self) -> RedisDriver | None:
-        """A driver with a client of its own to the same server(s), with the same options
-        (address, credentials, TLS, timeouts), connected on first use in the event loop that
-        uses it; ``None`` when the options cannot be read back."""
-        ...
-
     async def aclose(self) -> None:
         """Close the client."""
         ...

@@ -264,9 +264,6 @@ class GlideDriver:
             for node, values in replies.items()
         }
 
-    def twin(self) -> GlideDriver:
-        return GlideDriver(self._configuration())
-
     async def aclose(self) -> None:
         if self._connecting is not None and not self._connecting.done():
             self._connecting.cancel()

@@ -18,7 +18,6 @@ from starlette_idempotency.stores.redis._driver import Arg, lua_source
 try:
     import redis.asyncio as aioredis
     from redis import exceptions as redis_errors
-    from redis.asyncio.cluster import ClusterNode
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         "RedisStore on redis-py needs the redis driver: pip install 'starlette-idempotency[redis]'"
@@ -214,67 +213,5 @@ class RedisPyDriver:
             replies[self._standalone_address()[0]] = await client.config_get(parameter)
         return {node: str(reply.get(parameter, "")) for node, reply in replies.items()}
 
-    def twin(self) -> RedisPyDriver:
-        client = self._client
-        if isinstance(client, aioredis.RedisCluster):
-            options = _twin_options(client.connection_kwargs, _ADDRESS_OPTIONS)
-            nodes = [ClusterNode(node.host, node.port) for node in client.get_nodes()]
-            if not nodes:  # never connected: its startup nodes
-                nodes = list(client.nodes_manager.startup_nodes.values())
-            return RedisPyDriver(aioredis.RedisCluster(startup_nodes=nodes, **options))
-        pool: Any = client.connection_pool  # type: ignore[attr-defined]
-        own = aioredis.ConnectionPool(
-            connection_class=pool.connection_class,
-            max_connections=_TWIN_CONNECTIONS,
-            **_twin_options(pool.connection_kwargs),
-        )
-        return RedisPyDriver(aioredis.Redis.from_pool(own))  # closes its pool with it
-
     async def aclose(self) -> None:
         await self._client.aclose()
-
-
-#: The connection options a twin client copies (what redis-py's pool adds for itself, bound to
-#: that pool, stays behind).
-_TWIN_OPTIONS = frozenset(
-    {
-        "host",
-        "port",
-        "db",
-        "path",
-        "username",
-        "password",
-        "credential_provider",
-        "client_name",
-        "protocol",
-        "socket_timeout",
-        "socket_connect_timeout",
-        "socket_keepalive",
-        "socket_keepalive_options",
-        "retry",
-        "retry_on_error",
-        "retry_on_timeout",
-        "health_check_interval",
-        "encoding",
-        "encoding_errors",
-        "decode_responses",
-        "ssl_keyfile",
-        "ssl_certfile",
-        "ssl_cert_reqs",
-        "ssl_ca_certs",
-        "ssl_ca_data",
-        "ssl_check_hostname",
-        "ssl_min_version",
-        "ssl_ciphers",
-        "ssl_password",
-    }
-)
-_ADDRESS_OPTIONS = frozenset({"host", "port", "db", "path"})
-#: The watchdog renews a few locks at a time, from one task.
-_TWIN_CONNECTIONS = 4
-
-
-def _twin_options(
-    options: dict[str, Any], leave_out: frozenset[str] = frozenset()
-) -> dict[str, Any]:
-    return {name: value for name, value in options.items() if name in _TWIN_OPTIONS - leave_out}

@@ -544,24 +544,6 @@ class RedisStore(StoreBase):
             )
         return bool(renewed)
 
-    async def watchdog_store(self) -> RedisStore | None:
-        """A store over the same records with a client of its own (same server and options),
-        for the lock watchdog's thread: it connects in that thread's event loop, which alone
-        uses and closes it."""
-        driver = self._driver.twin()
-        if driver is None:
-            return None
-        store = type(self).__new__(type(self))
-        store._init(
-            driver,
-            key_prefix=self._prefix[:-1],
-            acquire=self._acquire_strategy,
-            wait_replicas=0,
-            wait_timeout_ms=self._wait_timeout_ms,
-            owns_client=True,
-        )
-        return store
-
     async def wait_for_change(self, key: str) -> None:
         """Return once ``key`` is completed, failed, released or resolved by any process
         (bounded by the caller): a pub/sub notice on the channel named after the key."""

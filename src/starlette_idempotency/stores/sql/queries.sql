@@ -149,6 +149,16 @@ SET checkpoints = $3::text::jsonb, locked_until = now() + make_interval(secs => 
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > now()
 RETURNING true;
 
+-- name: fence
+-- idempotency_transaction's first statement, in the app's own transaction: lock the row of
+-- owner token $2 while it is InProgress, so that it stays this request's until the transaction
+-- ends (a takeover's FOR UPDATE waits for it, then finds the row finished). Expiry is not
+-- checked: a lapsed lock that nobody took over is still this request's to finish. $1 storage
+-- key. One row (true) when fenced; none when the key was taken over, finished or is gone.
+SELECT true FROM {table}
+WHERE key = $1 AND owner_token = $2 AND status = 'InProgress'
+FOR UPDATE;
+
 -- name: release
 -- Delete the owner's row. $1 storage key, $2 owner token.
 -- true when it was deleted or no live row of another owner holds the key; false otherwise.

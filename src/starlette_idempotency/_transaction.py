@@ -1,0 +1,308 @@
+"""The outcome in the app's own transaction: :func:`idempotency_transaction`.
+
+A lock held by renewals keeps a retry out only while the lease lasts; a frozen process, a long
+collector pause or a crash right after the app's commit outlast it. What keeps a payment once
+whatever the lease does is the database: the handler's rows, its recovery points and its
+``Completed`` record commit in one transaction, on the app's connection, and that transaction
+first locks the record's row under this request's owner token.
+
+* Fenced: the first statement (``fence``) locks the row while it is ``InProgress`` and this
+  request's. A request whose key was taken over gets :class:`LockLostError` before it writes,
+  and its transaction is rolled back; a takeover that comes later waits for the row and then
+  finds it finished. Nothing here depends on the isolation level: the row lock is the fence.
+* One outcome: ``tx.respond(response)`` writes the finished record in the transaction; once it
+  commits, the middleware writes nothing more for the request (a crash after the commit leaves
+  the record finished, and the retry is replayed).
+
+The statements are the store's own (``stores/_postgres_sql``), run on the app's connection: an
+asyncpg ``Connection``, or SQLAlchemy's ``AsyncConnection`` or ``AsyncSession`` on the asyncpg
+driver.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Protocol
+
+from starlette.requests import HTTPConnection
+from starlette.responses import Response
+
+from starlette_idempotency._endpoint import key_owner
+from starlette_idempotency._lease import Lease
+from starlette_idempotency._record import IdempotencyRecord, RecordStatus
+from starlette_idempotency.errors import ConfigurationError, IdempotencyError, LockLostError
+from starlette_idempotency.stores._postgres_sql import Statement, TableQueries
+
+__all__ = ["IdempotencyTransaction", "idempotency_transaction"]
+
+
+class _Connection(Protocol):
+    """The app's connection, as the transaction uses it."""
+
+    def in_transaction(self) -> bool: ...
+
+    async def begin(self) -> None: ...
+
+    async def commit(self) -> None: ...
+
+    async def rollback(self) -> None: ...
+
+    async def fetchval(self, sql: str, args: tuple[Any, ...]) -> Any: ...
+
+
+class _Asyncpg:
+    """An asyncpg ``Connection``."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+        self._transaction: Any = None
+
+    def in_transaction(self) -> bool:
+        return bool(self._connection.is_in_transaction())
+
+    async def begin(self) -> None:
+        self._transaction = self._connection.transaction()
+        await self._transaction.start()
+
+    async def commit(self) -> None:
+        await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        await self._transaction.rollback()
+
+    async def fetchval(self, sql: str, args: tuple[Any, ...]) -> Any:
+        return await self._connection.fetchval(sql, *args)
+
+
+class _SQLAlchemy:
+    """A SQLAlchemy ``AsyncConnection`` or ``AsyncSession`` (asyncpg driver): statements go
+    through SQLAlchemy, so that they run in the transaction it began."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+        self._transaction: Any = None
+
+    def in_transaction(self) -> bool:
+        return bool(self._connection.in_transaction())
+
+    async def begin(self) -> None:
+        self._transaction = await self._connection.begin()
+
+    async def commit(self) -> None:
+        await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        await self._transaction.rollback()
+
+    async def fetchval(self, sql: str, args: tuple[Any, ...]) -> Any:
+        connection = self._connection
+        if hasattr(connection, "exec_driver_sql"):
+            result = await connection.exec_driver_sql(sql, args)
+        else:  # an AsyncSession: the connection of its transaction
+            result = await (await connection.connection()).exec_driver_sql(sql, args)
+        return result.scalar()
+
+
+_UNDEFINED_TABLE = "42P01"
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver's error: asyncpg's, or SQLAlchemy's wrapping it."""
+    for error in (exc, getattr(exc, "orig", None), exc.__cause__):
+        sqlstate = getattr(error, "sqlstate", None)
+        if isinstance(sqlstate, str):
+            return sqlstate
+    return None
+
+
+def _adapt(connection: object) -> _Connection:
+    module = type(connection).__module__
+    if module.startswith("asyncpg"):
+        return _Asyncpg(connection)
+    if module.startswith("sqlalchemy"):
+        bind = getattr(connection, "bind", None)  # an AsyncSession's engine or connection
+        dialect = getattr(connection if bind is None else bind, "dialect", None)
+        driver = getattr(dialect, "driver", None)
+        if driver != "asyncpg":
+            raise ConfigurationError(
+                "idempotency_transaction needs SQLAlchemy's asyncpg driver "
+                f"(postgresql+asyncpg://...), not {driver or 'an unbound session'}: its "
+                "statements use asyncpg's $1 parameters"
+            )
+        return _SQLAlchemy(connection)
+    raise ConfigurationError(
+        "idempotency_transaction takes the app's connection to the database of its "
+        "PostgresStore: an asyncpg Connection, or a SQLAlchemy AsyncConnection or "
+        f"AsyncSession on the asyncpg driver, not {type(connection).__name__}"
+    )
+
+
+class IdempotencyTransaction:
+    """``tx`` of ``async with idempotency_transaction(request, connection) as tx``: the
+    request's record, written in the app's transaction."""
+
+    __slots__ = ("_connection", "_lease", "_opened", "_queries", "_record", "_responded")
+
+    def __init__(self, lease: Lease, connection: _Connection, queries: TableQueries) -> None:
+        self._lease = lease
+        self._connection = connection
+        self._queries = queries
+        self._opened = False
+        #: The record as the transaction has written it (committed with it).
+        self._record: IdempotencyRecord | None = None
+        self._responded: tuple[int, bytes] | None = None
+
+    async def checkpoint(self, name: str, data: Any = None) -> None:
+        """Write a recovery point (JSON-serialisable ``data``) in the transaction: it commits
+        with the handler's own writes, or not at all."""
+        lease = self._lease
+        self._usable(f"checkpoint({name!r})")
+        record = lease.with_checkpoint(name, data)
+        policy = lease.policy
+        statement = self._queries.save_progress(
+            lease.store_key, record, policy.ttl_seconds, policy.lock_ttl_seconds
+        )
+        if await self._run(statement) is None:  # the row is locked and ours: cannot happen
+            raise LockLostError(f"the record of idempotency key {lease.key!r} changed")
+        self._record = record
+        lease.record = record
+
+    async def respond(self, response: Response) -> Response:
+        """Write ``response`` as the request's outcome in the transaction, and return it for
+        the endpoint to return (unchanged: a response going out that differs is logged as an
+        error, and retries get the committed one)."""
+        lease = self._lease
+        self._usable("respond()")
+        body = getattr(response, "body", None)
+        if not isinstance(body, bytes):
+            raise IdempotencyError(
+                f"tx.respond() takes a response with its body in memory (Response, "
+                f"JSONResponse...), not {type(response).__name__}: a streamed body cannot be "
+                "written in the transaction"
+            )
+        status = response.status_code
+        if lease.frees_key(status):
+            raise IdempotencyError(
+                f"tx.respond() got status {status}, which frees the key for a retry instead of "
+                "being stored: raise (the transaction rolls back), or return that response "
+                "outside the transaction"
+            )
+        record, _ = lease.outcome(status, list(response.raw_headers), body)
+        await self._run(self._queries.finish(lease.store_key, record, lease.policy.ttl_seconds))
+        self._record = record
+        self._responded = (status, body)
+        return response
+
+    def _usable(self, what: str) -> None:
+        if self._responded is not None:
+            raise IdempotencyError(f"{what} after tx.respond(): the outcome is written")
+        if not self._lease.transaction_open:
+            raise IdempotencyError(f"{what} outside its idempotency_transaction block")
+
+    async def _run(self, statement: Statement) -> Any:
+        return await self._connection.fetchval(self._queries.sql[statement.query], statement.args)
+
+    async def __aenter__(self) -> IdempotencyTransaction:
+        lease = self._lease
+        if lease.transaction_open or lease.recorded is not None:
+            raise IdempotencyError(
+                f"idempotency key {lease.key!r} is already in an idempotency_transaction: "
+                "one transaction writes a request's outcome"
+            )
+        connection = self._connection
+        if not connection.in_transaction():
+            await connection.begin()
+            self._opened = True
+        lease.transaction_open = True
+        try:
+            try:
+                fenced = await self._run(
+                    self._queries.fence(lease.store_key, lease.record.owner_token)
+                )
+            except Exception as exc:
+                if _sqlstate(exc) == _UNDEFINED_TABLE:
+                    raise self._elsewhere() from exc
+                raise
+            if fenced is None:
+                raise await self._lost()
+        except BaseException:
+            lease.transaction_open = False
+            if self._opened:
+                await connection.rollback()
+            raise
+        return self
+
+    async def _lost(self) -> Exception:
+        """Why the fence found no row of this request's: the key was taken over (or finished,
+        or is gone), or the connection is not on the store's database."""
+        lease = self._lease
+        found = await lease.store.get(lease.store_key)
+        if (
+            found is not None
+            and found.owner_token == lease.record.owner_token
+            and found.status is RecordStatus.IN_PROGRESS
+        ):
+            return self._elsewhere()
+        return LockLostError(
+            f"the lock for idempotency key {lease.key!r} was taken over (its lease lapsed) "
+            "before the transaction: nothing written in it may commit, and another attempt "
+            "owns the key"
+        )
+
+    def _elsewhere(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"the connection given to idempotency_transaction is not on the database of the "
+            f"store, whose table {self._queries.table} holds the record: the record, the app's "
+            "rows and its outbox commit together only in one database. Give it a connection "
+            "to the store's database, or build the store on the app's (PostgresStore(pool))"
+        )
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        lease = self._lease
+        try:
+            if self._opened:
+                if kind is None:
+                    await self._connection.commit()
+                else:
+                    await self._connection.rollback()
+        finally:
+            lease.transaction_open = False
+        if kind is None and self._responded is not None:
+            # Committed (or, in the app's transaction, to commit with it): never written again.
+            lease.recorded = self._responded
+
+
+def idempotency_transaction(request: HTTPConnection, connection: Any) -> IdempotencyTransaction:
+    """Write the request's idempotency record in the app's own transaction on ``connection``
+    (an asyncpg ``Connection``, a SQLAlchemy ``AsyncConnection`` or ``AsyncSession`` on the
+    asyncpg driver), with the handler's rows and outbox::
+
+        async with idempotency_transaction(request, connection) as tx:
+            await connection.execute("INSERT INTO payments ...")
+            return await tx.respond(JSONResponse(payment, status_code=201))
+
+    It joins the transaction open on ``connection`` or opens one (committed or rolled back as
+    the block ends). Entering locks the record's row, which must be ``InProgress`` and this
+    request's: otherwise :class:`~starlette_idempotency.errors.LockLostError` is raised and
+    nothing written in the transaction commits. ``tx.checkpoint(name, data)`` writes a
+    recovery point, ``tx.respond(response)`` the outcome, both in the transaction.
+
+    Needs a ``PostgresStore`` on the same database as ``connection``.
+    """
+    lease = key_owner(request)
+    assert isinstance(lease, Lease)
+    store = lease.store
+    queries = getattr(store, "queries", None)
+    if not isinstance(queries, TableQueries):
+        raise ConfigurationError(
+            f"idempotency_transaction writes the record in the app's PostgreSQL transaction, "
+            f"so it needs PostgresStore on the app's database, not {type(store).__name__}: "
+            "use store=PostgresStore.from_dsn(dsn) (or your pool), or write the outcome "
+            "outside a transaction"
+        )
+    return IdempotencyTransaction(lease, _adapt(connection), queries)

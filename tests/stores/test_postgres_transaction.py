@@ -1,0 +1,338 @@
+"""``idempotency_transaction``: the payment row and the idempotency record commit together, on
+the app's own connection (asyncpg, SQLAlchemy's AsyncConnection and AsyncSession), fenced by
+the owner token, at every isolation level. In-process against the real PostgreSQL; the same
+app runs as uvicorn pods in ``test_transaction_pods``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from starlette_idempotency import (
+    ConfigurationError,
+    IdempotencyMiddleware,
+    MemoryStore,
+    PostgresStore,
+    idempotency_transaction,
+    idempotent,
+)
+from starlette_idempotency.stores import RecordStatus
+from tests.stores.transaction_app import (
+    ISOLATIONS,
+    Database,
+    build_app,
+    create_tables,
+    drop_tables,
+)
+from tests.support.conditions import eventually
+from tests.support.guarded import make_client
+from tests.support.postgres import lock_waiter
+
+pytestmark = pytest.mark.postgres
+
+DRIVERS = ("asyncpg", "sqlalchemy", "session")
+#: The store's connections, named to be found waiting for a row lock.
+RETRIER = {"application_name": "idempotency-tx-test"}
+
+
+@pytest.fixture
+async def tables(postgres_dsn: str, postgres_table: str, sql: Any) -> AsyncIterator[str]:
+    store = PostgresStore.from_dsn(postgres_dsn, table=postgres_table)
+    await store.create_schema()
+    await store.aclose()
+    await create_tables(sql, postgres_table)
+    yield postgres_table
+    await drop_tables(sql, postgres_table)
+
+
+@pytest.fixture(params=DRIVERS)
+async def app(
+    request: pytest.FixtureRequest, postgres_dsn: str, tables: str
+) -> AsyncIterator[tuple[httpx.AsyncClient, Database]]:
+    guarded, database = build_app(postgres_dsn, tables, request.param)
+    async with make_client(guarded, raise_app_exceptions=False) as client:
+        yield client, database
+    await database.aclose()
+    await guarded.store.aclose()  # type: ignore[attr-defined]
+
+
+def guarded_by(store: object, pay: object) -> Starlette:
+    """``pay`` at ``POST /pay``, the middleware added as the docs say (inside the app's error
+    middleware, which would otherwise answer an exception before the middleware saw it)."""
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])  # type: ignore[arg-type]
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    return app
+
+
+async def payments(sql: Any, table: str, key: str) -> list[str]:
+    rows = await sql.fetch(f"SELECT amount FROM {table}_payments WHERE idempotency_key = $1", key)
+    return [row["amount"] for row in rows]
+
+
+async def record_of(sql: Any, table: str, key: str) -> Any:
+    return await sql.fetchrow(
+        f"SELECT status, owner_token, response_body, checkpoints::text AS checkpoints"
+        f" FROM {table} WHERE idempotency_key = $1",
+        key,
+    )
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+async def test_the_payment_and_its_record_commit_together(
+    app: tuple[httpx.AsyncClient, Database], sql: Any, tables: str, isolation: str
+) -> None:
+    client, _ = app
+    headers = {"Idempotency-Key": f"k-{isolation}", "X-Isolation": isolation}
+    first = await client.post("/pay", json={"amount": "9.99"}, headers=headers)
+    assert first.status_code == 201, first.text
+    record = await record_of(sql, tables, f"k-{isolation}")
+    assert record["status"] == "Completed"
+    assert record["response_body"] == first.content
+    assert "payment_written" in record["checkpoints"]
+
+    retry = await client.post("/pay", json={"amount": "9.99"}, headers=headers)
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert retry.json() == first.json()
+    assert await payments(sql, tables, f"k-{isolation}") == ["9.99"]
+
+
+async def test_the_middleware_does_not_write_the_outcome_again(
+    postgres_dsn: str, tables: str
+) -> None:
+    """One round trip fewer: the transaction wrote the outcome, so no ``finish`` follows."""
+    calls: list[str] = []
+
+    class Calls:
+        def observe_event(self, event: object) -> None:
+            pass
+
+        def observe_store_call(self, store: str, operation: str, seconds: float, ok: bool) -> None:
+            calls.append(operation)
+
+        def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
+            pass
+
+    guarded, database = build_app(postgres_dsn, tables, "asyncpg")
+    store = guarded.store  # type: ignore[attr-defined]
+    counted = IdempotencyMiddleware(guarded.app, store=store, metrics=Calls())  # type: ignore[attr-defined]
+    async with make_client(counted) as client:
+        response = await client.post("/pay", json={"amount": "1"}, headers={"Idempotency-Key": "k"})
+    await database.aclose()
+    await store.aclose()
+    assert response.status_code == 201
+    assert calls == ["try_acquire"]
+
+
+async def test_a_lease_taken_over_before_the_transaction_commits_nothing(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The first attempt waits (a frozen process) while its lease lapses and a retry takes the
+    key over and completes; when it goes on, its transaction refuses (``LockLostError``): its
+    payment row rolls back, and its client gets the retry's answer."""
+    gate = asyncio.Event()
+    entered = asyncio.Event()
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    database = Database(postgres_dsn, tables, "asyncpg")
+
+    @idempotent(lock_ttl_seconds=30, renew_lock=False)
+    async def pay(request: Request) -> Response:
+        first = not entered.is_set()
+        entered.set()
+        if first:
+            await gate.wait()
+
+        async def work(connection: Any, fetchval: Any) -> Response:
+            async with idempotency_transaction(request, connection) as tx:
+                await fetchval(
+                    f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                    "VALUES ('k', '1', $1)",
+                    "first" if first else "retry",
+                )
+                return await tx.respond(JSONResponse({"by": "first" if first else "retry"}, 201))
+
+        response: Response = await database.in_transaction("read_committed", work)
+        return response
+
+    app = guarded_by(store, pay)
+    async with make_client(app) as client:
+        headers = {"Idempotency-Key": "k"}
+        first = asyncio.create_task(client.post("/pay", json={}, headers=headers))
+        await asyncio.wait_for(entered.wait(), 5)
+        # The lease lapses (on the database's clock) while the first attempt is frozen.
+        await sql.execute(f"UPDATE {tables} SET expires_at = now() - interval '1 second'")
+        retry = await client.post("/pay", json={}, headers=headers)
+        assert retry.status_code == 201
+        assert retry.json() == {"by": "retry"}
+        gate.set()
+        answered = await first
+    await database.aclose()
+    await store.aclose()
+    assert answered.status_code == 201
+    assert answered.json() == {"by": "retry"}
+    assert answered.headers["x-idempotent-replay"] == "true"
+    rows = await sql.fetch(f"SELECT pod FROM {tables}_payments")
+    assert [row["pod"] for row in rows] == ["retry"]
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_takeover_waits_for_the_transaction_then_replays(
+    postgres_dsn: str, tables: str, sql: Any, isolation: str, driver: str
+) -> None:
+    """The lease has lapsed (on the database's clock) when the transaction begins, and nobody
+    took the key yet: the transaction fences the row, and a retry's takeover waits for it,
+    then finds it Completed and replays, at every isolation level."""
+    lapsed = asyncio.Event()
+    in_transaction = asyncio.Event()
+    go_on = asyncio.Event()
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables, server_settings=RETRIER)
+    database = Database(postgres_dsn, tables, driver)
+    runs: list[int] = []
+
+    @idempotent(lock_ttl_seconds=30)
+    async def pay(request: Request) -> Response:
+        runs.append(1)
+        await lapsed.wait()
+
+        async def work(connection: Any, fetchval: Any) -> Response:
+            async with idempotency_transaction(request, connection) as tx:
+                await fetchval(
+                    f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                    "VALUES ('k', '1', '')"
+                )
+                in_transaction.set()
+                await go_on.wait()
+                return await tx.respond(JSONResponse({"run": len(runs)}, 201))
+
+        response: Response = await database.in_transaction(isolation, work)
+        return response
+
+    async with make_client(guarded_by(store, pay)) as client:
+        headers = {"Idempotency-Key": "k"}
+        first = asyncio.create_task(client.post("/pay", json={}, headers=headers))
+        await eventually(lambda: runs, message="the first attempt to run")
+        await sql.execute(f"UPDATE {tables} SET expires_at = now() - interval '1 second'")
+        lapsed.set()
+        await asyncio.wait_for(in_transaction.wait(), 5)
+        retry = asyncio.create_task(client.post("/pay", json={}, headers=headers))
+        await lock_waiter(sql, RETRIER["application_name"])  # the takeover waits for the row
+        go_on.set()
+        assert (await first).status_code == 201
+        replayed = await retry
+    await database.aclose()
+    await store.aclose()
+    assert replayed.status_code == 201, replayed.text
+    assert replayed.headers["x-idempotent-replay"] == "true"
+    assert runs == [1]
+    assert await payments(sql, tables, "k") == ["1"]
+
+
+async def test_it_needs_postgres_store_on_the_apps_database(postgres_dsn: str) -> None:
+    seen: list[str] = []
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        connection = await asyncpg.connect(postgres_dsn)
+        try:
+            async with idempotency_transaction(request, connection):
+                pass
+        except ConfigurationError as exc:
+            seen.append(str(exc))
+        finally:
+            await connection.close()
+        return JSONResponse({})
+
+    async with make_client(guarded_by(MemoryStore(), pay)) as client:
+        await client.post("/pay", headers={"Idempotency-Key": "k"})
+    [message] = seen
+    assert "needs PostgresStore" in message
+    assert "MemoryStore" in message
+
+
+async def test_a_connection_to_another_database_is_refused(
+    postgres_dsn: str, postgres_admin_dsn: str, tables: str, sql: Any
+) -> None:
+    """The record lives in the store's database: a connection elsewhere cannot fence it."""
+    seen: list[str] = []
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    other = postgres_admin_dsn.rsplit("/", 1)[0] + "/postgres"
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        connection = await asyncpg.connect(other)
+        try:
+            async with idempotency_transaction(request, connection):
+                pass
+        except ConfigurationError as exc:
+            seen.append(str(exc))
+        finally:
+            await connection.close()
+        return JSONResponse({})
+
+    async with make_client(guarded_by(store, pay)) as client:
+        await client.post("/pay", headers={"Idempotency-Key": "k"})
+    await store.aclose()
+    [message] = seen
+    assert "not on the database of the store" in message
+
+
+async def test_a_connection_of_another_kind_is_refused(postgres_dsn: str, tables: str) -> None:
+    seen: list[str] = []
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        with pytest.raises(ConfigurationError, match="asyncpg Connection") as refused:
+            idempotency_transaction(request, object())
+        seen.append(str(refused.value))
+        return JSONResponse({})
+
+    async with make_client(guarded_by(store, pay)) as client:
+        assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 200
+    await store.aclose()
+    assert seen
+
+
+async def test_a_record_no_longer_in_progress_is_not_fenced(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The transaction's rows never commit once the record is another's or finished."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    database = Database(postgres_dsn, tables, "asyncpg")
+    outcome: list[str] = []
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        # Another attempt owns the key now (its owner token replaced ours).
+        await sql.execute(f"UPDATE {tables} SET owner_token = 'someone-else'")
+
+        async def work(connection: Any, fetchval: Any) -> None:
+            async with idempotency_transaction(request, connection):
+                await fetchval(f"INSERT INTO {tables}_payments VALUES (DEFAULT, 'k', '1', '')")
+
+        try:
+            await database.in_transaction("read_committed", work)
+        except Exception as exc:
+            outcome.append(type(exc).__name__)
+            raise
+        return JSONResponse({})
+
+    async with make_client(guarded_by(store, pay)) as client:
+        response = await client.post("/pay", headers={"Idempotency-Key": "k"})
+    await database.aclose()
+    await store.aclose()
+    assert outcome == ["LockLostError"]
+    assert response.status_code == 409  # the other attempt is still running
+    assert await payments(sql, tables, "k") == []
+    record = await record_of(sql, tables, "k")
+    assert record["owner_token"] == "someone-else"
+    assert record["status"] == RecordStatus.IN_PROGRESS.value
