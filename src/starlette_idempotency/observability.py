@@ -72,12 +72,15 @@ EventHook = Callable[[IdempotencyEvent], "Awaitable[None] | None"]
 """Receives every event; sync or async. Exceptions it raises are logged and ignored."""
 
 
-#: Why a lock ran out, as ``observe_processing_timeout`` is told.
+#: Why a lock ran out, as ``observe_processing_timeout`` is told, and the lock watchdog's
+#: ``event_loop_blocked`` (a loop blocked for half a lock's TTL): each is declared at zero, so
+#: that the first one of a pod is an increase an alert sees.
 PROCESSING_TIMEOUT_REASONS = (
     "lock_lost",
     "renewal_found_gone",
     "complete_found_gone",
     "expired_lease_taken_over",
+    "event_loop_blocked",
 )
 
 
