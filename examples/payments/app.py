@@ -13,11 +13,11 @@ code as "pod-a" and "pod-b"::
     DEMO_MAX_DELAY_MS           the longest demo delay a request may ask for (default 60000)
 
 Run it with ``uvicorn --factory examples.payments.app:create_app``. The tables are created at
-startup. ``GET /metrics/`` serves the middleware's Prometheus metrics (monitoring/ has the
-dashboard and the alerts that read them). A request header ``X-Demo-Delay-Ms`` makes
-``POST /payments`` sleep before it writes to the ledger, so concurrent retries and crashes can
-be shown by hand; it is not part of the request fingerprint (only headers named in
-``fingerprint_headers`` are).
+startup. ``GET /metrics/`` serves the middleware's Prometheus metrics (the monitoring kit,
+``starlette-idempotency monitoring``, has the dashboard and the alerts that read them). A
+request header ``X-Demo-Delay-Ms`` makes ``POST /payments`` sleep before it writes to the
+ledger, so concurrent retries and crashes can be shown by hand; it is not part of the request
+fingerprint (only headers named in ``fingerprint_headers`` are).
 
 ``POST /charges`` is the same payment through a (fake) payment provider, with recovery
 points: ``X-Demo-Delay-After-Provider-Ms`` makes it sleep after the provider charged and before

@@ -51,7 +51,7 @@ if _typing.TYPE_CHECKING:
     from starlette_idempotency.stores.postgres import PostgresStore
     from starlette_idempotency.stores.redis import RedisStore
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Where each name of __all__ is defined.
 _HOMES = {

@@ -3,13 +3,16 @@
 ``migrate`` creates the PostgreSQL table and its index (at deploy time; safe to repeat; with
 ``--sql`` it prints the DDL instead, for a migration tool and without connecting),
 ``purge`` deletes expired rows (from cron; expired rows are already ignored, this only frees
-space) and ``doctor`` runs the store check the middleware runs at startup, from a shell::
+space) and ``doctor`` runs the store check the middleware runs at startup, from a shell, and
+``monitoring`` writes out the Grafana dashboard and the Prometheus alerting rules this version
+ships::
 
     starlette-idempotency migrate --dsn postgresql://app@db/app
     starlette-idempotency migrate --sql --table billing.idempotency_keys > V7__idempotency.sql
     DATABASE_URL=postgresql://app@db/app starlette-idempotency purge --batch-size 5000
     starlette-idempotency doctor --redis redis://cache:6379/0
     starlette-idempotency doctor --dsn postgresql://app@db/app --strict
+    starlette-idempotency monitoring --write /etc/prometheus/idempotency
 
 ``doctor`` prints one line per finding (``error:`` or ``warning:``, with what to change) and a
 summary line. Exit status: 0 on success (for ``doctor``: no errors; warnings too fail with
@@ -24,6 +27,8 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette_idempotency import __version__
@@ -42,8 +47,8 @@ if TYPE_CHECKING:
 
 PROG = "starlette-idempotency"
 _DESCRIPTION = (
-    "Create the PostgreSQL idempotency table, purge its expired rows, or check a Redis or "
-    "PostgreSQL store as the middleware does at startup."
+    "Create the PostgreSQL idempotency table, purge its expired rows, check a Redis or "
+    "PostgreSQL store as the middleware does at startup, or write out the monitoring kit."
 )
 # SQLSTATE undefined_table: purge (or anything else) before migrate.
 _UNDEFINED_TABLE = "42P01"
@@ -121,7 +126,37 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the store's key prefix ({DEFAULT_KEY_PREFIX})",
     )
     doctor.add_argument("--strict", action="store_true", help="exit with status 1 on warnings too")
+    monitoring = commands.add_parser(
+        "monitoring",
+        help="list or write out the Grafana dashboard and the Prometheus alerting rules",
+        description="Without --write, print where the installed package keeps the monitoring "
+        "kit and its files; with --write, copy them into DIR (created if missing).",
+    )
+    monitoring.add_argument("--write", metavar="DIR", type=Path, help="copy the files into DIR")
+    monitoring.add_argument(
+        "--force", action="store_true", help="overwrite files in DIR that differ"
+    )
     return parser
+
+
+def _monitoring(args: argparse.Namespace) -> str:
+    """``monitoring``: the lines to print (the kit's files, or those written)."""
+    kit = resources.files("starlette_idempotency") / "monitoring"
+    files = sorted((item for item in kit.iterdir() if item.is_file()), key=lambda i: i.name)
+    if args.write is None:
+        return "\n".join([f"monitoring: {kit}", *(f"  {item.name}" for item in files)])
+    targets = [(item.read_bytes(), args.write / item.name) for item in files]
+    differing = [
+        str(target)
+        for content, target in targets
+        if target.exists() and target.read_bytes() != content
+    ]
+    if differing and not args.force:
+        raise _Failed(f"{', '.join(differing)}: exists with other content; --force overwrites")
+    args.write.mkdir(parents=True, exist_ok=True)
+    for content, target in targets:
+        target.write_bytes(content)
+    return "\n".join(f"monitoring: wrote {target}" for _, target in targets)
 
 
 async def _chore(args: argparse.Namespace) -> str:
@@ -208,6 +243,12 @@ def _missing_extra(exc: ImportError) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "monitoring":
+        try:
+            print(_monitoring(args))
+        except (_Failed, OSError) as exc:
+            return _fail(_one_line(exc))
+        return 0
     args.dsn_given = bool(args.dsn)
     doctor_redis = args.command == "doctor" and bool(args.redis)
     if doctor_redis and args.dsn:

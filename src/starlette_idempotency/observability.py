@@ -72,7 +72,10 @@ EventHook = Callable[[IdempotencyEvent], "Awaitable[None] | None"]
 """Receives every event; sync or async. Exceptions it raises are logged and ignored."""
 
 
-#: Why a lock ran out, as ``observe_processing_timeout`` is told.
+#: Why a lock ran out (or may have), as ``observe_processing_timeout`` is told: lost, found
+#: gone, taken over; ``event_loop_blocked`` (a loop blocked for half a lock's TTL) and
+#: ``max_processing_seconds`` (a hung handler's renewal ended). Each is declared at zero, so
+#: that the first one of a pod is an increase an alert sees.
 PROCESSING_TIMEOUT_REASONS = (
     "lock_lost",
     "renewal_found_gone",

@@ -217,7 +217,7 @@ async def test_a_failing_declare_is_logged_and_never_stops_the_app(
 
 
 def test_every_metric_the_dashboard_and_the_alerts_read_exists_at_startup() -> None:
-    """What monitoring/ reads is what an app that has only started already exports."""
+    """What the monitoring kit reads is what an app that has only started already exports."""
     names = set(re.findall(r"\bidempotency_\w+", ALERTS.read_text() + DASHBOARD.read_text()))
     assert names
     registry = CollectorRegistry()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import starlette_idempotency
 from starlette_idempotency.testing._processes import (
     Managed,
     free_port,
@@ -22,8 +23,8 @@ from starlette_idempotency.testing._processes import (
 )
 
 INSTALL_HINT = "apt-get install prometheus"
-ROOT = Path(__file__).resolve().parents[2]
-MONITORING = ROOT / "monitoring"
+#: The monitoring kit, package data of the wheel (``starlette-idempotency monitoring``).
+MONITORING = Path(starlette_idempotency.__file__).parent / "monitoring"
 ALERTS = MONITORING / "prometheus-alerts.yml"
 ALERT_TESTS = MONITORING / "prometheus-alerts.test.yml"
 DASHBOARD = MONITORING / "grafana-dashboard.json"
