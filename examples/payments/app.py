@@ -59,6 +59,7 @@ from starlette_idempotency import (
     idempotency_context,
     idempotent,
     mark_retryable,
+    readiness_route,
 )
 
 logger = logging.getLogger(__name__)
@@ -338,6 +339,14 @@ def build_api(settings: Settings) -> FastAPI:
         except Exception as exc:  # any database failure means "not ready"
             return _error(503, "database_unavailable", str(exc), pod=pod)
         return JSONResponse({"status": "ok" if ok else "degraded", "pod": pod})
+
+    # Kubernetes probes (examples/payments/k8s/): ready while the idempotency store works,
+    # alive while the event loop answers. Out of the schema: they are for the kubelet.
+    app.router.routes.append(readiness_route(store, path="/ready"))
+
+    @app.get("/livez", include_in_schema=False)
+    async def livez() -> dict[str, str]:
+        return {"status": "alive", "pod": pod}
 
     @app.post("/payments", response_model=Payment)
     @idempotent(ttl_hours=48, lock_ttl_seconds=settings.payments_lock_ttl_seconds)

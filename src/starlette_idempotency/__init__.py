@@ -45,6 +45,12 @@ if _typing.TYPE_CHECKING:
         OutcomeResult,
     )
     from starlette_idempotency.prometheus import PrometheusMetrics
+    from starlette_idempotency.readiness import (
+        StoreReadiness,
+        readiness_endpoint,
+        readiness_route,
+        store_ready,
+    )
     from starlette_idempotency.stores.base import IdempotencyStore
     from starlette_idempotency.stores.memory import MemoryStore
     from starlette_idempotency.stores.postgres import PostgresStore
@@ -75,6 +81,7 @@ _HOMES = {
     "RedisStore": "starlette_idempotency.stores.redis",
     "ResponseEncryption": "starlette_idempotency._protection",
     "StoreError": "starlette_idempotency.errors",
+    "StoreReadiness": "starlette_idempotency.readiness",
     "StoreTimeoutError": "starlette_idempotency.errors",
     "StoredResponse": "starlette_idempotency._record",
     "UnguardedRequestError": "starlette_idempotency.errors",
@@ -82,7 +89,10 @@ _HOMES = {
     "idempotency_context": "starlette_idempotency._endpoint",
     "idempotent": "starlette_idempotency._endpoint",
     "mark_retryable": "starlette_idempotency._endpoint",
+    "readiness_endpoint": "starlette_idempotency.readiness",
+    "readiness_route": "starlette_idempotency.readiness",
     "storage_key": "starlette_idempotency._keys",
+    "store_ready": "starlette_idempotency.readiness",
 }
 # What only a store implementer needs lives in starlette_idempotency.stores, and the route
 # options in starlette_idempotency.middleware; 0.1 exported them here too.
@@ -135,6 +145,7 @@ __all__ = [
     "RedisStore",
     "ResponseEncryption",
     "StoreError",
+    "StoreReadiness",
     "StoreTimeoutError",
     "StoredResponse",
     "UnguardedRequestError",
@@ -143,5 +154,8 @@ __all__ = [
     "idempotency_context",
     "idempotent",
     "mark_retryable",
+    "readiness_endpoint",
+    "readiness_route",
     "storage_key",
+    "store_ready",
 ]
