@@ -84,6 +84,7 @@ from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     AcquireResult,
     FencedWrite,
+    HeldRecord,
     StoreBase,
     StoreFinding,
 )
@@ -190,9 +191,9 @@ def _sql_file(name: str) -> str:
 
 
 @cache
-def _named_queries() -> dict[str, str]:
-    """``queries.sql`` split at its ``-- name:`` lines, comment lines dropped."""
-    parts = _QUERY_NAME.split(_sql_file("queries.sql"))
+def _named_queries(file: str = "queries.sql") -> dict[str, str]:
+    """A file of named queries split at its ``-- name:`` lines, comment lines dropped."""
+    parts = _QUERY_NAME.split(_sql_file(file))
     return {
         name: "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("--"))
         .strip()
@@ -848,6 +849,22 @@ class PostgresStore(StoreBase):
             ),
         ]
         return [StoreFinding(level, message) for found, level, message in candidates if found]
+
+    async def in_progress(self, *, stuck: bool = False, limit: int = 1000) -> list[HeldRecord]:
+        """Live ``InProgress`` records under the store's prefix, oldest first, at most ``limit``
+        (for operators: ``starlette-idempotency list``; read-only). With ``stuck``, only those
+        whose lease ran out (:attr:`HeldRecord.lease_expired`), judged on the database clock.
+        A query of ``sql/operator.sql`` that scans the table."""
+        sql = _named_queries("operator.sql")["in_progress"].replace("{table}", self._table)
+
+        def fetch() -> Awaitable[list[Any]]:
+            return self._statement(lambda on: on.fetch(sql, stuck, limit, self._prefix))
+
+        rows = await self._run("in_progress", fetch)
+        return [
+            HeldRecord(row["key"][len(self._prefix) :], _record_from_row(row), row["lease_expired"])
+            for row in rows
+        ]
 
     async def aclose(self) -> None:
         """Close the pool the store opened itself (:meth:`from_dsn`, :meth:`connect`), after
