@@ -42,7 +42,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 from starlette.datastructures import MutableHeaders
@@ -61,6 +61,7 @@ from starlette_idempotency import (
     mark_retryable,
     readiness_route,
 )
+from starlette_idempotency.prometheus import metrics_app
 
 logger = logging.getLogger(__name__)
 
@@ -516,7 +517,8 @@ def build_api(settings: Settings) -> FastAPI:
 
     # A registry per app: tests build several apps in one process.
     registry = CollectorRegistry()
-    app.mount("/metrics", make_asgi_app(registry=registry))
+    # Under `uvicorn --workers N` with PROMETHEUS_MULTIPROC_DIR set: every worker's sum.
+    app.mount("/metrics", metrics_app(registry))
     app.add_middleware(
         IdempotencyMiddleware,
         store=store,
