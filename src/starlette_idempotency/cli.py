@@ -3,18 +3,21 @@
 ``migrate`` creates the PostgreSQL table and its index (at deploy time; safe to repeat; with
 ``--sql`` it prints the DDL instead, for a migration tool and without connecting),
 ``purge`` deletes expired rows (from cron; expired rows are already ignored, this only frees
-space) and ``doctor`` runs the store check the middleware runs at startup, from a shell::
+space), ``doctor`` runs the store check the middleware runs at startup, from a shell, and
+``show``, ``delete``, ``resolve`` and ``list`` are for on call (see :mod:`._cli_keys`)::
 
     starlette-idempotency migrate --dsn postgresql://app@db/app
     starlette-idempotency migrate --sql --table billing.idempotency_keys > V7__idempotency.sql
     DATABASE_URL=postgresql://app@db/app starlette-idempotency purge --batch-size 5000
     starlette-idempotency doctor --redis redis://cache:6379/0
     starlette-idempotency doctor --dsn postgresql://app@db/app --strict
+    starlette-idempotency list --stuck --redis redis://cache:6379/0
 
 ``doctor`` prints one line per finding (``error:`` or ``warning:``, with what to change) and a
 summary line. Exit status: 0 on success (for ``doctor``: no errors; warnings too fail with
-``--strict``), 1 when the store fails, cannot be reached or has errors, or a needed extra is
-not installed, 2 on bad usage. Messages name hosts and databases, never passwords.
+``--strict``), 1 when the store fails, cannot be reached or has errors, a needed extra is
+not installed, or a key command finds no record or refuses, 2 on bad usage. Messages name
+hosts and databases, never passwords.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ if TYPE_CHECKING:
 
 PROG = "starlette-idempotency"
 _DESCRIPTION = (
-    "Create the PostgreSQL idempotency table, purge its expired rows, or check a Redis or "
-    "PostgreSQL store as the middleware does at startup."
+    "Create the PostgreSQL idempotency table, purge its expired rows, check a Redis or "
+    "PostgreSQL store as the middleware does at startup, or show, delete, resolve and list "
+    "its keys."
 )
 # SQLSTATE undefined_table: purge (or anything else) before migrate.
 _UNDEFINED_TABLE = "42P01"
