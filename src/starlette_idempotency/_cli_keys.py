@@ -144,34 +144,48 @@ async def run_key_command(store: RedisStore | PostgresStore, args: argparse.Name
         held = await store.in_progress(stuck=args.stuck, limit=args.limit)
         return _list_output(held, stuck=args.stuck, as_json=args.json)
     encryption = _encryption(args.encryption_key)
-    response = _response(args) if args.command == "resolve" else None
     key = storage_key(args.scope, args.method.upper(), args.route, args.key)
+    if args.command == "resolve":
+        response = _response(args)  # bad options are refused before the store is read
+        record = await _stopped_record(store, key, force=args.force)
+        if record.status is not RecordStatus.IN_PROGRESS:
+            raise CommandFailed(
+                f"{key!r} is already {record.status.value}: retries get its response; "
+                "delete it to let the next retry run the handler again"
+            )
+        if encryption is not None:
+            response = encryption.encrypt(response, key)
+        if not await store.resolve(key, response, ttl=args.ttl_hours * 3600):
+            raise CommandFailed(f"{key!r} vanished meanwhile (deleted, or expired)")
+        finished = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
+        return _done("resolved", key, finished, as_json=args.json)
+    if args.command == "show":
+        record = await _record(store, key)
+        return _show(key, record, encryption, body=args.body, as_json=args.json)
+    record = await _stopped_record(store, key, force=args.force)
+    if not await store.release(key, record.owner_token):
+        raise CommandFailed(f"{key!r} changed hands meanwhile: show it again")
+    return _done("deleted", key, record.status, as_json=args.json)
+
+
+async def _record(store: RedisStore | PostgresStore, key: str) -> IdempotencyRecord:
     record = await store.get(key)
     if record is None:
         raise CommandFailed(f"no record under {key!r} in {store.describe()}")
-    if args.command == "show":
-        return _show(key, record, encryption, body=args.body, as_json=args.json)
-    if record.status is RecordStatus.IN_PROGRESS and not args.force and _may_run(record):
+    return record
+
+
+async def _stopped_record(
+    store: RedisStore | PostgresStore, key: str, *, force: bool
+) -> IdempotencyRecord:
+    """The record under ``key``, unless its handler may still be running (and not ``force``)."""
+    record = await _record(store, key)
+    if record.status is RecordStatus.IN_PROGRESS and not force and _may_run(record):
         raise CommandFailed(
             f"{key!r} is in progress and its handler may still be running "
             f"({_lease_text(record)}): wait for its lease to run out, or pass --force"
         )
-    if args.command == "delete":
-        if not await store.release(key, record.owner_token):
-            raise CommandFailed(f"{key!r} changed hands meanwhile: show it again")
-        return _done("deleted", key, record.status, as_json=args.json)
-    if record.status is not RecordStatus.IN_PROGRESS:
-        raise CommandFailed(
-            f"{key!r} is already {record.status.value}: retries get its response; "
-            "delete it to let the next retry run the handler again"
-        )
-    assert response is not None
-    if encryption is not None:
-        response = encryption.encrypt(response, key)
-    if not await store.resolve(key, response, ttl=args.ttl_hours * 3600):
-        raise CommandFailed(f"{key!r} vanished meanwhile (deleted, or expired)")
-    finished = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
-    return _done("resolved", key, finished, as_json=args.json)
+    return record
 
 
 def _encryption(specs: list[str]) -> ResponseEncryption | None:
