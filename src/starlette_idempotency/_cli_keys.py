@@ -230,8 +230,13 @@ def _lease_text(record: IdempotencyRecord) -> str:
 
 def _parts(key: str) -> dict[str, str | None]:
     scope_id, method, route, client_key = split_storage_key(key) or (None, None, None, None)
-    return {"storageKey": key, "scope": scope_id, "method": method, "route": route,
-            "key": client_key}  # fmt: skip
+    return {
+        "storageKey": key,
+        "scope": scope_id,
+        "method": method,
+        "route": route,
+        "key": client_key,
+    }
 
 
 def _show(
@@ -249,8 +254,9 @@ def _show(
         opened = None if encryption is None else encryption.decrypt(stored, key)
         if opened is None and body:
             raise CommandFailed(
-                f"the response of {key!r} is sealed with key {sealed_with!r}: pass "
-                f"--encryption-key {sealed_with}=ENV_VAR naming the variable that holds it"
+                f"the response of {key!r} is sealed with key {sealed_with!r}, which no "
+                f"--encryption-key given opens: pass --encryption-key {sealed_with}=ENV_VAR "
+                "naming the variable that holds that key"
             )
         stored = opened or stored
     shown = record if stored is record.response else replace(record, response=stored)

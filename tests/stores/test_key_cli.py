@@ -144,7 +144,8 @@ async def test_show_a_completed_key_its_body_only_when_asked(setup: Setup) -> No
 
     sealed = await setup.cli("show", *ADDRESS, "/payments", "k-1", "--body")
     assert sealed.code == 1
-    assert "sealed with key '2026-12': pass --encryption-key 2026-12=ENV_VAR" in sealed.err
+    assert "sealed with key '2026-12', which no --encryption-key given opens" in sealed.err
+    assert "pass --encryption-key 2026-12=ENV_VAR" in sealed.err
 
     opened = await setup.cli(
         "show",
