@@ -42,7 +42,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry, make_asgi_app
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 from starlette.datastructures import MutableHeaders
@@ -59,7 +59,9 @@ from starlette_idempotency import (
     idempotency_context,
     idempotent,
     mark_retryable,
+    readiness_route,
 )
+from starlette_idempotency.prometheus import metrics_app
 
 logger = logging.getLogger(__name__)
 
@@ -339,6 +341,14 @@ def build_api(settings: Settings) -> FastAPI:
             return _error(503, "database_unavailable", str(exc), pod=pod)
         return JSONResponse({"status": "ok" if ok else "degraded", "pod": pod})
 
+    # Kubernetes probes (examples/payments/k8s/): ready while the idempotency store works,
+    # alive while the event loop answers. Out of the schema: they are for the kubelet.
+    app.router.routes.append(readiness_route(store, path="/ready"))
+
+    @app.get("/livez", include_in_schema=False)
+    async def livez() -> dict[str, str]:
+        return {"status": "alive", "pod": pod}
+
     @app.post("/payments", response_model=Payment)
     @idempotent(ttl_hours=48, lock_ttl_seconds=settings.payments_lock_ttl_seconds)
     async def create_payment(
@@ -507,7 +517,8 @@ def build_api(settings: Settings) -> FastAPI:
 
     # A registry per app: tests build several apps in one process.
     registry = CollectorRegistry()
-    app.mount("/metrics", make_asgi_app(registry=registry))
+    # Under `uvicorn --workers N` with PROMETHEUS_MULTIPROC_DIR set: every worker's sum.
+    app.mount("/metrics", metrics_app(registry))
     app.add_middleware(
         IdempotencyMiddleware,
         store=store,

@@ -46,6 +46,12 @@ if _typing.TYPE_CHECKING:
         OutcomeResult,
     )
     from starlette_idempotency.prometheus import PrometheusMetrics
+    from starlette_idempotency.readiness import (
+        StoreReadiness,
+        readiness_endpoint,
+        readiness_route,
+        store_ready,
+    )
     from starlette_idempotency.stores.base import IdempotencyStore
     from starlette_idempotency.stores.memory import MemoryStore
     from starlette_idempotency.stores.postgres import PostgresStore
@@ -77,6 +83,7 @@ _HOMES = {
     "RedisStore": "starlette_idempotency.stores.redis",
     "ResponseEncryption": "starlette_idempotency._protection",
     "StoreError": "starlette_idempotency.errors",
+    "StoreReadiness": "starlette_idempotency.readiness",
     "StoreTimeoutError": "starlette_idempotency.errors",
     "StoredResponse": "starlette_idempotency._record",
     "UnguardedRequestError": "starlette_idempotency.errors",
@@ -85,7 +92,10 @@ _HOMES = {
     "idempotency_transaction": "starlette_idempotency._transaction",
     "idempotent": "starlette_idempotency._endpoint",
     "mark_retryable": "starlette_idempotency._endpoint",
+    "readiness_endpoint": "starlette_idempotency.readiness",
+    "readiness_route": "starlette_idempotency.readiness",
     "storage_key": "starlette_idempotency._keys",
+    "store_ready": "starlette_idempotency.readiness",
 }
 # What only a store implementer needs lives in starlette_idempotency.stores, and the route
 # options in starlette_idempotency.middleware; 0.1 exported them here too.
@@ -139,6 +149,7 @@ __all__ = [
     "RedisStore",
     "ResponseEncryption",
     "StoreError",
+    "StoreReadiness",
     "StoreTimeoutError",
     "StoredResponse",
     "UnguardedRequestError",
@@ -148,5 +159,8 @@ __all__ = [
     "idempotency_transaction",
     "idempotent",
     "mark_retryable",
+    "readiness_endpoint",
+    "readiness_route",
     "storage_key",
+    "store_ready",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -179,3 +180,18 @@ def storage_key(scope_id: str, method: str, route_template: str, key: str) -> st
         f"{scope_id.translate(escapes)}:{method.translate(escapes)}:"
         f"{route_template.translate(escapes)}:{key.translate(escapes)}"
     )
+
+
+_KEY_PART_UNESCAPES = re.compile("%(25|3A|7B|7D)")
+
+
+def split_storage_key(key: str) -> tuple[str, str, str, str] | None:
+    """The scope, method, route template and key that :func:`storage_key` joined into
+    ``key``; ``None`` for a key it did not build."""
+    parts = key.split(":")
+    if len(parts) != 4:
+        return None
+    scope_id, method, route_template, client_key = (
+        _KEY_PART_UNESCAPES.sub(lambda match: chr(int(match[1], 16)), part) for part in parts
+    )
+    return scope_id, method, route_template, client_key

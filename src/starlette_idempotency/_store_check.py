@@ -42,18 +42,24 @@ _LIFESPAN_ENDS = frozenset(
 )
 
 
-async def check_store(store: object) -> list[StoreFinding]:
+async def check_store(
+    store: object,
+    timeout: float | None = None,  # noqa: ASYNC109 - no answer is a finding, not an exception
+) -> list[StoreFinding]:
     """What ``store`` reports about itself; ``[]`` for a store that cannot check itself.
 
     Raises the :class:`ConfigurationError` of a store that cannot work as it is configured;
-    any other failure of the check is an ``error`` finding."""
+    any other failure of the check, or no answer within ``timeout`` seconds
+    (:data:`CHECK_TIMEOUT_SECONDS` by default), is an ``error`` finding."""
     if not isinstance(store, CheckableStore):
         return []
+    if timeout is None:
+        timeout = CHECK_TIMEOUT_SECONDS
     try:
-        async with asyncio.timeout(CHECK_TIMEOUT_SECONDS):
+        async with asyncio.timeout(timeout):
             return await store.check()
     except TimeoutError:
-        message = f"no answer within {CHECK_TIMEOUT_SECONDS:g}s"
+        message = f"no answer within {timeout:g}s"
     except ConfigurationError:
         raise
     except Exception as exc:  # a store's check must not stop the app on its own

@@ -3,7 +3,8 @@
 ``migrate`` creates the PostgreSQL table and its index (at deploy time; safe to repeat; with
 ``--sql`` it prints the DDL instead, for a migration tool and without connecting),
 ``purge`` deletes expired rows (from cron; expired rows are already ignored, this only frees
-space) and ``doctor`` runs the store check the middleware runs at startup, from a shell, and
+space), ``doctor`` runs the store check the middleware runs at startup, from a shell,
+``show``, ``delete``, ``resolve`` and ``list`` are for on call (see :mod:`._cli_keys`), and
 ``monitoring`` writes out the Grafana dashboard and the Prometheus alerting rules this version
 ships::
 
@@ -12,12 +13,14 @@ ships::
     DATABASE_URL=postgresql://app@db/app starlette-idempotency purge --batch-size 5000
     starlette-idempotency doctor --redis redis://cache:6379/0
     starlette-idempotency doctor --dsn postgresql://app@db/app --strict
+    starlette-idempotency list --stuck --redis redis://cache:6379/0
     starlette-idempotency monitoring --write /etc/prometheus/idempotency
 
 ``doctor`` prints one line per finding (``error:`` or ``warning:``, with what to change) and a
 summary line. Exit status: 0 on success (for ``doctor``: no errors; warnings too fail with
-``--strict``), 1 when the store fails, cannot be reached or has errors, or a needed extra is
-not installed, 2 on bad usage. Messages name hosts and databases, never passwords.
+``--strict``), 1 when the store fails, cannot be reached or has errors, a needed extra is
+not installed, or a key command finds no record or refuses, 2 on bad usage. Messages name
+hosts and databases, never passwords.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette_idempotency import __version__
+from starlette_idempotency._cli_keys import (
+    KEY_COMMANDS,
+    CommandFailed,
+    add_key_commands,
+    run_key_command,
+)
 from starlette_idempotency._store_check import check_store
 from starlette_idempotency.errors import ConfigurationError, StoreError
 from starlette_idempotency.stores.base import DEFAULT_KEY_PREFIX, CheckableStore, StoreFinding
@@ -44,11 +53,13 @@ from starlette_idempotency.stores.postgres import (
 
 if TYPE_CHECKING:
     from starlette_idempotency.stores.redis import RedisStore
+    from starlette_idempotency.stores.redis._store import DriverName
 
 PROG = "starlette-idempotency"
 _DESCRIPTION = (
     "Create the PostgreSQL idempotency table, purge its expired rows, check a Redis or "
-    "PostgreSQL store as the middleware does at startup, or write out the monitoring kit."
+    "PostgreSQL store as the middleware does at startup, show, delete, resolve and list its "
+    "keys, or write out the monitoring kit."
 )
 # SQLSTATE undefined_table: purge (or anything else) before migrate.
 _UNDEFINED_TABLE = "42P01"
@@ -103,27 +114,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="rows deleted per statement (1000)",
     )
+    store = argparse.ArgumentParser(add_help=False, parents=[database])
+    store.add_argument("--redis", metavar="URL", help="Redis URL (redis://, rediss:// or unix://)")
+    store.add_argument(
+        "--key-prefix",
+        default=DEFAULT_KEY_PREFIX,
+        help=f"the store's key prefix ({DEFAULT_KEY_PREFIX})",
+    )
     doctor = commands.add_parser(
         "doctor",
-        parents=[database],
+        parents=[store],
         help="check a Redis or PostgreSQL store as the middleware does at startup",
         description="Reach the store and report what would break it (errors) or weaken its "
         "guarantees (warnings), with what to change. Exit status 0 without errors, 1 with "
         "errors (or warnings, with --strict), 2 on bad usage.",
     )
     doctor.add_argument(
-        "--redis", metavar="URL", help="Redis URL (redis://, rediss:// or unix://) to check"
-    )
-    doctor.add_argument(
         "--driver",
         choices=("redis-py", "glide"),
         default="redis-py",
         help="the Redis client library the app uses (redis-py)",
-    )
-    doctor.add_argument(
-        "--key-prefix",
-        default=DEFAULT_KEY_PREFIX,
-        help=f"the store's key prefix ({DEFAULT_KEY_PREFIX})",
     )
     doctor.add_argument("--strict", action="store_true", help="exit with status 1 on warnings too")
     monitoring = commands.add_parser(
@@ -136,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     monitoring.add_argument(
         "--force", action="store_true", help="overwrite files in DIR that differ"
     )
+    add_key_commands(commands, store)
     return parser
 
 
@@ -190,22 +201,35 @@ def _migrate_hint(args: argparse.Namespace) -> str:
     return f"run `{PROG} migrate{table}` with the same {source} first"
 
 
-async def _doctor(args: argparse.Namespace) -> list[StoreFinding]:
-    """The store check the middleware runs at startup, on the store ``args`` describe."""
-    store: RedisStore | PostgresStore
+async def _store_for(args: argparse.Namespace) -> RedisStore | PostgresStore:
+    """The store ``--redis`` or ``--dsn`` (and ``--table``, ``--key-prefix``) describe."""
     if args.redis:
         from starlette_idempotency.stores.redis import RedisStore
 
+        # The key commands list keys with SCAN, which only the redis-py driver sends.
+        driver: DriverName = getattr(args, "driver", "redis-py")
         try:
-            store = RedisStore.from_url(args.redis, key_prefix=args.key_prefix, driver=args.driver)
+            return RedisStore.from_url(args.redis, key_prefix=args.key_prefix, driver=driver)
         except ValueError as exc:  # redis-py refusing the URL (no password in its message)
             raise ConfigurationError(f"--redis: {exc}") from exc
-    else:
-        # min_size=0: the first connection is the check's, so an unreachable database is
-        # reported by the check, in the words the middleware logs, rather than raised here.
-        store = await PostgresStore.connect(
-            args.dsn, table=args.table, key_prefix=args.key_prefix, min_size=0, max_size=1
-        )
+    # min_size=0: the first connection is the first operation's, so an unreachable database
+    # is reported by it (for doctor, in the words the middleware logs), rather than raised here.
+    return await PostgresStore.connect(
+        args.dsn, table=args.table, key_prefix=args.key_prefix, min_size=0, max_size=1
+    )
+
+
+async def _key_command(args: argparse.Namespace) -> str:
+    store = await _store_for(args)
+    try:
+        return await run_key_command(store, args)
+    finally:
+        await store.aclose()
+
+
+async def _doctor(args: argparse.Namespace) -> list[StoreFinding]:
+    """The store check the middleware runs at startup, on the store ``args`` describe."""
+    store = await _store_for(args)
     try:
         if not isinstance(store, CheckableStore):
             raise _Failed(f"{type(store).__name__} cannot check itself in this version")
@@ -250,10 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fail(_one_line(exc))
         return 0
     args.dsn_given = bool(args.dsn)
-    doctor_redis = args.command == "doctor" and bool(args.redis)
-    if doctor_redis and args.dsn:
+    on_redis = bool(getattr(args, "redis", None))
+    if on_redis and args.dsn:
         parser.error("pass --redis or --dsn, not both")
-    if doctor_redis and args.table != DEFAULT_TABLE:
+    if on_redis and args.table != DEFAULT_TABLE:
         parser.error("--table is for a PostgreSQL store (--dsn)")
     if args.command == "migrate" and args.sql:
         if args.dsn:
@@ -263,12 +287,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigurationError as exc:
             parser.error(_one_line(exc))
         return 0
-    if not doctor_redis:
+    if not on_redis:
         args.dsn = args.dsn or os.environ.get("DATABASE_URL")
         if not args.dsn:
-            what = "--redis URL or --dsn" if args.command == "doctor" else "--dsn"
+            what = "--redis URL or --dsn" if hasattr(args, "redis") else "--dsn"
             parser.error(f"no store given: pass {what} or set DATABASE_URL")
     try:
+        if args.command in KEY_COMMANDS:
+            print(asyncio.run(_key_command(args)))
+            return 0
         if args.command != "doctor":
             print(asyncio.run(_chore(args)))
             return 0
@@ -280,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if message is None:
             raise
         return _fail(message)
-    except (StoreError, _Failed) as exc:
+    except (StoreError, _Failed, CommandFailed) as exc:
         return _fail(_one_line(exc))
     for finding in findings:
         print(f"{finding.level}: {_one_line(finding.message)}")

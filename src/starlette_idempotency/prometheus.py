@@ -4,11 +4,16 @@ Pass your own ``registry`` when two apps share a process, so their metrics do no
 the default one. Every series exists at zero from the app's startup (the middleware declares its
 guarded endpoints and its store then), so a rate reads 0 rather than "no data" and the first
 increase of a counter is seen by ``rate()`` and ``increase()``.
+
+Serve them with :func:`metrics_app`: under ``uvicorn --workers N`` or gunicorn, with
+``PROMETHEUS_MULTIPROC_DIR`` set (prometheus_client's multiprocess mode), it serves the sum over
+every worker.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from starlette_idempotency._store_calls import OBSERVED_OPERATIONS
@@ -83,6 +88,8 @@ class PrometheusMetrics:
         self.waiting = prometheus_client.Gauge(
             "idempotency_waiting_requests",
             "Duplicates waiting for the first request to finish (on_in_progress='wait').",
+            # With several workers: the sum over the live ones (ignored in a single process).
+            multiprocess_mode="livesum",
             **common,
         )
 
@@ -119,3 +126,23 @@ class PrometheusMetrics:
 
     def observe_waiting(self, delta: int) -> None:
         self.waiting.inc(delta)
+
+
+def metrics_app(registry: Any = None) -> Callable[..., Any]:
+    """An ASGI app serving the Prometheus metrics (mount it: ``app.mount("/metrics", ...)``).
+
+    With ``PROMETHEUS_MULTIPROC_DIR`` set (several worker processes: ``uvicorn --workers N``,
+    gunicorn), whichever worker answers serves the sum over every worker, read from that
+    directory by prometheus_client's ``MultiProcessCollector``: the metrics of the app's
+    ``registry`` and of any other registry alike. Otherwise it serves ``registry`` (default:
+    the global one), this process's metrics, as ``prometheus_client.make_asgi_app`` does.
+    """
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        registry = prometheus_client.CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    elif registry is None:
+        registry = prometheus_client.REGISTRY
+    app: Callable[..., Any] = prometheus_client.make_asgi_app(registry=registry)
+    return app

@@ -34,7 +34,8 @@ def _accepts(port: int, timeout: float = 0.2) -> bool:
 
 class UvicornServer(Managed):
     """``python -m uvicorn APP`` in a child process, run from the repository's root; ``app`` is
-    a ``module:attribute`` path (an app factory with ``factory=True``)."""
+    a ``module:attribute`` path (an app factory with ``factory=True``), served by ``workers``
+    worker processes."""
 
     def __init__(
         self,
@@ -43,8 +44,10 @@ class UvicornServer(Managed):
         http: HttpImplementation = "h11",
         env: dict[str, str] | None = None,
         factory: bool = False,
+        workers: int = 1,
     ) -> None:
         self.app = app
+        self.workers = workers
         self.http = http
         self.env = env or {}
         self.factory = factory
@@ -60,6 +63,7 @@ class UvicornServer(Managed):
         command = [sys.executable, "-m", "uvicorn", self.app, "--port", str(self.port)]
         command += ["--http", self.http, "--log-level", "warning", "--lifespan", "on"]
         command += ["--factory"] if self.factory else []
+        command += ["--workers", str(self.workers)] if self.workers > 1 else []
         self._proc = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **self.env})
         proc = self._proc
         eventually_sync(

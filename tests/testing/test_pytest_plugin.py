@@ -324,3 +324,53 @@ def test_the_guides_example_passes_in_strict_mode(
 
     result = run_project(pytester, monkeypatch, "-o", "asyncio_mode=strict", "-W", "error")
     result.assert_outcomes(passed=9)  # four tests on each of the two stores, and one on memory
+
+
+#: A user's conftest with a ``postgres_dsn`` of its own (a database the run does not drop), and
+#: two tests: one on ``postgres_store``, one creating the table itself on ``postgres_table``.
+OWN_DATABASE_CONFTEST = """
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn():
+    return os.environ["OWN_DATABASE_URL"]
+"""
+OWN_DATABASE_TESTS = """
+from pathlib import Path
+
+import pytest
+
+from starlette_idempotency import PostgresStore
+
+
+@pytest.mark.asyncio
+async def test_fixture_store(postgres_table, postgres_store):
+    await postgres_store.create_schema()
+    Path("fixture-store.txt").write_text(postgres_table)
+
+
+@pytest.mark.asyncio
+async def test_own_store(postgres_dsn, postgres_table):
+    store = PostgresStore.from_dsn(postgres_dsn, table=postgres_table)
+    await store.create_schema()
+    await store.aclose()
+    Path("own-store.txt").write_text(postgres_table)
+"""
+
+
+def test_an_overridden_postgres_dsn_keeps_no_tables(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, postgres_dsn: str
+) -> None:
+    monkeypatch.setenv("OWN_DATABASE_URL", postgres_dsn)
+    pytester.makeconftest(f"pytest_plugins = [{PLUGIN!r}]\n{OWN_DATABASE_CONFTEST}")
+    pytester.makepyfile(test_user=OWN_DATABASE_TESTS)
+    run_project(pytester, monkeypatch, "-W", "error").assert_outcomes(passed=2)
+    tables = [
+        Path(pytester.path, name).read_text() for name in ("fixture-store.txt", "own-store.txt")
+    ]
+    assert len(set(tables)) == 2
+    for table in tables:
+        assert run_admin(postgres_dsn, "SELECT to_regclass($1) IS NULL", table) is True

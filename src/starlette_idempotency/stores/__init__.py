@@ -18,6 +18,7 @@ from starlette_idempotency.stores.base import (
     CheckableStore,
     ConnectionOwningStore,
     FencedWrite,
+    HeldRecord,
     StoreBase,
     StoreFinding,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "Checkpoint",
     "ConnectionOwningStore",
     "FencedWrite",
+    "HeldRecord",
     "IdempotencyRecord",
     "RecordStatus",
     "StoreBase",

@@ -68,9 +68,9 @@ def _sql_file(name: str) -> str:
 
 
 @cache
-def named_queries() -> dict[str, str]:
-    """``queries.sql`` split at its ``-- name:`` lines, comment lines dropped."""
-    parts = _QUERY_NAME.split(_sql_file("queries.sql"))
+def named_queries(file: str) -> dict[str, str]:
+    """A file of named queries split at its ``-- name:`` lines, comment lines dropped."""
+    parts = _QUERY_NAME.split(_sql_file(file))
     return {
         name: "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("--"))
         .strip()
@@ -140,14 +140,17 @@ class Statement(NamedTuple):
 
 
 class TableQueries:
-    """The queries of ``queries.sql`` for one table and key prefix (``sql``, by name), and the
-    statements of the writes that may also run in the app's transaction."""
+    """The queries of ``queries.sql`` and ``operator.sql`` for one table and key prefix
+    (``sql``, by name), and the statements of the writes that may also run in the app's
+    transaction."""
 
     def __init__(self, table: str, key_prefix: str) -> None:
         self.table, _ = quote_table(table)
         self.prefix = f"{key_prefix}:"
         self.sql = {
-            name: query.replace("{table}", self.table) for name, query in named_queries().items()
+            name: query.replace("{table}", self.table)
+            for file in ("queries.sql", "operator.sql")
+            for name, query in named_queries(file).items()
         }
 
     def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> Statement:

@@ -264,3 +264,16 @@ class ChangeNotifyingStore(Protocol):
         """Return once ``key`` was completed, failed, released or resolved (bounded by the
         caller); may also return early, as the caller reads the key again anyway."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRecord:
+    """An ``InProgress`` record as an operator lists it (``starlette-idempotency list``)."""
+
+    #: The storage key, without the store's prefix (what :func:`storage_key` built).
+    key: str
+    record: IdempotencyRecord
+    #: Whether the record has recovery points and its lease has run out, on the store's clock:
+    #: its handler died after a recovery point, and the key waits for a retry to recover it
+    #: (or, with ``on_recovery="hold"``, for an operator to resolve it).
+    lease_expired: bool

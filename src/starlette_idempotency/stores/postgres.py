@@ -83,6 +83,7 @@ from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     AcquireResult,
     FencedWrite,
+    HeldRecord,
     StoreBase,
     StoreFinding,
 )
@@ -723,6 +724,22 @@ class PostgresStore(StoreBase):
             ),
         ]
         return [StoreFinding(level, message) for found, level, message in candidates if found]
+
+    async def in_progress(self, *, stuck: bool = False, limit: int = 1000) -> list[HeldRecord]:
+        """Live ``InProgress`` records under the store's prefix, oldest first, at most ``limit``
+        (for operators: ``starlette-idempotency list``; read-only). With ``stuck``, only those
+        whose lease ran out (:attr:`HeldRecord.lease_expired`), judged on the database clock.
+        A query of ``sql/operator.sql`` that scans the table."""
+        sql = self._sql["in_progress"]
+
+        def fetch() -> Awaitable[list[Any]]:
+            return self._statement(lambda on: on.fetch(sql, stuck, limit, self._prefix))
+
+        rows = await self._run("in_progress", fetch)
+        return [
+            HeldRecord(row["key"][len(self._prefix) :], record_from_row(row), row["lease_expired"])
+            for row in rows
+        ]
 
     async def aclose(self) -> None:
         """Close the pool the store opened itself (:meth:`from_dsn`, :meth:`connect`), after

@@ -3,7 +3,7 @@
 Redis: each test writes under a key prefix of its own (:func:`unique_prefix`), and its keys are
 deleted afterwards (:func:`delete_prefixed`); nothing is ever flushed. PostgreSQL: a test run
 gets a database of its own (:func:`run_database`), dropped at its end, and each test a table of
-its own in it (:func:`unique_table`).
+its own in it (:func:`unique_table`), dropped after the test (:func:`drop_table`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ def dsn_with_database(dsn: str, database: str) -> str:
     return urlunsplit(parts._replace(path=f"/{database}"))
 
 
-def run_admin(dsn: str, statement: str, *args: Any) -> Any:
+def run_admin(
+    dsn: str, statement: str, *args: Any, server_settings: dict[str, str] | None = None
+) -> Any:
     """Run one statement on a connection of its own and return its first value.
 
     It runs in a thread of its own, with its own event loop, so that it works from session
@@ -65,7 +67,7 @@ def run_admin(dsn: str, statement: str, *args: Any) -> Any:
     import asyncpg  # type: ignore[import-untyped]
 
     async def run() -> Any:
-        connection = await asyncpg.connect(dsn, timeout=30)
+        connection = await asyncpg.connect(dsn, timeout=30, server_settings=server_settings)
         try:
             return await connection.fetchval(statement, *args)
         finally:
@@ -73,6 +75,13 @@ def run_admin(dsn: str, statement: str, *args: Any) -> Any:
 
     with ThreadPoolExecutor(max_workers=1) as executor:
         return executor.submit(asyncio.run, run()).result()
+
+
+def drop_table(dsn: str, table: str) -> None:
+    """Drop ``table`` (a name of :func:`unique_table`) if it exists, with its index. A test that
+    still holds it in an open transaction makes this fail after a few seconds rather than hang
+    the run."""
+    run_admin(dsn, f'DROP TABLE IF EXISTS "{table}"', server_settings={"lock_timeout": "5s"})
 
 
 @contextlib.contextmanager
@@ -90,6 +99,7 @@ def run_database(admin_dsn: str) -> Iterator[str]:
 __all__ = [
     "delete_prefixed",
     "delete_prefixed_at",
+    "drop_table",
     "dsn_with_database",
     "run_admin",
     "run_database",

@@ -97,9 +97,13 @@ def postgres_dsn(postgres_admin_dsn: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def postgres_table() -> str:
-    """A table name of the test's own, in :func:`postgres_dsn`'s database."""
-    return isolation.unique_table()
+def postgres_table(postgres_dsn: str) -> Iterator[str]:
+    """A table name of the test's own, in :func:`postgres_dsn`'s database. The table, if the
+    test created it, is dropped after the test, so that a ``postgres_dsn`` of your own (a
+    database the run does not drop) keeps none."""
+    table = isolation.unique_table()
+    yield table
+    isolation.drop_table(postgres_dsn, table)
 
 
 @pytest_asyncio.fixture

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol, runtime_checkable
 
 #: A command argument: the store passes numbers as decimal strings.
@@ -118,4 +118,16 @@ class ReplicaWaitingDriver(RedisDriver, Protocol):
         self, name: str, key: str, args: list[Arg], *, replicas: int, timeout_ms: int
     ) -> tuple[Any, int]:
         """The script, then ``WAIT``: both replies."""
+        ...
+
+
+@runtime_checkable
+class ScanningDriver(RedisDriver, Protocol):
+    """A driver that can walk the keys of a prefix, for operators (``list``): redis-py's."""
+
+    def scan_values(
+        self, match: str, count: int
+    ) -> AsyncIterator[tuple[float, list[tuple[str, bytes | None]]]]:
+        """The keys matching ``match`` with their values, a ``SCAN`` page at a time, each page
+        with the server's time (seconds) read before it."""
         ...

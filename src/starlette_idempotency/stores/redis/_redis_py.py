@@ -10,9 +10,10 @@ still runs when it wakes (the store undoes an abandoned acquire).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeGuard
 
+from starlette_idempotency.errors import ConfigurationError
 from starlette_idempotency.stores.redis._driver import Arg, lua_source
 
 try:
@@ -49,6 +50,9 @@ class RedisClient(Protocol):
     def script_load(self, script: Any) -> Any: ...
     def ping(self, **kwargs: Any) -> Any: ...
     def config_get(self, pattern: str = "*", **kwargs: Any) -> Any: ...
+    def scan(self, cursor: int = 0, match: Any = None, count: Any = None, **kwargs: Any) -> Any: ...
+    def mget(self, keys: Any, *args: Any) -> Any: ...
+    def time(self, **kwargs: Any) -> Any: ...
     async def aclose(self) -> None: ...
 
 
@@ -212,6 +216,27 @@ class RedisPyDriver:
         else:
             replies[self._standalone_address()[0]] = await client.config_get(parameter)
         return {node: str(reply.get(parameter, "")) for node, reply in replies.items()}
+
+    async def scan_values(
+        self, match: str, count: int
+    ) -> AsyncIterator[tuple[float, list[tuple[str, bytes | None]]]]:
+        """The keys matching ``match`` with their values (``None`` for a key deleted since),
+        a ``SCAN`` page of about ``count`` at a time, with the server's ``TIME`` (seconds)
+        read before the page. Standalone Redis only."""
+        client = self._client
+        if isinstance(client, aioredis.RedisCluster):
+            raise ConfigurationError(
+                "listing records is not supported on a Redis Cluster: run it per primary "
+                "with a standalone URL of each"
+            )
+        cursor = -1
+        while cursor != 0:
+            seconds, micros = await client.time()
+            cursor, keys = await client.scan(max(cursor, 0), match=match, count=count)
+            if keys:
+                values = await client.mget(keys)
+                names = [key.decode() if isinstance(key, bytes) else key for key in keys]
+                yield seconds + micros / 1_000_000, list(zip(names, values, strict=True))
 
     async def aclose(self) -> None:
         await self._client.aclose()

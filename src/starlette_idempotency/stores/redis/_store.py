@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any, Literal
@@ -38,12 +39,18 @@ from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     AcquireResult,
     FencedWrite,
+    HeldRecord,
     StoreBase,
     StoreFinding,
 )
 from starlette_idempotency.stores.redis._changes import RedisChangeListener
 from starlette_idempotency.stores.redis._check import check_redis
-from starlette_idempotency.stores.redis._driver import Arg, RedisDriver, ReplicaWaitingDriver
+from starlette_idempotency.stores.redis._driver import (
+    Arg,
+    RedisDriver,
+    ReplicaWaitingDriver,
+    ScanningDriver,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +58,10 @@ AcquireStrategy = Literal["setnx", "lua"]
 DriverName = Literal["redis-py", "glide"]
 DEFAULT_WAIT_TIMEOUT_MS = 100
 _UNDO_RETRY_SECONDS = 0.1
+# What SCAN's MATCH reads as a pattern, escaped in a key prefix; and the keys it asks for per
+# page (a hint to the server).
+_GLOB_SPECIAL = re.compile(r"[*?\[\]\\]")
+_SCAN_COUNT = 500
 
 
 class _DriverErrors:
@@ -555,6 +566,34 @@ class RedisStore(StoreBase):
         with _DriverErrors(self._driver, "get", key):
             raw = await self._driver.get(self.storage_key(key))
         return None if raw is None else self._load(key, raw)
+
+    async def in_progress(self, *, stuck: bool = False, limit: int = 1000) -> list[HeldRecord]:
+        """Live ``InProgress`` records under the store's prefix, oldest first, at most ``limit``
+        (for operators: ``starlette-idempotency list``; read-only). With ``stuck``, only those
+        whose lease ran out (:attr:`HeldRecord.lease_expired`), judged on the server's clock.
+
+        Walks every key of the prefix with ``SCAN`` (which never blocks the server) and reads
+        each value: a cost in proportion to the keys stored, for an operator's shell. Needs a
+        redis-py client on a standalone Redis."""
+        driver = self._driver
+        if not isinstance(driver, ScanningDriver):
+            raise ConfigurationError("listing records needs a redis-py client")
+        match = _GLOB_SPECIAL.sub(r"\\\g<0>", self._prefix) + "*"
+        found: list[HeldRecord] = []
+        with _DriverErrors(driver, "in_progress", match):
+            async for now, page in driver.scan_values(match, _SCAN_COUNT):
+                for skey, raw in page:
+                    if raw is None:
+                        continue
+                    key = skey[len(self._prefix) :]
+                    record = self._load(key, raw)
+                    if record.status is not RecordStatus.IN_PROGRESS:
+                        continue
+                    expired = record.lease_expired(now)
+                    if expired or not stuck:
+                        found.append(HeldRecord(key, record, expired))
+        found.sort(key=lambda held: held.record.created_at)
+        return found[:limit]
 
     async def aclose(self) -> None:
         """Close the change listener, and the client if :meth:`from_url` created it; a client

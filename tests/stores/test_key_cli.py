@@ -1,0 +1,276 @@
+"""``starlette-idempotency show | delete | resolve | list``, run as a subprocess against a real
+Redis and PostgreSQL, on records the middleware wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from starlette_idempotency import (
+    IdempotencyMiddleware,
+    IdempotencyStore,
+    PostgresStore,
+    RedisStore,
+    ResponseEncryption,
+    checkpoint,
+    idempotent,
+)
+from starlette_idempotency.testing._isolation import (
+    delete_prefixed_at,
+    unique_prefix,
+    unique_table,
+)
+from tests.support.cli import Ran
+from tests.support.cli import cli as run_cli
+
+SECRET = ResponseEncryption.generate_key()
+KEY_ENV = {"PAYMENTS_IDEMPOTENCY_KEY": SECRET}
+
+
+@dataclass
+class Setup:
+    """A guarded app on the store, and the CLI options that reach the same store."""
+
+    client: httpx.AsyncClient
+    store_args: tuple[str, ...]
+    running: asyncio.Event
+    release: asyncio.Event
+
+    async def cli(self, *args: str, env: dict[str, str] | None = None) -> Ran:
+        command, *rest = args
+        return await asyncio.to_thread(run_cli, command, *self.store_args, *rest, env=env)
+
+    async def pay(self, key: str, path: str = "/payments", **body: object) -> httpx.Response:
+        headers = {"Idempotency-Key": key, "X-Client-Id": "acme"}
+        return await self.client.post(path, json=body or {"amount": "9.99"}, headers=headers)
+
+
+def build_app(store: IdempotencyStore, running: asyncio.Event, release: asyncio.Event) -> Starlette:
+    @idempotent()
+    async def payments(request: Request) -> Response:
+        return JSONResponse({"paymentId": "p_1", "amount": "9.99"}, status_code=201)
+
+    @idempotent(on_recovery="hold")
+    async def charges(request: Request) -> Response:
+        await checkpoint(request, "provider_charge_sent", {"providerRef": "ch_9"})
+        return JSONResponse({"error": "provider timed out"}, status_code=502)
+
+    @idempotent(lock_ttl_seconds=60)
+    async def slow(request: Request) -> Response:
+        await checkpoint(request, "started", None)
+        running.set()
+        await release.wait()
+        return JSONResponse({"done": True}, status_code=201)
+
+    def scope(connection: HTTPConnection) -> str:
+        return connection.headers["x-client-id"]
+
+    app = Starlette(
+        routes=[
+            Route("/payments", payments, methods=["POST"]),
+            Route("/charges", charges, methods=["POST"]),
+            Route("/slow/{n}", slow, methods=["POST"]),
+        ]
+    )
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=store,
+        key_scope=scope,
+        encryption=ResponseEncryption({"2026-12": SECRET}),
+    )
+    return app
+
+
+@dataclass
+class Backend:
+    kind: str
+    url: str
+    name: str  # the Redis key prefix, or the PostgreSQL table
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("postgres", marks=pytest.mark.postgres),
+    ]
+)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    if request.param == "redis":
+        return Backend("redis", request.getfixturevalue("redis_url"), unique_prefix())
+    return Backend("postgres", request.getfixturevalue("postgres_dsn"), unique_table())
+
+
+@pytest.fixture
+async def setup(backend: Backend) -> AsyncIterator[Setup]:
+    store: RedisStore | PostgresStore
+    if backend.kind == "redis":
+        store = RedisStore.from_url(backend.url, key_prefix=backend.name)
+        args = ("--redis", backend.url, "--key-prefix", backend.name)
+    else:
+        store = PostgresStore.from_dsn(backend.url, table=backend.name)
+        await store.create_schema()
+        args = ("--dsn", backend.url, "--table", backend.name)
+    running, release = asyncio.Event(), asyncio.Event()
+    transport = httpx.ASGITransport(app=build_app(store, running, release))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            yield Setup(client, args, running, release)
+            release.set()
+    finally:
+        await store.aclose()
+        if backend.kind == "redis":
+            await delete_prefixed_at(backend.url, backend.name)
+
+
+ADDRESS = ("--scope", "acme", "--route")
+
+
+async def test_show_a_completed_key_its_body_only_when_asked(setup: Setup) -> None:
+    assert (await setup.pay("k-1")).status_code == 201
+    shown = await setup.cli("show", *ADDRESS, "/payments", "k-1")
+    assert shown.code == 0, shown.err
+    assert shown.lines[:2] == ["storage key: acme:POST:/payments:k-1", "status: Completed"]
+    assert "response: 201, sealed with key 2026-12" in shown.lines
+    assert "9.99" not in shown.out
+
+    sealed = await setup.cli("show", *ADDRESS, "/payments", "k-1", "--body")
+    assert sealed.code == 1
+    assert "sealed with key '2026-12', which no --encryption-key given opens" in sealed.err
+    assert "pass --encryption-key 2026-12=ENV_VAR" in sealed.err
+
+    opened = await setup.cli(
+        "show",
+        *ADDRESS,
+        "/payments",
+        "k-1",
+        "--body",
+        "--json",
+        "--encryption-key",
+        "2026-12=PAYMENTS_IDEMPOTENCY_KEY",
+        env=KEY_ENV,
+    )
+    assert opened.code == 0, opened.err
+    view = json.loads(opened.out)
+    assert view["status"] == "Completed"
+    assert (view["scope"], view["method"], view["route"], view["key"]) == (
+        "acme",
+        "POST",
+        "/payments",
+        "k-1",
+    )
+    assert view["sealedWith"] == "2026-12"
+    assert view["responseStatusCode"] == 201
+    assert json.loads(view["responseBody"]) == {"paymentId": "p_1", "amount": "9.99"}
+    assert ["content-type", "application/json"] in view["responseHeaders"]
+
+
+async def test_a_held_key_is_listed_as_stuck_then_resolved(setup: Setup) -> None:
+    assert (await setup.pay("k-2", "/charges")).status_code == 502
+    held = await setup.pay("k-2", "/charges")
+    assert held.status_code == 202
+    assert held.json()["status"] == "requires_recovery"
+
+    stuck = await setup.cli("list", "--stuck", "--json")
+    assert stuck.code == 0, stuck.err
+    [entry] = json.loads(stuck.out)
+    assert entry["storageKey"] == "acme:POST:/charges:k-2"
+    assert entry["leaseExpired"] is True
+    assert entry["recoveryPoints"] == ["provider_charge_sent"]
+
+    shown = await setup.cli("show", *ADDRESS, "/charges", "k-2")
+    assert "status: InProgress" in shown.lines
+    assert any(
+        line.startswith("lease: lease until ") and "(run out)" in line for line in shown.lines
+    )
+    assert "  provider_charge_sent at " in shown.out
+    assert '{"providerRef":"ch_9"}' in shown.out
+
+    resolved = await setup.cli(
+        "resolve",
+        *ADDRESS,
+        "/charges",
+        "k-2",
+        "--status",
+        "201",
+        "--body",
+        '{"chargeId":"ch_9"}',
+        "--encryption-key",
+        "2026-12=PAYMENTS_IDEMPOTENCY_KEY",
+        env=KEY_ENV,
+    )
+    assert resolved.code == 0, resolved.err
+    assert resolved.out.strip() == "resolved: acme:POST:/charges:k-2 (Completed)"
+    replay = await setup.pay("k-2", "/charges")
+    assert replay.status_code == 201
+    assert replay.json() == {"chargeId": "ch_9"}
+    assert replay.headers["content-type"] == "application/json"
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert (await setup.cli("list", "--stuck")).lines == ["0 record(s) held for recovery"]
+
+    again = await setup.cli("resolve", *ADDRESS, "/charges", "k-2", "--status", "201")
+    assert again.code == 1
+    assert "is already Completed" in again.err
+
+
+async def test_a_running_key_is_listed_but_not_stuck_and_kept_without_force(setup: Setup) -> None:
+    first = asyncio.create_task(setup.pay("k-3", "/slow/7"))
+    async with asyncio.timeout(10):
+        await setup.running.wait()
+    listed = await setup.cli("list")
+    assert listed.code == 0, listed.err
+    assert listed.lines[0].startswith("POST /slow/{n}  key k-3  scope acme  created ")
+    assert "running, lease until" in listed.lines[0]
+    assert listed.lines[-1] == "1 record(s) in progress"
+    assert (await setup.cli("list", "--stuck", "--json")).out.strip() == "[]"
+
+    kept = await setup.cli("delete", *ADDRESS, "/slow/{n}", "k-3")
+    assert kept.code == 1
+    assert "may still be running" in kept.err
+    assert "--force" in kept.err
+    setup.release.set()
+    assert (await first).status_code == 201
+
+
+async def test_delete_frees_the_key_for_the_next_retry(setup: Setup) -> None:
+    assert (await setup.pay("k-4")).status_code == 201
+    deleted = await setup.cli("delete", *ADDRESS, "/payments", "k-4", "--json")
+    assert deleted.code == 0, deleted.err
+    assert json.loads(deleted.out) == {
+        "deleted": True,
+        "storageKey": "acme:POST:/payments:k-4",
+        "scope": "acme",
+        "method": "POST",
+        "route": "/payments",
+        "key": "k-4",
+        "status": "Completed",
+    }
+    again = await setup.pay("k-4")
+    assert again.status_code == 201
+    assert "x-idempotent-replay" not in again.headers
+
+    missing = await setup.cli("show", *ADDRESS, "/payments", "no-such-key")
+    assert missing.code == 1
+    assert "no record under 'acme:POST:/payments:no-such-key'" in missing.err
+
+
+async def test_bad_usage_is_status_2(setup: Setup) -> None:
+    no_route = await setup.cli("show", "k")
+    assert no_route.code == 2
+    assert "--route" in no_route.err
+    unset = await setup.cli("show", *ADDRESS, "/p", "k", "--encryption-key", "a=NO_SUCH_VAR")
+    assert unset.code == 2
+    assert "NO_SUCH_VAR is not set" in unset.err
+    cookie = await setup.cli(
+        "resolve", *ADDRESS, "/p", "k", "--status", "200", "--header", "set-cookie: a=b"
+    )
+    assert cookie.code == 2
+    assert "set-cookie: this header is never stored" in cookie.err
