@@ -335,7 +335,7 @@ class KeyFormat:
                 raise ConfigurationError(
                     f"key_format {key_format!r} is not a valid regular expression: {exc}"
                 ) from exc
-            return cls(compiled.fullmatch, f"matching {key_format}", f"^(?:{key_format})$")
+            return cls(compiled.fullmatch, f"a key matching {key_format}", f"^(?:{key_format})$")
         if callable(key_format):
             name = getattr(key_format, "__qualname__", repr(key_format))
             return cls(key_format, f"a key {name} accepts")
