@@ -143,7 +143,7 @@ _NOT_FOUND: Any = object()
 class KeySource:
     """Where a route's idempotency key comes from, when not from the middleware's
     ``header_name`` header (``key_from=``): :meth:`header`, :meth:`json_field`, or a
-    :data:`KeyFunction` given as it is."""
+    :data:`KeyFunction` given as it is. Build one with those, not with the constructor."""
 
     __slots__ = ("_function", "_path", "header_bytes", "label", "name")
 
@@ -219,6 +219,17 @@ class KeySource:
         return cls(
             getattr(key_from, "__qualname__", repr(key_from)), "Idempotency key", function=key_from
         )
+
+    def _identity(self) -> tuple[object, ...]:
+        return (self.name, self.header_bytes, self._path, self._function)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KeySource):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
 
     def __repr__(self) -> str:
         if self.header_bytes:

@@ -85,9 +85,12 @@ def test_a_wrong_source_is_refused_where_it_is_made(make: Any, message: str) -> 
         make()
 
 
-def test_sources_show_how_they_were_made() -> None:
+def test_sources_show_how_they_were_made_and_equal_their_twins() -> None:
     assert repr(KeySource.header("webhook-id")) == "KeySource.header('webhook-id')"
     assert repr(KeySource.json_field("data.id")) == "KeySource.json_field('data.id')"
+    assert KeySource.header("webhook-id") == KeySource.header("webhook-id")
+    assert KeySource.header("id") != KeySource.json_field("id")
+    assert len({KeySource.of(sync_source), KeySource.of(sync_source)}) == 1
 
 
 # -- the sources -------------------------------------------------------------------------------
