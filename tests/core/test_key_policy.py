@@ -14,6 +14,7 @@ import pytest
 from fastapi import FastAPI
 from hypothesis import example, given
 from hypothesis import strategies as st
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import HTTPConnection, Request
@@ -178,6 +179,30 @@ async def test_a_header_source_is_parsed_as_the_key_header_is() -> None:
     twice = await client.post("/hook", json={}, headers=[("webhook-id", "a"), ("webhook-id", "b")])
     assert twice.status_code == 400
     assert twice.json()["error"].startswith("webhook-id must be sent only once")
+
+
+class Event(BaseModel):
+    id: str
+    amount: int
+
+
+async def test_a_fastapi_endpoint_reads_the_body_its_key_came_from() -> None:
+    app = FastAPI()
+    handled: list[Event] = []
+
+    @app.post("/events")
+    @idempotent(key_from=KeySource.json_field("id"))
+    async def receive(event: Event) -> dict[str, int]:
+        handled.append(event)
+        return {"handled": len(handled)}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=lambda r: "t")
+    client = make_client(app)
+    first = await client.post("/events", json={"id": "evt_1", "amount": 5})
+    retry = await client.post("/events", json={"amount": 5, "id": "evt_1"})
+    assert first.json() == retry.json() == {"handled": 1}
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert handled == [Event(id="evt_1", amount=5)]
 
 
 async def test_error_titles_name_the_source() -> None:
