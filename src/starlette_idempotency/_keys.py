@@ -317,7 +317,7 @@ class KeyFormat:
         self._accepts = accepts
         #: What a refused key is told it must be.
         self.requirement = requirement
-        #: The pattern the key matches (ECMA-262 and Python), for OpenAPI; ``None`` for a function.
+        #: The pattern of the keys accepted, anchored, for OpenAPI; ``None`` for a function.
         self.pattern = pattern
         self.openapi_format = openapi_format
 

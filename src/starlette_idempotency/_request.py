@@ -1,6 +1,7 @@
 """One guarded request's journey until it owns its key, or is answered without running.
 
-Validate the key, buffer and fingerprint the body, and acquire the key as ``InProgress``; then
+Validate the key, buffer and fingerprint the body (read first, and parsed once, for a key read
+from it: ``key_from``), and acquire the key as ``InProgress``; then
 the app runs under the key's :class:`~starlette_idempotency._lease.Lease`, which settles the
 outcome. A
 key already held answers with a replay, a 409 (or a wait for the first request) or a 422
