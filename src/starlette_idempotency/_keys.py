@@ -145,7 +145,7 @@ class KeySource:
     ``header_name`` header (``key_from=``): :meth:`header`, :meth:`json_field`, or a
     :data:`KeyFunction` given as it is. Build one with those, not with the constructor."""
 
-    __slots__ = ("_function", "_path", "header_bytes", "label", "name")
+    __slots__ = ("_function", "header_bytes", "json_path", "label", "name")
 
     def __init__(
         self,
@@ -162,7 +162,8 @@ class KeySource:
         self.label = label
         #: The header's name as ASGI headers spell it, for a header source; else empty.
         self.header_bytes = name.lower().encode("latin-1") if header else b""
-        self._path = path
+        #: The path's segments, for a JSON field source; else empty.
+        self.json_path = path
         self._function = function
 
     @classmethod
@@ -221,7 +222,7 @@ class KeySource:
         )
 
     def _identity(self) -> tuple[object, ...]:
-        return (self.name, self.header_bytes, self._path, self._function)
+        return (self.name, self.header_bytes, self.json_path, self._function)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, KeySource):
@@ -234,7 +235,7 @@ class KeySource:
     def __repr__(self) -> str:
         if self.header_bytes:
             return f"KeySource.header({self.name!r})"
-        if self._path:
+        if self.json_path:
             return f"KeySource.json_field({self.name!r})"
         return f"KeySource({self._function!r})"
 
@@ -242,7 +243,7 @@ class KeySource:
         """What a required route answers a request whose source yields no key."""
         if self.header_bytes:
             return f"{self.name} header is required"
-        if self._path:
+        if self.json_path:
             return f"JSON field {self.name} (the idempotency key) is required"
         return f"An idempotency key is required: key_from {self.name} found none in the request"
 
@@ -251,7 +252,7 @@ class KeySource:
     ) -> tuple[str | InvalidKey | None, ParsedJson | None]:
         """The key a body source finds in a request (``None`` when it finds none), checked
         as :func:`check_key` does, and the body as JSON when it was parsed for it."""
-        if not self._path:
+        if not self.json_path:
             assert self._function is not None
             value = await call_hook(self._function, "key_from", scope, body)
             if value is None:
@@ -270,7 +271,7 @@ class KeySource:
                 malformed=True,
             )
             return problem, None
-        value = field_at(parsed.value, self._path)
+        value = field_at(parsed.value, self.json_path)
         if value is _NOT_FOUND or value is None:
             return None, parsed
         if isinstance(value, int) and not isinstance(value, bool):

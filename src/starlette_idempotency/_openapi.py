@@ -252,7 +252,7 @@ class OpenAPIDocumenter:
         causes = dict(fragments.CAUSES)
         if policy.key_check is not None:
             causes[Problem.INVALID_KEY] += f" Or it is not {policy.key_check.requirement}."
-        if source is not None and not source.header_bytes:
+        if source is not None and source.json_path:
             causes[Problem.INVALID_REQUEST] += (
                 f" Or the body is not JSON (this route reads its key from {key_name})."
             )

@@ -436,3 +436,20 @@ async def test_openapi_documents_the_header_source_and_the_format() -> None:
     assert "Or the body is not JSON (this route reads its key from JSON field id)." in invalid
     error = schema["components"]["schemas"]["IdempotencyError"]
     assert error["properties"]["first_request"]["required"] == ["status"]
+
+
+async def test_openapi_lists_a_body_that_is_no_json_for_a_json_field_only() -> None:
+    app = FastAPI()
+
+    @app.post("/github")
+    @idempotent(key_from=sync_source)
+    async def github() -> dict[str, str]:
+        return {}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    schema = valid(await served_schema(app))
+    operation = schema["paths"]["/github"]["post"]
+    assert not operation.get("parameters")
+    invalid = operation["responses"]["400"]["description"]
+    assert "Idempotency key is missing" in invalid
+    assert "not JSON" not in invalid
