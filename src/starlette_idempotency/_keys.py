@@ -325,7 +325,7 @@ class KeyFormat:
     @classmethod
     def of(cls, key_format: object) -> KeyFormat:
         """The format a ``key_format=`` value names: ``"uuid"``, a regular expression the whole
-        key must match, or a predicate ``str -> bool``."""
+        key must match (a string, or compiled), or a predicate ``str -> bool``."""
         if key_format == "uuid":
             return cls(
                 re.compile(_UUID).fullmatch,
@@ -333,6 +333,9 @@ class KeyFormat:
                 f"^{_UUID}$",
                 "uuid",
             )
+        if isinstance(key_format, re.Pattern) and isinstance(key_format.pattern, str):
+            text = key_format.pattern
+            return cls(key_format.fullmatch, f"a key matching {text}", f"^(?:{text})$")
         if isinstance(key_format, str):
             if key_format.lower() == "uuid":
                 raise ConfigurationError(

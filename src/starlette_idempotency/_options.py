@@ -15,6 +15,7 @@ import functools
 import logging
 import math
 import numbers
+import re
 import typing
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -36,7 +37,7 @@ RecoveryPolicy = Literal["handler", "hold"]
 # Never part of a fingerprint: credentials rotate, and the key is what the fingerprint guards.
 _FORBIDDEN_FINGERPRINT_HEADERS = frozenset({"authorization", "cookie", "idempotency-key"})
 
-KeyFormatOption = str | Callable[[str], bool]
+KeyFormatOption = str | re.Pattern[str] | Callable[[str], bool]
 """``key_format=``: ``"uuid"``, a regular expression the whole key must match, or a predicate."""
 ReleaseStatuses = Collection[int] | Callable[[int], bool]
 """``release_statuses=``: the statuses that free the key, or a predicate on the status."""

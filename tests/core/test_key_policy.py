@@ -238,13 +238,19 @@ async def test_error_titles_name_the_source() -> None:
             "Idempotency-Key must be a key matching ord_",
         ),
         (
+            re.compile("ord_[0-9]{4}"),
+            ["ord_1234"],
+            ["ord_12345", "ORD_1234"],
+            "Idempotency-Key must be a key matching ord_",
+        ),
+        (
             lambda key: len(key) >= 8,
             ["12345678"],
             ["1234567"],
             "Idempotency-Key must be a key <lambda> accepts",
         ),
     ],
-    ids=["uuid", "regex", "predicate"],
+    ids=["uuid", "regex", "compiled", "predicate"],
 )
 async def test_key_format_refuses_a_key_before_anything_runs(
     key_format: Any, accepted: list[str], refused: list[str], message: str
