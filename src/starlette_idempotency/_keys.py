@@ -334,8 +334,7 @@ class KeyFormat:
                 "uuid",
             )
         if isinstance(key_format, re.Pattern) and isinstance(key_format.pattern, str):
-            text = key_format.pattern
-            return cls(key_format.fullmatch, f"a key matching {text}", f"^(?:{text})$")
+            return cls._regex(key_format)
         if isinstance(key_format, str):
             if key_format.lower() == "uuid":
                 raise ConfigurationError(
@@ -350,7 +349,7 @@ class KeyFormat:
                 raise ConfigurationError(
                     f"key_format {key_format!r} is not a valid regular expression: {exc}"
                 ) from exc
-            return cls(compiled.fullmatch, f"a key matching {key_format}", f"^(?:{key_format})$")
+            return cls._regex(compiled)
         if callable(key_format):
             name = getattr(key_format, "__qualname__", repr(key_format))
             return cls(key_format, f"a key {name} accepts")
@@ -358,6 +357,14 @@ class KeyFormat:
             "key_format must be 'uuid', a regular expression or a function str -> bool, "
             f"not {key_format!r}"
         )
+
+    @classmethod
+    def _regex(cls, compiled: re.Pattern[str]) -> KeyFormat:
+        """The whole key must match ``compiled``. Its pattern is shown in OpenAPI unless it has
+        flags (``(?i)``, ``re.IGNORECASE``), which a JSON Schema pattern cannot carry."""
+        text = compiled.pattern
+        shown = None if compiled.flags & ~re.UNICODE else f"^(?:{text})$"
+        return cls(compiled.fullmatch, f"a key matching {text}", shown)
 
     def checked(self, key: str, name: str) -> str | InvalidKey:
         """``key`` (from ``name``) if it is of this format, else why it is refused."""

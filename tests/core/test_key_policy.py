@@ -444,6 +444,13 @@ async def test_openapi_documents_the_header_source_and_the_format() -> None:
     assert error["properties"]["first_request"]["required"] == ["status"]
 
 
+def test_a_pattern_with_flags_is_not_shown_in_openapi() -> None:
+    assert KeyFormat.of("ord_[0-9]+").pattern == "^(?:ord_[0-9]+)$"
+    assert KeyFormat.of("(?i)ord_[0-9]+").pattern is None
+    assert KeyFormat.of(re.compile("ord_[0-9]+", re.IGNORECASE)).pattern is None
+    assert KeyFormat.of("(?i)ord_[0-9]+").checked("ORD_1", "k") == "ORD_1"
+
+
 async def test_openapi_lists_a_body_that_is_no_json_for_a_json_field_only() -> None:
     app = FastAPI()
 
