@@ -589,6 +589,60 @@ class ErrorEnvelopeContext(Context):
         }
 
 
+class WebhookContext(Context):
+    """A receiver of the webhooks how-to: its secret in the environment; a signed delivery
+    runs once and its retry is replayed, a forged one is refused and runs nothing."""
+
+    SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # the Standard Webhooks spec's example
+
+    def __init__(self, provider: str) -> None:
+        self.provider = provider
+
+    async def names(self, run: Run) -> dict[str, Any]:
+        for name in ("STRIPE_WEBHOOK_SECRET", "GITHUB_WEBHOOK_SECRET", "WEBHOOK_SECRET"):
+            run.monkeypatch.setenv(name, self.SECRET)
+        return {}
+
+    def signed(self, body: bytes, delivery: str) -> dict[str, str]:
+        import base64
+        import hashlib
+        import hmac
+        import time
+
+        now = str(int(time.time()))
+        secret = self.SECRET.encode()
+        if self.provider == "stripe":
+            digest = hmac.new(secret, f"{now}.".encode() + body, hashlib.sha256).hexdigest()
+            return {"Stripe-Signature": f"t={now},v1={digest}"}
+        if self.provider == "github":
+            digest = hmac.new(secret, body, hashlib.sha256).hexdigest()
+            return {"X-GitHub-Delivery": delivery, "X-Hub-Signature-256": f"sha256={digest}"}
+        key = base64.b64decode(self.SECRET.removeprefix("whsec_"))
+        signed = hmac.new(key, f"{delivery}.{now}.".encode() + body, hashlib.sha256).digest()
+        return {
+            "webhook-id": delivery,
+            "webhook-timestamp": now,
+            "webhook-signature": "v1," + base64.b64encode(signed).decode(),
+        }
+
+    async def check(self, namespace: dict[str, Any], run: Run) -> None:
+        (path,) = [
+            route.path for route in namespace["app"].routes if route.path.startswith("/webhooks")
+        ]
+        delivery = f"evt_{uuid.uuid4().hex}"
+        body = json.dumps({"id": delivery, "type": "test", "data": {"object": {}}}).encode()
+        headers = {"Content-Type": "application/json", **self.signed(body, delivery)}
+        async with serve(namespace["app"], raise_app_exceptions=True) as client:
+            forged = {**headers, **self.signed(b"another body", delivery)}
+            refused = await client.post(path, content=body, headers=forged)
+            assert refused.status_code in (400, 401), refused.text
+            first = await client.post(path, content=body, headers=headers)
+            assert first.status_code == 200, first.text
+            assert first.json() == {"received": True}
+            retry = await client.post(path, content=body, headers=headers)
+            assert retry.headers["x-idempotent-replay"] == "true"
+
+
 CONTEXTS: dict[str, Callable[[], Context]] = {
     "app": AppContext,
     "client": ClientContext,
@@ -596,6 +650,9 @@ CONTEXTS: dict[str, Callable[[], Context]] = {
     "payments": PaymentsContext,
     "postgres": PostgresContext,
     "redis-clients": RedisClientsContext,
+    "stripe-webhooks": lambda: WebhookContext("stripe"),
+    "github-webhooks": lambda: WebhookContext("github"),
+    "standard-webhooks": lambda: WebhookContext("standard"),
 }
 
 

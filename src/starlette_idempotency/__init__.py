@@ -23,7 +23,7 @@ if _typing.TYPE_CHECKING:
         idempotent,
         mark_retryable,
     )
-    from starlette_idempotency._keys import storage_key
+    from starlette_idempotency._keys import KeySource, storage_key
     from starlette_idempotency._protection import ResponseEncryption
     from starlette_idempotency._record import StoredResponse
     from starlette_idempotency._responses import IdempotencyProblem
@@ -74,6 +74,7 @@ _HOMES = {
     "IdempotencyTransaction": "starlette_idempotency._transaction",
     "IdempotentTransport": "starlette_idempotency.client",
     "KeyScope": "starlette_idempotency.middleware",
+    "KeySource": "starlette_idempotency._keys",
     "LockLostError": "starlette_idempotency.errors",
     "MemoryStore": "starlette_idempotency.stores.memory",
     "MetricsSink": "starlette_idempotency.observability",
@@ -140,6 +141,7 @@ __all__ = [
     "IdempotencyTransaction",
     "IdempotentTransport",
     "KeyScope",
+    "KeySource",
     "LockLostError",
     "MemoryStore",
     "MetricsSink",

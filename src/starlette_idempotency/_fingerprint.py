@@ -48,6 +48,7 @@ import json
 import operator
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 from urllib.parse import parse_qsl, unquote
@@ -210,16 +211,44 @@ def _exact_json(body: bytes, excluded: frozenset[str]) -> tuple[str, bytes] | No
     return "json-exact", text.encode("ascii")
 
 
-def canonical_json(body: bytes, excluded: frozenset[str] = frozenset()) -> tuple[str, bytes] | None:
+@dataclass(frozen=True, slots=True)
+class ParsedJson:
+    """A JSON body parsed once: for a key read from one of its fields, then for the
+    fingerprint, which takes ``value`` as its own parse when orjson made it."""
+
+    value: Any
+    by_orjson: bool
+
+
+def parse_json(body: bytes) -> ParsedJson | None:
+    """``body`` parsed by orjson or, for what only it reads (see ``json-exact``), by the
+    standard library as Starlette parses it; ``None`` when it is not JSON."""
+    try:
+        return ParsedJson(orjson.loads(body), by_orjson=True)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return ParsedJson(json.loads(body), by_orjson=False)
+    except (ValueError, RecursionError):
+        return None
+
+
+def canonical_json(
+    body: bytes, excluded: frozenset[str] = frozenset(), parsed: ParsedJson | None = None
+) -> tuple[str, bytes] | None:
     """The canonical form of a JSON body as ``(kind, bytes)``, or ``None`` when it is not
     JSON or cannot be written exactly (nested too deep).
 
-    ``excluded`` holds lower-cased field names to drop at every depth.
+    ``excluded`` holds lower-cased field names to drop at every depth. ``parsed`` is the body
+    already parsed, which this may change.
     """
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return _exact_json(body, excluded)
+    if parsed is not None and parsed.by_orjson:
+        value = parsed.value
+    else:
+        try:
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return _exact_json(body, excluded)
     try:
         canonical = orjson.dumps(value, option=_SORT_KEYS)
     except orjson.JSONEncodeError:  # nested deeper than orjson writes
@@ -370,13 +399,15 @@ def _part_name(headers: list[tuple[str, str]]) -> str | None:
     return None
 
 
-def raw_body_form(body: bytes, *, content_type: str, excluded: frozenset[str]) -> tuple[str, bytes]:
+def raw_body_form(
+    body: bytes, *, content_type: str, excluded: frozenset[str], parsed: ParsedJson | None = None
+) -> tuple[str, bytes]:
     """The body as the ``raw`` fingerprint sees it, as ``(kind, canonical bytes)``: JSON,
     urlencoded and multipart forms canonicalised, anything else as its bytes (see the module
-    docstring)."""
+    docstring). ``parsed`` is a JSON body already parsed (see :class:`ParsedJson`)."""
     media_type, is_json = _MEDIA_TYPES.get(content_type) or _media_type(content_type)
     if is_json:
-        canonical = canonical_json(body, excluded)
+        canonical = canonical_json(body, excluded, parsed)
         if canonical is not None:
             return canonical
     elif media_type == _FORM_MEDIA_TYPE:

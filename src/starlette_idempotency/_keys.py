@@ -9,6 +9,12 @@ after unquoting.
 A key belongs to the request's owner: ``key_scope``'s answer, or the authenticated user
 (:class:`KeyScopeResolver`). The store keeps its record under :func:`storage_key`: the owner,
 the method, the route's template and the key.
+
+A route may take its key from elsewhere (``key_from``): another header, a field of the JSON
+body, or a function of the request and its body (:class:`KeySource`). Whatever the source, the
+key is held to the same rules: 1 to ``max_key_length`` printable ASCII characters, the keys a
+header can carry (quoted, for spaces and commas). ``key_format`` narrows them further
+(:class:`KeyFormat`).
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection
 
-from starlette_idempotency._types import Scope
+from starlette_idempotency._fingerprint import ParsedJson, parse_json
+from starlette_idempotency._types import HTTP_TOKEN, Scope
+from starlette_idempotency.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +42,10 @@ class InvalidKey:
 
     message: str
     too_long: bool = False
+    #: The body a key is read from is not JSON: the request is malformed, not its key.
+    malformed: bool = False
+    #: A well-formed key the route's ``key_format`` refuses.
+    by_format: bool = False
 
 
 def _unquote_sf_string(raw: str) -> str | None:
@@ -57,8 +70,10 @@ def sent_once_message(header_name: str) -> str:
     return f"{header_name} must be sent only once (an unquoted key cannot contain a comma)"
 
 
-def parse_key(raw: bytes, *, header_name: str, max_length: int) -> str | InvalidKey:
-    """The key a header value carries, or the reason it is invalid."""
+def parse_key(
+    raw: bytes, *, header_name: str, max_length: int, key_format: KeyFormat | None = None
+) -> str | InvalidKey:
+    """The key a header value carries, or the reason it is invalid (or not of ``key_format``)."""
     try:
         text = raw.decode("ascii").strip(" \t")
     except UnicodeDecodeError:
@@ -81,11 +96,24 @@ def parse_key(raw: bytes, *, header_name: str, max_length: int) -> str | Invalid
         return InvalidKey(sent_once_message(header_name))
     else:
         key = text
+    if not key or len(key) > max_length:
+        return check_key(key, name=header_name, max_length=max_length)
+    return key if key_format is None else key_format.checked(key, header_name)
+
+
+def check_key(
+    key: str, *, name: str, max_length: int, key_format: KeyFormat | None = None
+) -> str | InvalidKey:
+    """``key`` if it is 1 to ``max_length`` printable ASCII characters (what a header carries
+    once unquoted) and of ``key_format``, else the reason it is not; ``name`` names its source
+    in the message."""
     if not key:
-        return InvalidKey(f"{header_name} must not be empty")
+        return InvalidKey(f"{name} must not be empty")
+    if not (key.isascii() and key.isprintable()):
+        return InvalidKey(f"{name} must contain only printable ASCII characters")
     if len(key) > max_length:
-        return InvalidKey(f"{header_name} must not exceed {max_length} characters", too_long=True)
-    return key
+        return InvalidKey(f"{name} must not exceed {max_length} characters", too_long=True)
+    return key if key_format is None else key_format.checked(key, name)
 
 
 def key_pattern(max_length: int) -> str:
@@ -101,6 +129,273 @@ def key_pattern(max_length: int) -> str:
     first, rest = r"[!#-+\--~]", r"[!-+\--~]"
     quoted = r'(?:[ !#-\[\]-~]|\\["\\])'
     return rf'^(?:{first}{rest}{{0,{max_length - 1}}}|"{quoted}{{1,{max_length}}}")$'
+
+
+KeyFunction = Callable[[HTTPConnection, bytes], str | Awaitable[str | None] | None]
+"""Returns a request's idempotency key, read from the request and its body, or ``None`` when
+it has none; sync or async (``key_from=``)."""
+
+# Credentials must not become keys: a store would keep them, and logs would show them.
+_CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
+_NOT_FOUND: Any = object()
+
+
+class KeySource:
+    """Where a route's idempotency key comes from, when not from the middleware's
+    ``header_name`` header (``key_from=``): :meth:`header`, :meth:`json_field`, or a
+    :data:`KeyFunction` given as it is. Build one with those, not with the constructor."""
+
+    __slots__ = ("_function", "header_bytes", "json_path", "label", "name")
+
+    def __init__(
+        self,
+        name: str,
+        label: str,
+        *,
+        header: bool = False,
+        path: tuple[str, ...] = (),
+        function: KeyFunction | None = None,
+    ) -> None:
+        #: The header's name, the JSON path or the function, as given.
+        self.name = name
+        #: The key as messages and error titles name it.
+        self.label = label
+        #: The header's name as ASGI headers spell it, for a header source; else empty.
+        self.header_bytes = name.lower().encode("latin-1") if header else b""
+        #: The path's segments, for a JSON field source; else empty.
+        self.json_path = path
+        self._function = function
+
+    @classmethod
+    def header(cls, name: str) -> KeySource:
+        """The key is the value of the header ``name`` (``webhook-id``, ``X-GitHub-Delivery``),
+        read as ``Idempotency-Key`` is."""
+        if not isinstance(name, str) or not HTTP_TOKEN.fullmatch(name):
+            raise ConfigurationError(
+                f"KeySource.header() takes an HTTP header name such as 'webhook-id', not {name!r}"
+            )
+        if name.lower() in _CREDENTIAL_HEADERS:
+            raise ConfigurationError(
+                f"KeySource.header({name!r}) would keep credentials as idempotency keys in the "
+                "store and the logs: take the key from a header of its own"
+            )
+        return cls(name, name, header=True)
+
+    @classmethod
+    def json_field(cls, path: str) -> KeySource:
+        """The key is a string or integer field of the JSON body, at the dotted ``path``
+        (``"id"``, ``"data.id"``; a segment of digits indexes an array: ``"items.0.id"``)."""
+        segments = path.split(".") if isinstance(path, str) else []
+        if not segments or not all(segments):
+            raise ConfigurationError(
+                "KeySource.json_field() takes a dotted path of field names such as 'data.id', "
+                f"not {path!r}"
+            )
+        return cls(path, f"JSON field {path}", path=tuple(segments))
+
+    @classmethod
+    def of(cls, key_from: object) -> KeySource:
+        """The source a ``key_from=`` value names: a :class:`KeySource`, or a function of the
+        request and its body."""
+        if isinstance(key_from, KeySource):
+            return key_from
+        if isinstance(key_from, str):
+            raise ConfigurationError(
+                f"key_from takes a KeySource, not the string {key_from!r}: "
+                f"KeySource.header({key_from!r}) or KeySource.json_field({key_from!r})"
+            )
+        if not callable(key_from):
+            raise ConfigurationError(
+                "key_from must be KeySource.header(name), KeySource.json_field(path) or a "
+                f"function (request, body) -> str | None, not {key_from!r}"
+            )
+        try:
+            inspect.signature(key_from).bind(None, b"")
+        except TypeError as exc:
+            raise ConfigurationError(
+                f"key_from {key_from!r} must take two arguments, the request and its body: {exc}"
+            ) from exc
+        except ValueError:  # no signature to read (a builtin): trusted as it is
+            pass
+        return cls(
+            getattr(key_from, "__qualname__", repr(key_from)), "Idempotency key", function=key_from
+        )
+
+    def _identity(self) -> tuple[object, ...]:
+        return (self.name, self.header_bytes, self.json_path, self._function)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KeySource):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def __repr__(self) -> str:
+        if self.header_bytes:
+            return f"KeySource.header({self.name!r})"
+        if self.json_path:
+            return f"KeySource.json_field({self.name!r})"
+        return f"KeySource({self._function!r})"
+
+    def missing_message(self) -> str:
+        """What a required route answers a request whose source yields no key."""
+        if self.header_bytes:
+            return f"{self.name} header is required"
+        if self.json_path:
+            return f"JSON field {self.name} (the idempotency key) is required"
+        return f"An idempotency key is required: key_from {self.name} found none in the request"
+
+    async def read(
+        self, scope: Scope, body: bytes, *, max_length: int, key_format: KeyFormat | None
+    ) -> tuple[str | InvalidKey | None, ParsedJson | None]:
+        """The key a body source finds in a request (``None`` when it finds none), checked
+        as :func:`check_key` does, and the body as JSON when it was parsed for it."""
+        if not self.json_path:
+            assert self._function is not None
+            value = await call_hook(self._function, "key_from", scope, body)
+            if value is None:
+                return None, None
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"key_from {self._function!r} returned {value!r}, not a str or None"
+                )
+            return check_key(
+                value, name=self.label, max_length=max_length, key_format=key_format
+            ), None
+        parsed = parse_json(body)
+        if parsed is None:
+            problem = InvalidKey(
+                f"The body must be JSON: this route reads its idempotency key from {self.label}",
+                malformed=True,
+            )
+            return problem, None
+        value = field_at(parsed.value, self.json_path)
+        if value is _NOT_FOUND or value is None:
+            return None, parsed
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            message = f"{self.label} must be a string or an integer, not {type(value).__name__}"
+            return InvalidKey(message), parsed
+        checked = check_key(value, name=self.label, max_length=max_length, key_format=key_format)
+        return checked, parsed
+
+
+def field_at(value: Any, path: tuple[str, ...]) -> Any:
+    """The member of a parsed JSON ``value`` at ``path`` (object members by name, array items
+    by a segment of digits), or ``_NOT_FOUND``."""
+    for segment in path:
+        if type(value) is dict:
+            value = value.get(segment, _NOT_FOUND)
+        elif type(value) is list and segment.isdigit() and segment.isascii():
+            index = int(segment)
+            value = value[index] if index < len(value) else _NOT_FOUND
+        else:
+            return _NOT_FOUND
+        if value is _NOT_FOUND:
+            return value
+    return value
+
+
+# RFC 9562's textual form, as str(uuid.UUID(...)) writes it.
+_UUID = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+
+class KeyFormat:
+    """Which keys a route accepts beyond the syntax every key has (``key_format=``)."""
+
+    __slots__ = ("_accepts", "openapi_format", "pattern", "requirement")
+
+    def __init__(
+        self,
+        accepts: Callable[[str], object],
+        requirement: str,
+        pattern: str | None = None,
+        openapi_format: str | None = None,
+    ) -> None:
+        self._accepts = accepts
+        #: What a refused key is told it must be.
+        self.requirement = requirement
+        #: The pattern of the keys accepted, anchored, for OpenAPI; ``None`` for a function.
+        self.pattern = pattern
+        self.openapi_format = openapi_format
+
+    @classmethod
+    def of(cls, key_format: object) -> KeyFormat:
+        """The format a ``key_format=`` value names: ``"uuid"``, a regular expression the whole
+        key must match (a string, or compiled), or a predicate ``str -> bool``."""
+        if key_format == "uuid":
+            return cls(
+                re.compile(_UUID).fullmatch,
+                "a UUID in its canonical text form (8-4-4-4-12 lower-case hexadecimal digits)",
+                f"^{_UUID}$",
+                "uuid",
+            )
+        if isinstance(key_format, re.Pattern) and isinstance(key_format.pattern, str):
+            return cls._regex(key_format)
+        if isinstance(key_format, str):
+            if key_format.lower() == "uuid":
+                raise ConfigurationError(
+                    f"key_format={key_format!r} would be a regular expression matching only "
+                    "itself: write key_format='uuid' for UUIDs"
+                )
+            if not key_format:
+                raise ConfigurationError("key_format must not be an empty regular expression")
+            try:
+                compiled = re.compile(key_format)
+            except re.error as exc:
+                raise ConfigurationError(
+                    f"key_format {key_format!r} is not a valid regular expression: {exc}"
+                ) from exc
+            return cls._regex(compiled)
+        if callable(key_format):
+            name = getattr(key_format, "__qualname__", repr(key_format))
+            return cls(key_format, f"a key {name} accepts")
+        raise ConfigurationError(
+            "key_format must be 'uuid', a regular expression or a function str -> bool, "
+            f"not {key_format!r}"
+        )
+
+    @classmethod
+    def _regex(cls, compiled: re.Pattern[str]) -> KeyFormat:
+        """The whole key must match ``compiled``. Its pattern is shown in OpenAPI unless it has
+        flags (``(?i)``, ``re.IGNORECASE``), which a JSON Schema pattern cannot carry."""
+        text = compiled.pattern
+        shown = None if compiled.flags & ~re.UNICODE else f"^(?:{text})$"
+        return cls(compiled.fullmatch, f"a key matching {text}", shown)
+
+    def checked(self, key: str, name: str) -> str | InvalidKey:
+        """``key`` (from ``name``) if it is of this format, else why it is refused."""
+        if self._accepts(key):
+            return key
+        return InvalidKey(f"{name} must be {self.requirement}", by_format=True)
+
+
+async def call_hook(hook: Callable[..., Any], option: str, scope: Scope, *args: Any) -> Any:
+    """``hook(HTTPConnection(scope), *args)``, awaited if it returns an awaitable.
+
+    An ``HTTPException`` is the app's own answer (a 401 for a bad token, say), raised for the
+    request to send; anything else is logged with what to do, and raised (a 500).
+    """
+    try:
+        value = hook(HTTPConnection(scope), *args)
+        if inspect.isawaitable(value):
+            value = await value
+    except HTTPException:
+        raise
+    except Exception:
+        logger.exception(
+            "%s %r raised on %s %s, so the request fails with a 500; to refuse "
+            "a request (a missing or expired token), raise an HTTPException from it",
+            option,
+            hook,
+            scope.get("method"),
+            scope.get("path"),
+        )
+        raise
+    return value
 
 
 KeyScope = Callable[[HTTPConnection], "str | Awaitable[str | None] | None"]
@@ -131,21 +426,7 @@ class KeyScopeResolver:
 
     async def __call__(self, scope: Scope) -> str:
         if self._key_scope is not None:
-            try:
-                value = self._key_scope(HTTPConnection(scope))
-                if inspect.isawaitable(value):
-                    value = await value
-            except HTTPException:
-                raise  # the app's own answer (a 401 for a bad token, say): the request sends it
-            except Exception:
-                logger.exception(
-                    "key_scope %r raised on %s %s, so the request fails with a 500; to refuse "
-                    "a request (a missing or expired token), raise an HTTPException from it",
-                    self._key_scope,
-                    scope.get("method"),
-                    scope.get("path"),
-                )
-                raise
+            value = await call_hook(self._key_scope, "key_scope", scope)
             return "" if value is None else str(value)
         user = scope.get("user")
         if user is None:

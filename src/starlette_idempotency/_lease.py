@@ -24,6 +24,7 @@ nor sees a truncated body as whole.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -48,8 +49,6 @@ from starlette_idempotency.stores.base import FencedWrite, IdempotencyStore
 
 logger = logging.getLogger(__name__)
 
-# Statuses that say "try again" rather than "this is the outcome": the key is released.
-_TRANSIENT_STATUSES = frozenset({408, 429})
 # Without the decorator's start mark, these are what a step before the endpoint produces
 # (request validation, authentication), so they release the key instead of being stored.
 _PRE_ENDPOINT_STATUSES = frozenset({401, 403, 422})
@@ -218,8 +217,8 @@ class Lease(KeyOwner):
         self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes | None
     ) -> None:
         """Store the response as the key's outcome (``body`` is ``None`` when it was not
-        captured whole), or release the key: 5xx, 408, 429, a retryable mark, a status from
-        before the endpoint."""
+        captured whole), or release the key: a status ``release_statuses`` frees (by default
+        5xx, 408, 429), a retryable mark, a status from before the endpoint."""
         self._decided = True
         if self.recorded is not None:
             await self._sent_recorded(status, body)
@@ -259,11 +258,11 @@ class Lease(KeyOwner):
 
     def frees_key(self, status: int) -> bool:
         """Whether a response of ``status`` frees the key for a retry instead of being stored:
-        5xx, 408, 429, a retryable mark, a status from before the endpoint."""
+        a status ``release_statuses`` frees (by default 5xx, 408, 429), a retryable mark, a
+        status from before the endpoint."""
         return (
             self.retryable
-            or status >= 500
-            or status in _TRANSIENT_STATUSES
+            or self._route.policy.releases(status)
             or (
                 not self.endpoint_started
                 if self._route.marks_start
@@ -430,7 +429,7 @@ class Run(ReplayingReceive):
             if not self.settled:
                 # Shielded, so a cancelled request still settles or frees its key.
                 with anyio.CancelScope(shield=True):
-                    await self._settle_unfinished()
+                    await self._settle_unfinished(sys.exc_info()[1])
 
     async def send(self, message: Message) -> None:
         """Pass ``message`` on to the client, keeping a copy of the response (up to
@@ -461,12 +460,16 @@ class Run(ReplayingReceive):
         self._renewal.stop()
         self._renewal = None
 
-    async def _settle_unfinished(self) -> None:
+    async def _settle_unfinished(self, failure: BaseException | None) -> None:
         """Settle a request whose response did not run to its end (see the module docs)."""
         if not self.status:
-            # The app raised or returned before it started a response: nothing was decided,
-            # so the client may retry with the same key.
-            await self._lease.release(None)
+            # The app raised or returned before it started a response: the server answers 500,
+            # stored (without the body this never sees) where release_statuses keeps a 500.
+            # Cancelled, or a 500 that frees the key: the client may retry with the same key.
+            if isinstance(failure, Exception | None) and not self._policy.releases(500):
+                await self._lease.settle(500, [], None)
+            else:
+                await self._lease.release(None)
             return
         chunks = self.chunks if self.ended else None
         await self._lease.settle(

@@ -157,14 +157,15 @@ class OpenAPIDocumenter:
         self, operation: Mapping[str, Any], policy: IdempotencyPolicy, schemas: Schema
     ) -> Schema:
         parameters = list(operation.get("parameters") or [])
-        header = self._header_name.lower()
-        if not any(
+        source = policy.key_source
+        header_name = self._header_name if source is None else source.name
+        if (source is None or source.header_bytes) and not any(
             isinstance(parameter, Mapping)
             and parameter.get("in") == "header"
-            and str(parameter.get("name", "")).lower() == header
+            and str(parameter.get("name", "")).lower() == header_name.lower()
             for parameter in parameters
         ):
-            parameters.append(self._key_parameter(policy))
+            parameters.append(self._key_parameter(policy, header_name))
         # An override may have added statuses as numbers; in JSON they are strings either way.
         responses = {
             str(code): answer for code, answer in (operation.get("responses") or {}).items()
@@ -200,8 +201,9 @@ class OpenAPIDocumenter:
             "responses": dict(sorted(responses.items(), key=_status_order)),
         }
 
-    def _key_parameter(self, policy: IdempotencyPolicy) -> Schema:
+    def _key_parameter(self, policy: IdempotencyPolicy, header_name: str) -> Schema:
         hours = f"{policy.ttl_hours:g} hour{'' if policy.ttl_hours == 1 else 's'}"
+        key_format = policy.key_check
         if policy.replay == "reject":
             retry = "a retry of a finished request is refused (409) rather than run again"
         else:
@@ -214,7 +216,9 @@ class OpenAPIDocumenter:
             f"new request, and the same key with each retry of it. With the same key, {retry}; "
             "a different request with it is refused (422). A key is remembered for "
             f"{hours} after its request finished. Visible ASCII without commas (or an RFC 8941 "
-            f"quoted string), at most {self._max_key_length} characters once unquoted. "
+            f"quoted string), at most {self._max_key_length} characters once unquoted"
+            + ("" if key_format is None else f", and {key_format.requirement}")
+            + ". "
             + (
                 "Required."
                 if policy.required
@@ -222,11 +226,11 @@ class OpenAPIDocumenter:
             )
         )
         return {
-            "name": self._header_name,
+            "name": header_name,
             "in": "header",
             "required": policy.required,
             "description": description,
-            "schema": fragments.key_schema(self._max_key_length),
+            "schema": fragments.key_schema(self._max_key_length, key_format),
             "example": fragments.KEY_EXAMPLE,
         }
 
@@ -243,11 +247,20 @@ class OpenAPIDocumenter:
         if self._encrypts:
             problems.append(Problem.RESPONSE_UNREADABLE)
         statuses = sorted({problem.status for problem in problems})
+        source = policy.key_source
+        key_name = self._header_name if source is None else source.label
+        causes = dict(fragments.CAUSES)
+        if policy.key_check is not None:
+            causes[Problem.INVALID_KEY] += f" Or it is not {policy.key_check.requirement}."
+        if source is not None and source.json_path:
+            causes[Problem.INVALID_REQUEST] += (
+                f" Or the body is not JSON (this route reads its key from {key_name})."
+            )
         errors = []
         for status in statuses:
             lines = [
-                f"- **{problem.title.format(header=self._header_name)}**: "
-                + fragments.CAUSES[problem].format(
+                f"- **{problem.title.format(header=key_name)}**: "
+                + causes[problem].format(
                     max_key_length=self._max_key_length, max_body_bytes=self._max_body_bytes
                 )
                 for problem in problems

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette_idempotency._keys import key_pattern
+from starlette_idempotency._keys import KeyFormat, key_pattern
 from starlette_idempotency._responses import BODY_OMITTED_HEADER, Problem
 
 Schema = dict[str, Any]
@@ -16,17 +16,34 @@ CODE = {
     "enum": [problem.code for problem in Problem],
 }
 KEY_EXAMPLE = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+FIRST_REQUEST = {
+    "type": "object",
+    "description": "On a 422: the request that first used the key, once it has finished (its "
+    "status, and its Location when its response had one; never its body).",
+    "required": ["status"],
+    "properties": {
+        "status": {"type": "integer"},
+        "location": {"type": "string"},
+    },
+}
 
 
-def key_schema(max_key_length: int) -> Schema:
-    """The schema of the key header's value: exactly the values the middleware accepts."""
-    return {
+def key_schema(max_key_length: int, key_format: KeyFormat | None = None) -> Schema:
+    """The schema of the key header's value: exactly the values the middleware accepts; under
+    a ``key_format`` with a pattern, the unquoted keys of that format."""
+    schema: Schema = {
         "type": "string",
         "minLength": 1,
         # the longest quoted string: every character escaped, between the quotes
         "maxLength": 2 * max_key_length + 2,
         "pattern": key_pattern(max_key_length),
     }
+    if key_format is not None and key_format.pattern is not None:
+        schema["maxLength"] = max_key_length
+        schema["pattern"] = key_format.pattern
+        if key_format.openapi_format is not None:
+            schema["format"] = key_format.openapi_format
+    return schema
 
 
 JSON_ERROR: Schema = {
@@ -34,7 +51,11 @@ JSON_ERROR: Schema = {
     "type": "object",
     "description": "An error the idempotency middleware answered with.",
     "required": ["error"],
-    "properties": {"error": {"type": "string", "description": "What went wrong."}, "code": CODE},
+    "properties": {
+        "error": {"type": "string", "description": "What went wrong."},
+        "code": CODE,
+        "first_request": FIRST_REQUEST,
+    },
 }
 STRIPE_ERROR: Schema = {
     "title": "IdempotencyStripeError",
@@ -49,6 +70,7 @@ STRIPE_ERROR: Schema = {
                 "type": {"type": "string"},
                 "code": CODE,
                 "message": {"type": "string", "description": "What went wrong."},
+                "first_request": FIRST_REQUEST,
             },
         }
     },
@@ -64,6 +86,7 @@ PROBLEM_ERROR: Schema = {
         "status": {"type": "integer"},
         "detail": {"type": "string"},
         "code": CODE,
+        "first_request": FIRST_REQUEST,
     },
 }
 CUSTOM_ERROR: Schema = {

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import math
 import numbers
+import re
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypedDict, TypeGuard
 
+from starlette_idempotency._keys import KeyFormat, KeyFunction, KeySource
 from starlette_idempotency._protection import Redactor, StoredParts
 from starlette_idempotency.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
 
 StoreErrorPolicy = Literal["fail_closed", "fail_open"]
 FingerprintMode = Literal["raw", "validated"]
@@ -31,6 +36,58 @@ RecoveryPolicy = Literal["handler", "hold"]
 
 # Never part of a fingerprint: credentials rotate, and the key is what the fingerprint guards.
 _FORBIDDEN_FINGERPRINT_HEADERS = frozenset({"authorization", "cookie", "idempotency-key"})
+
+KeyFormatOption = str | re.Pattern[str] | Callable[[str], bool]
+"""``key_format=``: ``"uuid"``, a regular expression the whole key must match, or a predicate."""
+ReleaseStatuses = Collection[int] | Callable[[int], bool]
+"""``release_statuses=``: the statuses that free the key, or a predicate on the status."""
+
+# Server errors, and the statuses that say "try again" rather than "this is the outcome":
+# released by default (a set's own lookup, the cheapest call on the request path).
+_released_by_default = frozenset({408, 429, *range(500, 1000)}).__contains__
+
+
+def _release_check(statuses: ReleaseStatuses | None) -> Callable[[int], bool]:
+    """What ``release_statuses`` decides for a status: ``True`` frees the key."""
+    if statuses is None:
+        return _released_by_default
+    if callable(statuses):
+        decide = statuses
+
+        def released(status: int) -> bool:
+            try:
+                return bool(decide(status))
+            except Exception:
+                logger.exception(
+                    "release_statuses %r raised for status %d: the default decides instead "
+                    "(5xx, 408 and 429 free the key)",
+                    decide,
+                    status,
+                )
+                return _released_by_default(status)
+
+        return released
+    return typing.cast(frozenset[int], statuses).__contains__
+
+
+def _release_statuses(statuses: object) -> ReleaseStatuses | None:
+    """``statuses`` checked, a collection of them as a frozenset."""
+    if statuses is None or callable(statuses):
+        return statuses
+    if isinstance(statuses, str | bytes) or not isinstance(statuses, Iterable):
+        raise ConfigurationError(
+            "release_statuses must be a collection of HTTP statuses such as {500, 503}, or a "
+            f"function status -> bool, not {statuses!r}"
+        )
+    checked = frozenset(statuses)
+    wrong = [s for s in checked if not isinstance(s, int) or isinstance(s, bool)]
+    wrong += [s for s in checked if isinstance(s, int) and not 100 <= s <= 599]
+    if wrong:
+        raise ConfigurationError(
+            f"release_statuses must hold HTTP statuses (whole numbers from 100 to 599), not "
+            f"{', '.join(map(repr, wrong))}"
+        )
+    return checked
 
 
 def unknown_option_error(unknown: Iterable[str], known: Iterable[str], where: str) -> Exception:
@@ -106,6 +163,9 @@ class IdempotencyPolicy:
     stored_headers: tuple[str, ...] | None = None
     never_stored_headers: tuple[str, ...] = ()
     redact_response: Redactor | None = None
+    key_from: KeySource | KeyFunction | None = None
+    key_format: KeyFormatOption | None = None
+    release_statuses: ReleaseStatuses | None = None
     # Derived once, for the hot path: lower-cased names as the fingerprint matches them.
     excluded_field_names: frozenset[str] = field(init=False, repr=False, compare=False)
     fingerprint_header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
@@ -113,6 +173,12 @@ class IdempotencyPolicy:
     stored_parts: StoredParts = field(init=False, repr=False, compare=False)
     #: ``ttl_hours`` in seconds.
     ttl_seconds: float = field(init=False, repr=False, compare=False)
+    #: ``key_from`` as a source; ``None`` for the middleware's ``header_name``.
+    key_source: KeySource | None = field(init=False, repr=False, compare=False)
+    #: ``key_format`` checked; ``None`` when every key is accepted.
+    key_check: KeyFormat | None = field(init=False, repr=False, compare=False)
+    #: ``release_statuses`` as a decision: whether a response of this status frees the key.
+    releases: Callable[[int], bool] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, declared in _declared_types().items():
@@ -146,6 +212,13 @@ class IdempotencyPolicy:
             "fingerprint_header_names",
             frozenset(name.lower().encode("latin-1") for name in self.fingerprint_headers),
         )
+        source = None if self.key_from is None else KeySource.of(self.key_from)
+        object.__setattr__(self, "key_source", source)
+        check = None if self.key_format is None else KeyFormat.of(self.key_format)
+        object.__setattr__(self, "key_check", check)
+        statuses = _release_statuses(self.release_statuses)
+        object.__setattr__(self, "release_statuses", statuses)
+        object.__setattr__(self, "releases", _release_check(statuses))
 
     def merged(self, overrides: Mapping[str, Any]) -> IdempotencyPolicy:
         """This policy with a route's overrides applied."""
@@ -179,3 +252,6 @@ class RouteOptions(TypedDict, total=False):
     stored_headers: Sequence[str] | None
     never_stored_headers: Sequence[str]
     redact_response: Redactor | None
+    key_from: KeySource | KeyFunction | None
+    key_format: KeyFormatOption | None
+    release_statuses: ReleaseStatuses | None

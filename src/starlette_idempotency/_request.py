@@ -1,6 +1,7 @@
 """One guarded request's journey until it owns its key, or is answered without running.
 
-Validate the key, buffer and fingerprint the body, and acquire the key as ``InProgress``; then
+Validate the key, buffer and fingerprint the body (read first, and parsed once, for a key read
+from it: ``key_from``), and acquire the key as ``InProgress``; then
 the app runs under the key's :class:`~starlette_idempotency._lease.Lease`, which settles the
 outcome. A
 key already held answers with a replay, a 409 (or a wait for the first request) or a 422
@@ -21,8 +22,14 @@ from dataclasses import replace
 from starlette.exceptions import HTTPException
 
 from starlette_idempotency._endpoint import REQUEST_SCOPE_KEY, InvalidCommandMarks
-from starlette_idempotency._fingerprint import raw_body_form, request_fingerprint
-from starlette_idempotency._keys import InvalidKey, parse_key, sent_once_message, storage_key
+from starlette_idempotency._fingerprint import ParsedJson, raw_body_form, request_fingerprint
+from starlette_idempotency._keys import (
+    InvalidKey,
+    KeySource,
+    parse_key,
+    sent_once_message,
+    storage_key,
+)
 from starlette_idempotency._lease import Lease, ReplayingReceive, Run
 from starlette_idempotency._record import IdempotencyRecord, RecordStatus
 from starlette_idempotency._responses import (
@@ -31,6 +38,7 @@ from starlette_idempotency._responses import (
     MISMATCH_MESSAGE,
     RESPONSE_UNREADABLE_MESSAGE,
     STORE_UNAVAILABLE_MESSAGE,
+    FirstRequest,
     Problem,
     replay_for,
     retry_after_seconds,
@@ -60,6 +68,7 @@ class GuardedRequest:
         "_content_length",
         "_content_type",
         "_events",
+        "_key_name",
         "_key_template",
         "_policy",
         "_receive",
@@ -94,6 +103,9 @@ class GuardedRequest:
         self._content_encoded = False
         self._chosen_headers: list[tuple[str, str]] = []
         self._store_key = ""
+        source = route.policy.key_source
+        #: How error titles name the key: ``None`` for the middleware's header.
+        self._key_name = None if source is None else source.label
 
     async def _reject(
         self,
@@ -104,6 +116,7 @@ class GuardedRequest:
         retry_after: int | None = None,
         note: str | None = None,
         location: str | None = None,
+        first: FirstRequest | None = None,
     ) -> None:
         await self._events.decided(result, note)
         await self._services.errors.send(
@@ -113,15 +126,19 @@ class GuardedRequest:
             retry_after=retry_after,
             location=location,
             request_headers=self._scope["headers"],
+            key_name=self._key_name,
+            first=first,
         )
 
     async def run(self) -> None:
         limits = self._services.limits
+        source = self._policy.key_source
+        key_header = limits.header_bytes if source is None else source.header_bytes or None
         # One pass over the headers for everything the request needs from them.
         raw_keys: list[bytes] = []
         wanted = self._policy.fingerprint_header_names
         for name, value in self._scope["headers"]:
-            if name == limits.header_bytes:
+            if name == key_header:
                 raw_keys.append(value)
             elif name == b"content-length":
                 # Digits only, and few enough to be a length (int() refuses 4,300 and more).
@@ -135,30 +152,78 @@ class GuardedRequest:
                 self._content_encoded |= value.strip().lower() != b"identity"
             if name in wanted:
                 self._chosen_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        if source is not None and key_header is None:
+            await self._run_with_key_in_body(source)
+            return
+        header_name = limits.header_name if source is None else source.name
         if not raw_keys:
-            if self._policy.required:
-                await self._reject(
-                    Problem.MISSING_KEY,
-                    f"{limits.header_name} header is required",
-                    CheckResult.MISSING_KEY,
-                )
-            else:
-                await self._events.decided(CheckResult.MISSING_KEY)
-                await self._services.app(self._scope, self._receive, self._send)
+            await self._without_key(f"{header_name} header is required", None)
             return
         key = (
-            parse_key(raw_keys[0], header_name=limits.header_name, max_length=limits.max_key_length)
+            parse_key(
+                raw_keys[0],
+                header_name=header_name,
+                max_length=limits.max_key_length,
+                key_format=self._policy.key_check,
+            )
             if len(raw_keys) == 1
-            else InvalidKey(sent_once_message(limits.header_name))
+            else InvalidKey(sent_once_message(header_name))
         )
         if isinstance(key, InvalidKey):
-            await self._reject(Problem.INVALID_KEY, key.message, CheckResult.INVALID_KEY)
+            await self._refuse_key(key)
             return
         self._events.key = key
         body = await self._read_body()
         if body is None:
             return
         await self._acquire_and_run(key, body)
+
+    async def _run_with_key_in_body(self, source: KeySource) -> None:
+        """The request of a route whose key is read from the body (a JSON field, or a
+        function of the request and its body), which is read first, under the same limits."""
+        body = await self._read_body()
+        if body is None:
+            return
+        try:
+            found, parsed = await source.read(
+                self._scope,
+                body,
+                max_length=self._services.limits.max_key_length,
+                key_format=self._policy.key_check,
+            )
+        except HTTPException as exc:  # the app's own refusal (a bad signature, say)
+            await self._send_refusal(exc, body, CheckResult.INVALID_KEY, "key_from")
+            return
+        if found is None:
+            await self._without_key(source.missing_message(), body)
+            return
+        if isinstance(found, InvalidKey):
+            await self._refuse_key(found)
+            return
+        self._events.key = found
+        await self._acquire_and_run(found, body, parsed)
+
+    async def _without_key(self, message: str, body: bytes | None) -> None:
+        """A request whose source yields no key: refused on a required route, else run
+        unprotected (with the ``body`` already read, if it was)."""
+        if self._policy.required:
+            await self._reject(Problem.MISSING_KEY, message, CheckResult.MISSING_KEY)
+            return
+        await self._events.decided(CheckResult.MISSING_KEY)
+        receive = self._receive if body is None else ReplayingReceive(body, self._receive).receive
+        await self._services.app(self._scope, receive, self._send)
+
+    async def _refuse_key(self, invalid: InvalidKey) -> None:
+        """400: the body a key is read from is not JSON, or the key is not one."""
+        if invalid.malformed:
+            await self._reject(
+                Problem.INVALID_REQUEST, invalid.message, CheckResult.INVALID_REQUEST
+            )
+        else:
+            note = "key_format" if invalid.by_format else None
+            await self._reject(
+                Problem.INVALID_KEY, invalid.message, CheckResult.INVALID_KEY, note=note
+            )
 
     async def _read_body(self) -> bytes | None:
         """The whole request body, or ``None`` once an answer was sent (413) or the client left."""
@@ -196,7 +261,7 @@ class GuardedRequest:
             CheckResult.TOO_LARGE,
         )
 
-    def _fingerprint(self, body: bytes) -> str | None:
+    def _fingerprint(self, body: bytes, parsed: ParsedJson | None) -> str | None:
         """The request's fingerprint; ``None`` when ``fingerprint="validated"`` finds the body
         is not a valid command. An encoded body (``Content-Encoding: gzip``, which a custom
         route class may decode) is no command the middleware can read: it takes the raw form."""
@@ -204,7 +269,10 @@ class GuardedRequest:
         command = self._route.command
         if command is None or self._content_encoded:
             kind, canonical = raw_body_form(
-                body, content_type=self._content_type, excluded=self._policy.excluded_field_names
+                body,
+                content_type=self._content_type,
+                excluded=self._policy.excluded_field_names,
+                parsed=parsed,
             )
         else:
             form = command.canonical(body, self._content_type)
@@ -221,19 +289,18 @@ class GuardedRequest:
             body=canonical,
         )
 
-    async def _acquire_and_run(self, key: str, body: bytes) -> None:
+    async def _acquire_and_run(
+        self, key: str, body: bytes, parsed: ParsedJson | None = None
+    ) -> None:
         services, policy = self._services, self._policy
-        fingerprint = self._fingerprint(body)
+        fingerprint = self._fingerprint(body, parsed)
         if fingerprint is None:
             await self._pass_invalid_command(body)
             return
         try:
             owner = await services.key_scope(self._scope)
         except HTTPException as exc:  # the app's own refusal (a bad token, say): its answer
-            await self._events.decided(CheckResult.SCOPE_REFUSED, note=str(exc.status_code))
-            await send_http_exception(
-                exc, self._scope, ReplayingReceive(body, self._receive).receive, self._send
-            )
+            await self._send_refusal(exc, body, CheckResult.SCOPE_REFUSED)
             return
         self._store_key = storage_key(owner, self._scope["method"], self._key_template, key)
         now = services.clock()
@@ -294,6 +361,16 @@ class GuardedRequest:
             await self._reject_in_progress(record, note="lock_lost")
             return
         await self._answer_existing(AcquireResult(acquired=False, record=record), fingerprint)
+
+    async def _send_refusal(
+        self, exc: HTTPException, body: bytes, result: CheckResult, note: str | None = None
+    ) -> None:
+        """Answer the ``HTTPException`` a hook of the app raised, as the app answers it."""
+        status = str(exc.status_code)
+        await self._events.decided(result, note=status if note is None else f"{note}:{status}")
+        await send_http_exception(
+            exc, self._scope, ReplayingReceive(body, self._receive).receive, self._send
+        )
 
     def _owned_record(
         self, pending: IdempotencyRecord, taken_over: IdempotencyRecord
@@ -414,12 +491,28 @@ class GuardedRequest:
             note=note,
         )
 
+    def _first_request(self, record: IdempotencyRecord) -> FirstRequest | None:
+        """What a 422 tells of the request that first used the key: its status, and its
+        ``Location`` unless a sealed copy cannot be opened; ``None`` while it runs."""
+        stored = record.response
+        if stored is None:
+            return None
+        response = self._services.responses.read(stored, self._store_key)
+        location = None if response is None else response.header("location")
+        return FirstRequest(stored.status_code, location)
+
     async def _answer_existing(self, held: AcquireResult, fingerprint: str) -> None:
         record = held.record
         assert record is not None
         same_request, note = self._same_request(record, fingerprint)
         if not same_request:
-            await self._reject(Problem.MISMATCH, MISMATCH_MESSAGE, CheckResult.MISMATCH, note=note)
+            await self._reject(
+                Problem.MISMATCH,
+                MISMATCH_MESSAGE,
+                CheckResult.MISMATCH,
+                note=note,
+                first=self._first_request(record),
+            )
         elif held.lease_expired:  # on the store's clock
             # on_recovery="hold": a handler checkpointed and died; nobody may run it again
             # until an operator or a reconciler resolves the record.

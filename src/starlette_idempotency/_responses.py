@@ -94,13 +94,33 @@ class IdempotencyProblem:
     """One error answer, as an ``error_format`` callable receives it.
 
     ``code`` is stable (see :class:`Problem`); ``title`` names the kind of problem with the
-    configured header; ``detail`` is this occurrence's message.
+    configured header (or the route's key source); ``detail`` is this occurrence's message.
+    A 422 for a key reused with another request names the first request's outcome:
+    ``first_status`` and, when its response had one, ``first_location`` (``None`` while the
+    first request is still running).
     """
 
     status: int
     code: str
     title: str
     detail: str
+    first_status: int | None = None
+    first_location: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FirstRequest:
+    """What a 422 tells of the request that first used the key: its status and ``Location``,
+    never its body."""
+
+    status: int
+    location: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        """``{"status": ..., "location": ...}``, without ``location`` when there is none."""
+        if self.location is None:
+            return {"status": self.status}
+        return {"status": self.status, "location": self.location}
 
 
 ErrorBody = Callable[[IdempotencyProblem], dict[str, Any]]
@@ -183,22 +203,50 @@ class ErrorResponder:
                 f"error_format {self._build!r} must return a JSON-serialisable dict: {exc}"
             ) from exc
 
-    def _body(self, problem: Problem, detail: str, stripe_sdk: bool = False) -> dict[str, Any]:
+    def _body(
+        self,
+        problem: Problem,
+        detail: str,
+        stripe_sdk: bool = False,
+        *,
+        key_name: str | None = None,
+        first: FirstRequest | None = None,
+    ) -> dict[str, Any]:
+        title = self._titles[problem] if key_name is None else problem.title.format(header=key_name)
         if self._build is not None:
             return self._build(
-                IdempotencyProblem(problem.status, problem.code, self._titles[problem], detail)
+                IdempotencyProblem(
+                    problem.status,
+                    problem.code,
+                    title,
+                    detail,
+                    None if first is None else first.status,
+                    None if first is None else first.location,
+                )
             )
+        body: dict[str, Any]
         if self._problem:
-            return {
+            body = {
                 "type": self._types[problem],
-                "title": self._titles[problem],
+                "title": title,
                 "status": problem.status,
                 "detail": detail,
                 "code": problem.code,
             }
-        if self._stripe or stripe_sdk:
-            return {"error": {"type": problem.error_type, "code": problem.code, "message": detail}}
-        return {"error": detail, "code": problem.code}
+        elif self._stripe or stripe_sdk:
+            error: dict[str, Any] = {
+                "type": problem.error_type,
+                "code": problem.code,
+                "message": detail,
+            }
+            if first is not None:
+                error["first_request"] = first.as_json()
+            return {"error": error}
+        else:
+            body = {"error": detail, "code": problem.code}
+        if first is not None:
+            body["first_request"] = first.as_json()
+        return body
 
     async def send(
         self,
@@ -209,15 +257,18 @@ class ErrorResponder:
         retry_after: int | None = None,
         location: str | None = None,
         request_headers: Iterable[tuple[bytes, bytes]] = (),
+        key_name: str | None = None,
+        first: FirstRequest | None = None,
     ) -> None:
-        """Send ``problem`` in the configured format.
+        """Send ``problem`` in the configured format; its title names ``key_name`` (a route's
+        key source) instead of the header, when given, and its body ``first``.
 
         A ``"json"`` error to one of Stripe's SDKs (they send ``X-Stripe-Client-User-Agent``)
         takes the ``"stripe"`` shape: their parser reads ``error`` as an object and fails with
         an ``AttributeError`` on the string, instead of raising a catchable ``StripeError``.
         """
         stripe_sdk = self._json and any(name == _STRIPE_SDK_HEADER for name, _ in request_headers)
-        body = orjson.dumps(self._body(problem, detail, stripe_sdk))
+        body = orjson.dumps(self._body(problem, detail, stripe_sdk, key_name=key_name, first=first))
         headers = [
             (b"content-type", self._content_type),
             (b"content-length", str(len(body)).encode("latin-1")),

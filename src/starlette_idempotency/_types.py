@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
@@ -11,6 +12,9 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: An HTTP field name or method (RFC 9110 "token").
+HTTP_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 DEFAULT_HEADER_NAME = "Idempotency-Key"
 REPLAY_HEADER = "X-Idempotent-Replay"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
@@ -36,6 +35,7 @@ from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy, refuse_startup
 from starlette_idempotency._types import (
     DEFAULT_HEADER_NAME,
+    HTTP_TOKEN,
     REPLAY_HEADER,
     ASGIApp,
     Clock,
@@ -74,10 +74,6 @@ def _declared_option_types() -> dict[str, Any]:
     return {name: hints[name] for name in _option_names() - ROUTE_OPTIONS if name in hints}
 
 
-# An HTTP field name or method (RFC 9110 "token").
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-
-
 def _check_own_options(options: Mapping[str, Any]) -> None:
     """Refuse a middleware option given with a wrong type or value, naming it."""
     declared = _declared_option_types()
@@ -92,13 +88,13 @@ def _check_own_options(options: Mapping[str, Any]) -> None:
         ("replay_header_name", REPLAY_HEADER),
     ):
         name = options.get(option, example)
-        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+        if not isinstance(name, str) or not HTTP_TOKEN.fullmatch(name):
             raise ConfigurationError(
                 f"{option} must be an HTTP header name such as {example!r}, not {name!r}"
             )
     methods = options.get("methods", ())
     if isinstance(methods, str | bytes) or not all(
-        isinstance(method, str) and _TOKEN.fullmatch(method) for method in methods
+        isinstance(method, str) and HTTP_TOKEN.fullmatch(method) for method in methods
     ):
         raise ConfigurationError(
             f"methods must be a list of HTTP methods such as ['POST', 'PATCH'], not {methods!r}"

@@ -43,6 +43,15 @@ def test_every_error_has_a_stable_code() -> None:
 PROBLEMS = pytest.mark.parametrize("problem", list(Problem), ids=lambda problem: problem.name)
 
 
+#: A 422 names the request that first used the key (``/pay`` answered it 201, no Location).
+FIRST_REQUEST = {"status": 201}
+
+
+def extra(problem: Problem) -> list[str]:
+    """The members beside the usual ones: ``first_request`` on the 422 alone."""
+    return ["first_request"] if problem is Problem.MISMATCH else []
+
+
 def checked_body(response: httpx.Response, problem: Problem, content_type: str) -> Any:
     """``response``'s JSON body, once its status and content type are checked."""
     assert response.status_code == problem.status
@@ -132,17 +141,19 @@ class App:
 @PROBLEMS
 async def test_json_format_keeps_the_message_and_adds_the_code(problem: Problem) -> None:
     body = checked_body(await App("json").answer(problem), problem, "application/json")
-    assert list(body) == ["error", "code"]
+    assert list(body) == ["error", "code", *extra(problem)]
     assert isinstance(body["error"], str)
     assert body["error"]
     assert body["code"] == problem.code
+    assert body.get("first_request", FIRST_REQUEST) == FIRST_REQUEST
 
 
 @PROBLEMS
 async def test_stripe_format(problem: Problem) -> None:
     body = checked_body(await App("stripe").answer(problem), problem, "application/json")
     assert list(body) == ["error"]
-    assert list(body["error"]) == ["type", "code", "message"]
+    assert list(body["error"]) == ["type", "code", "message", *extra(problem)]
+    assert body["error"].get("first_request", FIRST_REQUEST) == FIRST_REQUEST
     assert body["error"]["code"] == problem.code
     assert body["error"]["type"] == problem.error_type
     assert isinstance(body["error"]["message"], str)
@@ -159,8 +170,9 @@ def test_json_error_types_use_stripes_vocabulary() -> None:
 @PROBLEMS
 async def test_problem_format_carries_the_code(problem: Problem) -> None:
     body = checked_body(await App("problem").answer(problem), problem, "application/problem+json")
-    assert list(body) == ["type", "title", "status", "detail", "code"]
+    assert list(body) == ["type", "title", "status", "detail", "code", *extra(problem)]
     assert (body["status"], body["code"]) == (problem.status, problem.code)
+    assert body.get("first_request", FIRST_REQUEST) == FIRST_REQUEST
 
 
 # The type URI of each problem below problem_type: clients and gateways route on these.
@@ -212,6 +224,8 @@ async def test_a_callable_builds_the_body_from_the_problem(problem: Problem) -> 
     got = seen[-1]
     assert (got.status, got.code) == (problem.status, problem.code)
     assert got.title == problem.title.format(header="Idempotency-Key")
+    first = (201, None) if problem is Problem.MISMATCH else (None, None)
+    assert (got.first_status, got.first_location) == first
     assert body == {"ok": False, "reason": problem.code, "text": got.detail}
     if problem in (Problem.IN_PROGRESS, Problem.STORE_UNAVAILABLE):
         assert response.headers["retry-after"] == "1"

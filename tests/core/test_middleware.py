@@ -161,6 +161,7 @@ async def test_mismatch_is_422(harness: GuardedApp) -> None:
     assert other.json() == {
         "error": "Idempotency key has already been used with a different request payload.",
         "code": "idempotency_key_reused",
+        "first_request": {"status": 201, "location": "/payments/p_1"},
     }
     assert harness.ledger.executions["payments"] == 1
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 
-from starlette_idempotency._types import DEFAULT_HEADER_NAME, Clock, system_clock
+from starlette_idempotency._types import DEFAULT_HEADER_NAME, HTTP_TOKEN, Clock, system_clock
 from starlette_idempotency.client._retry_policy import (
     DEFAULT_RETRY_STATUSES,
     RetryPolicy,
@@ -38,7 +37,6 @@ AsyncSleep = Callable[[float], Awaitable[None] | None]
 ``None`` is accepted too, which suits a recorder in tests."""
 IDEMPOTENT_METHODS = frozenset({"POST", "PATCH"})
 """Methods that get a key and retries; every other method is sent once, untouched."""
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 class NonReplayableRequestError(httpx.RequestError, IdempotencyError):
@@ -130,7 +128,7 @@ class _IdempotentBase:
         rng: Rng | random.Random,
         clock: Clock,
     ) -> None:
-        if not isinstance(header_name, str) or not _TOKEN.fullmatch(header_name):
+        if not isinstance(header_name, str) or not HTTP_TOKEN.fullmatch(header_name):
             raise ConfigurationError(
                 f"header_name must be an HTTP header name, got {header_name!r}"
             )
