@@ -3,23 +3,29 @@ about one request, and what a handler can learn and record about its own request
 
 The decorator records which options a route overrides; the middleware merges them over its own
 defaults once per route. In the documented order (``@app.post(...)`` above ``@idempotent(...)``)
-the decorator also wraps the endpoint. The wrapper runs on every call: when a router calls it,
-it checks that a guard saw the request (:func:`enter_endpoint`), and it tells the middleware
-that the endpoint itself began, which tells a FastAPI validation 422 or an auth dependency's
-401 (nothing ran) from a handler's own 4xx (a business outcome). The wrapper keeps the
-endpoint's signature, so FastAPI's introspection and OpenAPI see the original function, with
-one parameter more where it has no request parameter of its own: an ``HTTPConnection``, which
-FastAPI fills with the request (and documents nowhere). A Starlette endpoint gets its request
-as an argument already; a direct call, as a unit test makes, passes neither and runs as the
-function would.
+the decorator also wraps the endpoint. The wrapper runs on every call: it checks that a guard
+saw the request it runs for (:func:`enter_endpoint`), and it tells the middleware that the
+endpoint itself began, which tells a FastAPI validation 422 or an auth dependency's 401
+(nothing ran) from a handler's own 4xx (a business outcome). The wrapper is a plain
+``functools.wraps`` wrapper: FastAPI's introspection and OpenAPI see the original function's
+signature, untouched.
 
-The middleware marks every HTTP request it sees with what it decided (:data:`GUARD_SCOPE_KEY`):
-the handler it guards the request for, :data:`METHOD_NOT_GUARDED`, or ``None`` when it found no
-guarded route. A request that owns its key carries its :class:`IdempotencyContext` in the
-scope: where the endpoint reports that it began, :func:`mark_retryable` that a failure had no
-side effect, and :func:`checkpoint` saves a recovery point; if the process dies after one, the
-retry that takes the key over sees it through ``idempotency_context(request).recovered_from``
-and can reconcile (ask the payment provider what happened) instead of acting again.
+The middleware hands the endpoint side what it decided through a context variable
+(:data:`GUARDED_SCOPE`, as asgi-correlation-id hands on its request id), set for every HTTP
+request it passes on and reset when the app returns: the scope it passed on, marked
+(:data:`GUARD_SCOPE_KEY`) with the ``@idempotent`` wrapper it guards the request for,
+:data:`METHOD_NOT_GUARDED`, or ``None`` when it found no guarded route. The endpoint runs in
+the request's task, or in a thread that copied its context (a sync endpoint), so the wrapper
+finds it whatever its signature. A decorator stacked above ``@idempotent`` with
+``functools.wraps`` (a rate limiter, a cache) is looked through by its ``__wrapped__`` chain.
+With no guard in the context, the wrapper runs the function as written, as a unit test's
+direct call does; it refuses only a call that brings a request a router dispatched.
+
+A request that owns its key carries its :class:`IdempotencyContext` in the scope: where the
+endpoint reports that it began, :func:`mark_retryable` that a failure had no side effect, and
+:func:`checkpoint` saves a recovery point; if the process dies after one, the retry that takes
+the key over sees it through ``idempotency_context(request).recovered_from`` and can reconcile
+(ask the payment provider what happened) instead of acting again.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import functools
 import hashlib
 import inspect
 import re
+import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, Final, Protocol, TypeVar, Unpack, cast, overload
 
 from starlette.requests import HTTPConnection
@@ -42,6 +50,7 @@ from starlette_idempotency._options import (
     unknown_option_error,
 )
 from starlette_idempotency._record import Checkpoint
+from starlette_idempotency._types import Scope
 from starlette_idempotency.errors import (
     ConfigurationError,
     IdempotencyError,
@@ -50,12 +59,15 @@ from starlette_idempotency.errors import (
 
 #: Where the middleware records, for every HTTP request it passes on, what it guards it as.
 GUARD_SCOPE_KEY = "starlette_idempotency.guard"
+#: The scope the innermost guard passed on, for the ``@idempotent`` wrapper of its request to
+#: find: set by the middleware for each HTTP request, and reset when the app returns.
+GUARDED_SCOPE: ContextVar[Scope] = ContextVar("starlette_idempotency.guarded_scope")
 #: The guard's mark for a request whose method it does not guard (a GET, say).
 METHOD_NOT_GUARDED: Final = "method not guarded"
 #: Where a guarded request's :class:`Marks` are (its :class:`IdempotencyContext`, once it owns
 #: its key).
 REQUEST_SCOPE_KEY = "starlette_idempotency.request"
-#: No guard saw the request (no mark in its scope).
+#: No guard saw the request (none set :data:`GUARDED_SCOPE`).
 _UNSEEN: Final = object()
 
 
@@ -94,6 +106,15 @@ def _name(handler: Any) -> str:
     return f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', handler)}"
 
 
+def _request_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> HTTPConnection | None:
+    """The request among an endpoint's arguments: a Starlette endpoint's first (after ``self``
+    for an ``HTTPEndpoint``), or a FastAPI endpoint's ``Request`` parameter."""
+    for arg in (*args[:2], *kwargs.values()):
+        if isinstance(arg, HTTPConnection):
+            return arg
+    return None
+
+
 def _refusal(handler: Any, scope: Any, mark: Any) -> UnguardedRequestError:
     route = f"{scope.get('method')} {scope.get('path')}"
     if mark is _UNSEEN:
@@ -106,49 +127,44 @@ def _refusal(handler: Any, scope: Any, mark: Any) -> UnguardedRequestError:
         cause = (
             "IdempotencyMiddleware saw the request but found no guarded route for it, so "
             "something between them changed where it goes (a middleware inside "
-            "IdempotencyMiddleware that rewrites the path, or an app it cannot see into). Add "
-            "IdempotencyMiddleware inside that middleware (app.add_middleware it first), or "
-            "mount the app so that its routes are reachable through .routes"
+            "IdempotencyMiddleware that rewrites the path, or an app it cannot see into), or a "
+            "decorator above @idempotent hides it (one without functools.wraps). Add "
+            "IdempotencyMiddleware inside that middleware (app.add_middleware it first), "
+            "mount the app so that its routes are reachable through .routes, or decorate with "
+            "functools.wraps"
         )
     else:
+        guarded = _name(mark)
+        if guarded == _name(handler):
+            guarded += f" (another function of that name, at {getattr(mark, '__code__', '?')})"
         cause = (
-            f"IdempotencyMiddleware guarded the request as one to {_name(mark)}, so its key "
-            "and policy are another endpoint's (a middleware inside IdempotencyMiddleware "
-            "rewrote the path, or the route sits in an app it cannot see into)"
+            f"IdempotencyMiddleware guarded the request as one to {guarded}, so its key and "
+            "policy are another endpoint's (a middleware inside IdempotencyMiddleware "
+            "rewrote the path, the route sits in an app it cannot see into, or another "
+            "endpoint called this one)"
         )
     return UnguardedRequestError(f"@idempotent {_name(handler)} was not run for {route}: {cause}")
 
 
-def enter_endpoint(
-    handler: object, args: tuple[Any, ...], kwargs: dict[str, Any], keyword: str | None
-) -> None:
+def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Called by the ``@idempotent`` wrapper ``handler`` as it starts, with its arguments.
 
-    A router's call brings the request: FastAPI's under ``keyword`` (the wrapper's own
-    parameter is taken out of ``kwargs``), a Starlette endpoint's as its first argument (after
-    ``self`` for an ``HTTPEndpoint``). Such a call is refused unless a guard saw the request
-    and guarded it as a request to this very handler, or passed it on because its method is
-    not guarded. A direct call, as a unit test makes, brings none and runs.
+    Refused unless the guard of the request it runs for (:data:`GUARDED_SCOPE`) guarded it as
+    a request to this very wrapper, or passed it on because its method is not guarded. With no
+    guard in the context, a call that brings a request a router dispatched is refused; any
+    other runs (a unit test's direct call).
     """
-    if keyword is CONNECTION_PARAMETER:
-        connection = kwargs.pop(CONNECTION_PARAMETER, None)
-    else:
-        connection = kwargs.get(keyword) if keyword is not None else None
-    if connection is None:
-        for arg in args[:2]:
-            if isinstance(arg, HTTPConnection):
-                connection = arg
-                break
-    if not isinstance(connection, HTTPConnection):
+    scope = GUARDED_SCOPE.get(None)
+    if scope is None:
+        request = _request_in(args, kwargs)
+        # A request a router dispatched, that no guard saw.
+        if request is not None and "endpoint" in request.scope:
+            raise _refusal(handler, request.scope, _UNSEEN)
         return
-    scope = connection.scope
-    if scope.get("type") != "http":
-        return
-    mark = scope.get(GUARD_SCOPE_KEY, _UNSEEN)
-    if mark is _UNSEEN and "endpoint" not in scope:
-        return  # a request no guard saw and no router dispatched: a unit test's own
+    mark = scope.get(GUARD_SCOPE_KEY)
     if mark is not handler and mark is not METHOD_NOT_GUARDED:
-        raise _refusal(handler, scope, mark)
+        request = _request_in(args, kwargs)
+        raise _refusal(handler, scope if request is None else request.scope, mark)
     marks: Marks | None = scope.get(REQUEST_SCOPE_KEY)
     if marks is not None:
         if marks.must_not_start:
@@ -289,56 +305,36 @@ async def checkpoint(request: HTTPConnection, name: str, data: Any = None) -> No
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 POLICY_ATTRIBUTE = "__idempotency_overrides__"
-MARKS_START_ATTRIBUTE = "__idempotency_marks_start__"
-#: The keyword the wrapper's signature adds for FastAPI to fill with the request.
-CONNECTION_PARAMETER = "__idempotency_connection"
+#: How many ``__wrapped__`` links are followed from a route's handler to its ``@idempotent``.
+_MAX_WRAPPING = 32
 
 # What a route's options are checked against when the decorator runs (see idempotent()).
 _LOOSEST = IdempotencyPolicy(ttl_hours=1e9, lock_ttl_seconds=1e-9)
 
-
-def _is_connection_annotation(annotation: Any) -> bool:
-    """Whether FastAPI fills a parameter so annotated with the request."""
-    if isinstance(annotation, str):  # postponed, and not evaluable yet: judged by its name
-        return annotation.rpartition(".")[2] in ("Request", "HTTPConnection")
-    return isinstance(annotation, type) and issubclass(annotation, HTTPConnection)
+#: Every ``@idempotent`` wrapper: what tells one from a decorator above it, which
+#: ``functools.wraps`` gives the same name and attributes.
+_WRAPPERS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
-def _with_connection(func: Callable[..., Any]) -> tuple[inspect.Signature | None, str | None]:
-    """The wrapper's signature, and the keyword FastAPI will pass the request as.
-
-    When ``func`` declares a ``Request`` (or ``HTTPConnection``) parameter, the wrapper reads
-    the request there and keeps the signature; otherwise it adds a keyword-only
-    ``HTTPConnection`` parameter of its own. ``(None, None)`` when ``func`` has no signature.
-    """
-    try:
-        try:
-            signature = inspect.signature(func, eval_str=True)
-        except NameError:  # a forward reference FastAPI resolves later
-            signature = inspect.signature(func)
-    except (TypeError, ValueError):
-        return None, None
-    parameters = list(signature.parameters.values())
-    for parameter in parameters:
-        if _is_connection_annotation(parameter.annotation):
-            return None, parameter.name
-    added = inspect.Parameter(
-        CONNECTION_PARAMETER, inspect.Parameter.KEYWORD_ONLY, annotation=HTTPConnection
-    )
-    at = len(parameters)
-    if parameters and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD:
-        at -= 1  # keyword-only parameters go before **kwargs
-    parameters.insert(at, added)
-    return signature.replace(parameters=parameters), CONNECTION_PARAMETER
+def idempotent_wrapper(handler: object) -> Callable[..., Any] | None:
+    """The ``@idempotent`` wrapper a route's handler is, or wraps through decorators that set
+    ``__wrapped__`` (``functools.wraps``: a rate limiter, a cache); ``None`` when there is none."""
+    node: object = handler
+    for _ in range(_MAX_WRAPPING):
+        if node in _WRAPPERS:
+            return cast(Callable[..., Any], node)
+        node = getattr(node, "__wrapped__", None)
+        if node is None:
+            break
+    return None
 
 
 def _wrap_marking_start(func: _F) -> _F:
-    signature, keyword = _with_connection(func)
     if inspect.iscoroutinefunction(func):
 
         @functools.wraps(func)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-            enter_endpoint(async_wrapper, args, kwargs, keyword)
+            enter_endpoint(async_wrapper, args, kwargs)
             return await func(*args, **kwargs)
 
         wrapper: Callable[..., Any] = async_wrapper
@@ -346,13 +342,11 @@ def _wrap_marking_start(func: _F) -> _F:
 
         @functools.wraps(func)
         def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
-            enter_endpoint(sync_wrapper, args, kwargs, keyword)
+            enter_endpoint(sync_wrapper, args, kwargs)
             return func(*args, **kwargs)
 
         wrapper = sync_wrapper
-    if signature is not None:
-        wrapper.__signature__ = signature  # type: ignore[attr-defined]
-    setattr(wrapper, MARKS_START_ATTRIBUTE, True)
+    _WRAPPERS.add(wrapper)
     return cast(_F, wrapper)
 
 
@@ -394,9 +388,7 @@ def idempotent(func: Any = None, /, **options: Any) -> Any:
     def decorate(func: _F) -> _F:
         # Set on the function itself too: in the reverse order the router already holds it.
         setattr(func, POLICY_ATTRIBUTE, overrides)
-        wrapper = _wrap_marking_start(func)
-        setattr(wrapper, POLICY_ATTRIBUTE, overrides)
-        return wrapper
+        return _wrap_marking_start(func)
 
     return decorate if func is None else decorate(func)
 

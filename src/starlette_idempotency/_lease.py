@@ -30,7 +30,7 @@ from typing import Any
 
 import anyio
 
-from starlette_idempotency._endpoint import REQUEST_SCOPE_KEY, KeyOwner
+from starlette_idempotency._endpoint import GUARDED_SCOPE, REQUEST_SCOPE_KEY, KeyOwner
 from starlette_idempotency._options import IdempotencyPolicy
 from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
@@ -410,6 +410,7 @@ class Run(ReplayingReceive):
         if extensions and not _UNCAPTURABLE_EXTENSIONS.isdisjoint(extensions):
             kept = {k: v for k, v in extensions.items() if k not in _UNCAPTURABLE_EXTENSIONS}
             scope = {**scope, "extensions": kept}
+            GUARDED_SCOPE.set(scope)  # the guard's own resets it
         scope[REQUEST_SCOPE_KEY] = lease
         policy = self._policy
         if policy.renew_lock:

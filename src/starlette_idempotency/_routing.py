@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.routing import BaseRoute, Host, Match, Mount, WebSocketRoute, replace_params
 
 from starlette_idempotency._endpoint import (
-    MARKS_START_ATTRIBUTE,
     POLICY_ATTRIBUTE,
+    idempotent_wrapper,
     misplaced_decorator_error,
 )
 from starlette_idempotency._fingerprint import fingerprint_version
@@ -70,8 +70,9 @@ class GuardedRoute:
     """A route the middleware guards: its template, merged policy, whether the endpoint reports
     its own start (the documented decorator order), and how its requests are fingerprinted.
 
-    ``handler`` is what the router calls for the request's method (the guard marks the request
-    with it, and the ``@idempotent`` wrapper checks the mark); ``handler_name`` names it
+    ``handler`` is the ``@idempotent`` wrapper the router calls for the request's method,
+    itself or through decorators above it (the guard marks the request with it, and the
+    wrapper checks the mark), or what the router calls when undecorated; ``handler_name`` names it
     (``module:qualname``) in every fingerprint, so that two endpoints, or two apps, that meet
     on one storage key never take each other's records for their own.
     """
@@ -126,6 +127,17 @@ def _handlers(endpoint: object) -> dict[str | None, object]:
 
 
 _HTTP_METHODS = ("get", "head", "post", "put", "patch", "delete", "options", "trace")
+
+
+def decoration(handler: object) -> tuple[Any, dict[str, Any] | None]:
+    """The ``@idempotent`` wrapper a route's handler is or wraps (``None`` when there is none),
+    and the options the decorator overrides (``None`` when the handler is not decorated).
+
+    Overrides without a wrapper are a decorator placed above the route decorator: the router
+    holds the undecorated function (or one that ``functools.wraps`` gave the attribute)."""
+    wrapper = idempotent_wrapper(handler)
+    overrides = getattr(handler if wrapper is None else wrapper, POLICY_ATTRIBUTE, None)
+    return wrapper, overrides
 
 
 def handler_name(handler: object) -> str:
@@ -375,10 +387,10 @@ class RouteResolver:
         the retention)."""
         problems: list[str] = []
         for entry in iter_routes(routes):
-            overrides = getattr(entry.handler, POLICY_ATTRIBUTE, None)
+            wrapper, overrides = decoration(entry.handler)
             if overrides is None:
                 continue
-            if not getattr(entry.handler, MARKS_START_ATTRIBUTE, False):
+            if wrapper is None:
                 problems.append(str(misplaced_decorator_error(entry.template)))
             elif isinstance(entry.route, WebSocketRoute) or (
                 entry.methods and entry.methods.isdisjoint(methods)
@@ -400,7 +412,7 @@ class RouteResolver:
     def policy_for(self, handler: object) -> IdempotencyPolicy | None:
         """The merged policy of a route with this handler, or ``None`` when it is not guarded
         (as :meth:`resolve` decides it, minus the checks that raise on a misplaced decorator)."""
-        overrides = getattr(handler, POLICY_ATTRIBUTE, None)
+        overrides = decoration(handler)[1]
         if overrides is None and not self._protect_all:
             return None
         return self._defaults.merged(overrides or {})
@@ -433,10 +445,10 @@ class RouteResolver:
 
     def _guarded_route(self, leaf: _Leaf, method: str) -> GuardedRoute | None:
         handler = endpoint_handler(leaf.endpoint, method)
-        overrides = getattr(handler, POLICY_ATTRIBUTE, None)
+        wrapper, overrides = decoration(handler)
         if overrides is None and not self._protect_all:
             return None
-        marks_start = bool(getattr(handler, MARKS_START_ATTRIBUTE, False))
+        marks_start = wrapper is not None
         if overrides is not None and not marks_start:
             raise misplaced_decorator_error(leaf.template)
         policy = self._defaults.merged(overrides or {})
@@ -458,7 +470,7 @@ class RouteResolver:
             fingerprint_version=fingerprint_version(
                 "validated" if command else "raw", policy.fingerprint_version
             ),
-            handler=handler,
+            handler=handler if wrapper is None else wrapper,
             handler_name=handler_name(handler),
             command=command,
         )

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
-from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
+from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, GUARDED_SCOPE, METHOD_NOT_GUARDED
 from starlette_idempotency._keys import KeyScope, KeyScopeResolver
 from starlette_idempotency._openapi import OpenAPIDocumenter
 from starlette_idempotency._openapi_install import document_middleware
@@ -330,19 +330,24 @@ class IdempotencyMiddleware:
                 return
             await self.app(scope, receive, send)
             return
-        # The mark tells an @idempotent endpoint that a guard saw its request, and as what.
-        if scope["method"] not in self._methods:
-            scope[GUARD_SCOPE_KEY] = METHOD_NOT_GUARDED
-            await self.app(scope, receive, send)
-            return
-        resolved = self._resolver.resolve(scope, self.app)
-        if resolved is None:
-            scope[GUARD_SCOPE_KEY] = None
-            await self.app(scope, receive, send)
-            return
-        route, key_template = resolved
-        scope[GUARD_SCOPE_KEY] = route.handler
-        await GuardedRequest(self._services, route, key_template, scope, receive, send).run()
+        # The mark tells an @idempotent endpoint that a guard saw its request, and as what;
+        # the context variable, how to find it (the endpoint's own arguments need not hold it).
+        token = GUARDED_SCOPE.set(scope)
+        try:
+            if scope["method"] not in self._methods:
+                scope[GUARD_SCOPE_KEY] = METHOD_NOT_GUARDED
+                await self.app(scope, receive, send)
+                return
+            resolved = self._resolver.resolve(scope, self.app)
+            if resolved is None:
+                scope[GUARD_SCOPE_KEY] = None
+                await self.app(scope, receive, send)
+                return
+            route, key_template = resolved
+            scope[GUARD_SCOPE_KEY] = route.handler
+            await GuardedRequest(self._services, route, key_template, scope, receive, send).run()
+        finally:
+            GUARDED_SCOPE.reset(token)
 
     def _check_routes(self, scope: Scope) -> None:
         routes = routes_for(scope, self.app)

@@ -155,6 +155,7 @@ async def test_what_the_app_parses_is_parsed_alike() -> None:
 async def test_endpoint_never_runs_unprotected() -> None:
     from starlette_idempotency._endpoint import (
         GUARD_SCOPE_KEY,
+        GUARDED_SCOPE,
         REQUEST_SCOPE_KEY,
         InvalidCommandMarks,
         UnprotectedEndpointError,
@@ -175,8 +176,12 @@ async def test_endpoint_never_runs_unprotected() -> None:
         GUARD_SCOPE_KEY: endpoint,
         REQUEST_SCOPE_KEY: InvalidCommandMarks(),
     }
-    with pytest.raises(UnprotectedEndpointError):
-        await endpoint(Request(scope))
+    token = GUARDED_SCOPE.set(scope)  # as the guard hands it on
+    try:
+        with pytest.raises(UnprotectedEndpointError):
+            await endpoint(Request(scope))
+    finally:
+        GUARDED_SCOPE.reset(token)
     assert calls == []
 
 

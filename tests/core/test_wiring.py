@@ -9,6 +9,7 @@ apart (hosts, tenants, endpoints).
 from __future__ import annotations
 
 import functools
+import inspect
 import uuid
 from collections import Counter
 from typing import Any
@@ -163,16 +164,20 @@ def fastapi_payments(executions: Counter[str]) -> FastAPI:
 
 
 async def test_fastapi_endpoints_without_the_middleware_are_refused_but_direct_calls_run() -> None:
+    """An endpoint whose arguments hold the request is refused; one without a Request parameter
+    cannot tell a router's call from a direct one (its signature is left alone), and runs."""
     executions: Counter[str] = Counter()
     app = fastapi_payments(executions)
     async with raising_client(app) as client:
-        for url in ("/payments", "/refunds"):
-            with pytest.raises(UnguardedRequestError, match=f"was not run for POST {url}"):
-                await client.post(url, json={"amount": 1}, headers=key())
-    assert executions == Counter()
+        with pytest.raises(UnguardedRequestError, match="was not run for POST /refunds"):
+            await client.post("/refunds", json={"amount": 1}, headers=key())
+        assert executions == Counter()
+        answer = await client.post("/payments", json={"amount": 1}, headers=key())
+        assert answer.status_code == 201
+    assert executions == Counter({"pay": 1})
     pay = next(r.endpoint for r in app.routes if isinstance(r, APIRoute) and r.path == "/payments")
     assert await pay(Payment(amount=3)) == {"amount": 3}  # a unit test's direct call
-    assert executions == Counter({"pay": 1})
+    assert executions == Counter({"pay": 2})
 
 
 async def test_fastapi_endpoints_behind_the_middleware_run_once() -> None:
@@ -205,6 +210,125 @@ async def test_methods_the_middleware_does_not_guard_run_as_before() -> None:
     guarded = IdempotencyMiddleware(app, store=MemoryStore(), methods=["POST"])
     async with raising_client(guarded) as client:
         assert (await client.get("/both")).text == "got"
+
+
+# -- decorators stacked above @idempotent ----------------------------------------------------
+
+
+def rate_limited(func: Any) -> Any:
+    """A decorator as rate limiters and caches write them: ``functools.wraps``, which copies
+    the name, the attributes and ``__wrapped__`` to its own wrapper."""
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def limited(*args: Any, **kwargs: Any) -> Any:
+            runs["limiter"] += 1
+            return await func(*args, **kwargs)
+
+        return limited
+
+    @functools.wraps(func)
+    def limited_sync(*args: Any, **kwargs: Any) -> Any:
+        runs["limiter"] += 1
+        return func(*args, **kwargs)
+
+    return limited_sync
+
+
+def stacked_fastapi() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/payments", status_code=201)
+    @rate_limited
+    @idempotent(ttl_hours=48)
+    async def pay(payment: Payment) -> dict[str, int]:
+        runs["stacked pay"] += 1
+        return {"run": runs["stacked pay"]}
+
+    @app.post("/refunds", status_code=201)
+    @rate_limited
+    @rate_limited
+    @idempotent()
+    def refund(payment: Payment) -> dict[str, int]:  # sync: run in a thread, context copied
+        runs["stacked refund"] += 1
+        return {"run": runs["stacked refund"]}
+
+    return app
+
+
+async def test_a_wraps_decorator_above_idempotent_is_guarded_and_runs_once() -> None:
+    app = stacked_fastapi()
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    client = make_client(app)
+    for url, name in (("/payments", "stacked pay"), ("/refunds", "stacked refund")):
+        before, headers = runs[name], key()
+        answers = [await client.post(url, json={"amount": 1}, headers=headers) for _ in range(2)]
+        assert [answer.status_code for answer in answers] == [201, 201], answers[0].text
+        assert answers[1].headers.get("x-idempotent-replay") == "true"
+        assert runs[name] == before + 1
+    schema = (await client.get("/openapi.json")).json()
+    parameters = schema["paths"]["/payments"]["post"].get("parameters", [])
+    assert [p["name"] for p in parameters] == ["Idempotency-Key"]
+
+
+async def test_a_wraps_decorator_passes_on_the_options_of_idempotent() -> None:
+    app = stacked_fastapi()
+    store = MemoryStore()
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    await make_client(app).post("/payments", json={"amount": 1}, headers=key())
+    (record,) = [await store.get(k) for k in store.records()]
+    assert record is not None
+    assert record.expires_at - record.created_at == pytest.approx(48 * 3600, abs=5)
+
+
+async def test_the_endpoint_signature_is_left_as_written() -> None:
+    async def pay(payment: Payment) -> dict[str, int]:
+        return {}
+
+    wrapper = idempotent()(pay)
+    assert "__signature__" not in vars(wrapper)
+    assert inspect.signature(wrapper) == inspect.signature(pay)
+
+
+async def test_the_guard_leaves_nothing_in_the_context_after_the_request() -> None:
+    from starlette_idempotency._endpoint import GUARDED_SCOPE
+
+    app = stacked_fastapi()
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    client = make_client(app)
+    await client.post("/payments", json={"amount": 1}, headers=key())
+    assert GUARDED_SCOPE.get(None) is None
+    pay = next(r.endpoint for r in app.routes if isinstance(r, APIRoute) and r.path == "/payments")
+    assert await pay(Payment(amount=1)) is not None  # a direct call, with no guard: it runs
+
+
+async def test_a_refusal_names_the_endpoint_refused_and_the_one_guarded() -> None:
+    @idempotent()
+    async def first(request: Request) -> Response:
+        return Response(status_code=201)
+
+    @idempotent()
+    async def second(request: Request) -> Response:
+        return Response(status_code=201)
+
+    app = Starlette(
+        routes=[
+            Route("/charges", first, methods=["POST"]),
+            Route("/v1/charges", second, methods=["POST"]),
+        ],
+        middleware=[
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+            Middleware(Rewriting),  # inside: sends /v1/charges to /charges
+        ],
+    )
+    async with raising_client(app) as client:
+        with pytest.raises(UnguardedRequestError) as refused:
+            await client.post("/v1/charges", headers=key())
+    message = str(refused.value)
+    assert "@idempotent tests.core.test_wiring.test_a_refusal" in message
+    assert ".<locals>.first was not run for POST /charges" in message
+    assert "guarded the request as one to tests.core.test_wiring." in message
+    assert ".<locals>.second," in message
 
 
 # -- apps mounted whole under protect_all -----------------------------------------------------

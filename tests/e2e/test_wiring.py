@@ -111,6 +111,21 @@ def test_hosts_and_tenants_never_share_a_record(server: UvicornServer) -> None:
         ]
 
 
+def test_a_wraps_decorator_above_idempotent_is_guarded_and_runs_once(
+    store_env: dict[str, str],
+) -> None:
+    with (
+        serve("create_stacked_app", store_env) as server,
+        httpx.Client(base_url=server.url, timeout=10) as client,
+    ):
+        for url, counter in (("/payments", "pay"), ("/refunds", "refund")):
+            first, retry = post_twice(client, url, json={"amount": 1})
+            assert first.status_code == 201, first.text
+            assert retry.headers.get("x-idempotent-replay") == "true", retry.text
+            assert retry.json() == first.json() == {"run": 1}
+            assert client.get("/runs").json()[counter] == 1
+
+
 def test_an_app_without_the_middleware_refuses_its_decorated_routes() -> None:
     with serve("create_unguarded_app") as server, httpx.Client(base_url=server.url) as client:
         for url in ("/orders", "/charges"):

@@ -10,7 +10,7 @@ import httpx
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
-from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
+from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, GUARDED_SCOPE, METHOD_NOT_GUARDED
 from starlette_idempotency.testing import FakeClock
 from tests.support.apps import Ledger, build_fastapi_app, build_starlette_app
 
@@ -47,9 +47,15 @@ def unguarded(app: ASGIApp) -> ASGIApp:
     not guard), so they run instead of refusing an unguarded request."""
 
     async def without_guard(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[GUARD_SCOPE_KEY] = METHOD_NOT_GUARDED
-        await app(scope, receive, send)
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        scope[GUARD_SCOPE_KEY] = METHOD_NOT_GUARDED
+        token = GUARDED_SCOPE.set(scope)
+        try:
+            await app(scope, receive, send)
+        finally:
+            GUARDED_SCOPE.reset(token)
 
     return without_guard
 

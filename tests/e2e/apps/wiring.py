@@ -4,18 +4,24 @@
 ``create_app``: an HTTPEndpoint class, a ``functools.partial``, two hosts and a host pattern
 serving one path, a GraphQL-style app mounted whole (guarded by ``protect_all``), and a
 path-rewriting middleware inside the guard. ``create_unguarded_app``: the same routes with no
-middleware at all. ``create_service``: ``POST /v1/events`` of the service ``$IDEM_TEST_SERVICE``
+middleware at all. ``create_stacked_app``: FastAPI endpoints under a ``functools.wraps``
+decorator stacked above ``@idempotent`` (async, and sync in the threadpool).
+``create_service``: ``POST /v1/events`` of the service ``$IDEM_TEST_SERVICE``
 (``ledger`` or ``notifications``), two apps that share one store.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
+from fastapi import FastAPI
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.endpoints import HTTPEndpoint
 from starlette.middleware import Middleware
@@ -159,3 +165,49 @@ def create_service() -> Starlette:
         middleware=[Middleware(IdempotencyMiddleware, store=store)],
         lifespan=lifespan,
     )
+
+
+def rate_limited(func: Any) -> Any:
+    """A decorator as rate limiters and caches write them, with ``functools.wraps``."""
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def limited(*args: Any, **kwargs: Any) -> Any:
+            runs["limiter"] += 1
+            return await func(*args, **kwargs)
+
+        return limited
+
+    @functools.wraps(func)
+    def limited_sync(*args: Any, **kwargs: Any) -> Any:
+        runs["limiter"] += 1
+        return func(*args, **kwargs)
+
+    return limited_sync
+
+
+class Payment(BaseModel):
+    amount: int
+
+
+def create_stacked_app() -> FastAPI:
+    store, lifespan = _store()
+    app = FastAPI(lifespan=lifespan)
+
+    @app.post("/payments", status_code=201)
+    @rate_limited
+    @idempotent()
+    async def pay(payment: Payment) -> dict[str, int]:
+        runs["pay"] += 1
+        return {"run": runs["pay"]}
+
+    @app.post("/refunds", status_code=201)
+    @rate_limited
+    @idempotent()
+    def refund(payment: Payment) -> dict[str, int]:
+        runs["refund"] += 1
+        return {"run": runs["refund"]}
+
+    app.add_api_route("/runs", counts)
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    return app
