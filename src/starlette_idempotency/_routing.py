@@ -127,6 +127,8 @@ def _handlers(endpoint: object) -> dict[str | None, object]:
 
 
 _HTTP_METHODS = ("get", "head", "post", "put", "patch", "delete", "options", "trace")
+#: RFC 9110's safe methods: a decorated handler served for one unguarded changes nothing.
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 
 def decoration(handler: object) -> tuple[Any, dict[str, Any] | None]:
@@ -259,6 +261,17 @@ def iter_routes(routes: Iterable[BaseRoute], prefix: str = "") -> Iterator[Route
                 yield from _entries(target, prefix, str(getattr(candidate, "path", "") or ""))
 
 
+def mounted_apps(routes: Iterable[BaseRoute], prefix: str = "") -> Iterator[tuple[str, object]]:
+    """Every app mounted below ``routes`` (by a ``Mount`` or a ``Host``, at any depth), with the
+    path it is mounted at: Starlette sends them no lifespan of their own."""
+    for route in routes:
+        if isinstance(route, Mount | Host):
+            below, inner_prefix = _inside(route, prefix)
+            yield inner_prefix, route.app
+            if below is not None:
+                yield from mounted_apps(below.routes, inner_prefix)
+
+
 def _entries(route: BaseRoute, prefix: str, template: str) -> Iterator[RouteEntry]:
     if isinstance(route, Mount | Host):
         below, inner_prefix = _inside(route, prefix)
@@ -382,32 +395,59 @@ class RouteResolver:
 
     def check(self, routes: Iterable[BaseRoute], methods: frozenset[str]) -> None:
         """Refuse, at startup, every ``@idempotent`` handler that would not work as written:
-        the decorator above the route decorator, a route none of whose methods is guarded (a
-        WebSocket route, say), options that do not fit the middleware's (a lock longer than
-        the retention)."""
-        problems: list[str] = []
+        the decorator above the route decorator, a route any of whose methods is not guarded
+        (a WebSocket route, a route serving POST and PUT), options that do not fit the
+        middleware's (a lock longer than the retention)."""
+        problems = [problem for problem, _ in self._problems(routes, methods)]
+        if problems:
+            raise ConfigurationError("\n".join(problems))
+
+    def unguarded(self, routes: Iterable[BaseRoute], methods: frozenset[str]) -> str | None:
+        """What :meth:`check` refuses that would run a decorated handler unguarded for an
+        unsafe method (a ``PUT`` the middleware does not guard), if anything: refused at every
+        request of an app whose lifespan did not run (a mounted app's)."""
+        problems = [problem for problem, unguarded in self._problems(routes, methods) if unguarded]
+        return "\n".join(problems) if problems else None
+
+    def _problems(
+        self, routes: Iterable[BaseRoute], methods: frozenset[str]
+    ) -> Iterator[tuple[str, bool]]:
+        """Each problem :meth:`check` refuses, and whether it leaves an unsafe method of a
+        decorated handler unguarded."""
         for entry in iter_routes(routes):
             wrapper, overrides = decoration(entry.handler)
             if overrides is None:
                 continue
+            unsafe = not (entry.methods - methods).issubset(_SAFE_METHODS)
             if wrapper is None:
-                problems.append(str(misplaced_decorator_error(entry.template)))
+                yield str(misplaced_decorator_error(entry.template)), False
             elif isinstance(entry.route, WebSocketRoute) or (
                 entry.methods and entry.methods.isdisjoint(methods)
             ):
                 served = ", ".join(sorted(entry.methods)) or "WebSocket"
-                problems.append(
+                yield (
                     f"@idempotent on {entry.template} ({served}) does nothing: the middleware "
                     f"guards {', '.join(sorted(methods))} requests only. Add the method to "
-                    f"IdempotencyMiddleware(methods=...), or remove @idempotent"
+                    f"IdempotencyMiddleware(methods=...), or remove @idempotent",
+                    unsafe,
+                )
+            elif entry.methods - methods:
+                # One handler serving a guarded and an unguarded method (POST and PUT): its
+                # unguarded requests would run it twice for one key, with no word.
+                unguarded = ", ".join(sorted(entry.methods - methods))
+                yield (
+                    f"@idempotent on {entry.template} serves {', '.join(sorted(entry.methods))}, "
+                    f"but the middleware guards {', '.join(sorted(methods))} requests only: its "
+                    f"{unguarded} requests would run unguarded. Split the route (one route per "
+                    f"method, @idempotent on the guarded ones), or guard the method: "
+                    f"IdempotencyMiddleware(methods=[...]) with {unguarded} added",
+                    unsafe,
                 )
             else:
                 try:
                     self._defaults.merged(overrides)
                 except ConfigurationError as exc:
-                    problems.append(f"@idempotent on {entry.template}: {exc}")
-        if problems:
-            raise ConfigurationError("\n".join(problems))
+                    yield f"@idempotent on {entry.template}: {exc}", False
 
     def policy_for(self, handler: object) -> IdempotencyPolicy | None:
         """The merged policy of a route with this handler, or ``None`` when it is not guarded

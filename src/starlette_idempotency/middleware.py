@@ -29,7 +29,7 @@ from starlette_idempotency._protection import ResponseEncryption, ResponseKeeper
 from starlette_idempotency._renewal import LockRenewals
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
-from starlette_idempotency._routing import RouteResolver, iter_routes, routes_for
+from starlette_idempotency._routing import RouteResolver, iter_routes, mounted_apps, routes_for
 from starlette_idempotency._services import RequestLimits, RequestServices
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy, refuse_startup
@@ -141,6 +141,31 @@ def _built_by_starlette() -> bool:
 def _route_resolver(route_defaults: Mapping[str, Any], *, protect_all: bool) -> RouteResolver:
     """The middleware's route lookup: its route options are every route's defaults."""
     return RouteResolver(IdempotencyPolicy().merged(route_defaults), protect_all=protect_all)
+
+
+def _mounted_problems(routes: Sequence[Any]) -> list[str]:
+    """What the ``IdempotencyMiddleware`` of each app mounted below ``routes`` would refuse at
+    its own startup, which Starlette never sends it: its options, and its routes."""
+    problems = []
+    for path, app in mounted_apps(routes):
+        for spec in getattr(app, "user_middleware", ()):
+            cls = getattr(spec, "cls", None)
+            if not (isinstance(cls, type) and issubclass(cls, IdempotencyMiddleware)):
+                continue
+            try:
+                _check_options(spec.kwargs)
+                values = inspect.signature(cls.__init__).bind(None, app, **spec.kwargs)
+                values.apply_defaults()
+                options = values.arguments
+                resolver = _route_resolver(
+                    options["route_defaults"], protect_all=options["protect_all"]
+                )
+                # An app with middleware of its own to build is a Starlette app, with routes.
+                methods = frozenset(method.upper() for method in options["methods"])
+                resolver.check(getattr(app, "routes", ()), methods)
+            except ConfigurationError as exc:
+                problems.append(f"the IdempotencyMiddleware of the app mounted at {path}: {exc}")
+    return problems
 
 
 _CAPABILITIES = ("name", "supports_recovery", "never_blocks")
@@ -300,6 +325,9 @@ class IdempotencyMiddleware:
             renewals=self.renewals,
         )
         self._startup_check = StartupCheck(store, check_store, self._check_routes)
+        #: Set by the first request of an app whose lifespan did not run, when its routes
+        #: would run a decorated handler unguarded (see :meth:`_unguarded_methods`).
+        self._refusal: ConfigurationError | None = None
         compressing = _compressing_layer_inside(app)
         if compressing is not None:
             logger.warning(
@@ -324,6 +352,9 @@ class IdempotencyMiddleware:
                 problems = self._startup_check.route_problems(scope)
                 if problems is not None:
                     logger.error("idempotency configuration: %s", problems)
+                    self._refusal = self._unguarded_methods(scope)
+        if self._refusal is not None and scope["type"] == "http":
+            raise self._refusal
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 await self._startup_check.run(self.app, scope, receive, send)
@@ -349,10 +380,21 @@ class IdempotencyMiddleware:
         finally:
             GUARDED_SCOPE.reset(token)
 
+    def _unguarded_methods(self, scope: Scope) -> ConfigurationError | None:
+        """What refuses every request of an app whose lifespan did not run (a mounted app, a
+        server run with ``--lifespan off``): a decorated handler that would run unguarded for
+        an unsafe method its route serves."""
+        routes = routes_for(scope, self.app)
+        problems = None if routes is None else self._resolver.unguarded(routes, self._methods)
+        return None if problems is None else ConfigurationError(problems)
+
     def _check_routes(self, scope: Scope) -> None:
         routes = routes_for(scope, self.app)
         if routes is not None:
             self._resolver.check(routes, self._methods)
+            mounted = _mounted_problems(routes)
+            if mounted:
+                raise ConfigurationError("\n".join(mounted))
             # The guarded endpoints, as events name them: metrics can exist at zero from now.
             endpoints = {
                 f"{method} {entry.template}"

@@ -192,7 +192,8 @@ async def test_protect_all_documents_every_guarded_method_but_no_read() -> None:
 async def test_only_the_guarded_methods_of_a_route_are_documented() -> None:
     app = FastAPI()
 
-    @app.api_route("/items", methods=["POST", "PUT"])
+    # A safe method: an unguarded PUT of a decorated handler refuses every request (#30).
+    @app.api_route("/items", methods=["POST", "GET"])
     @idempotent()
     async def upsert() -> dict[str, int]:
         return {}
@@ -200,7 +201,7 @@ async def test_only_the_guarded_methods_of_a_route_are_documented() -> None:
     app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), methods=["POST"])
     schema = await served_schema(app)
     assert key_parameters(schema["paths"]["/items"]["post"])
-    assert not key_parameters(schema["paths"]["/items"]["put"])
+    assert not key_parameters(schema["paths"]["/items"]["get"])
 
 
 async def test_header_name_key_length_and_problem_format() -> None:

@@ -13,9 +13,10 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
 from starlette.endpoints import HTTPEndpoint
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 from starlette.types import Message
 
 from starlette_idempotency import (
@@ -276,6 +277,87 @@ def test_a_class_endpoint_method_the_middleware_does_not_guard_refuses_the_start
     assert answer["type"] == "lifespan.startup.failed"
     assert answer["message"].startswith("@idempotent on /items (PUT) does nothing")
     assert "(POST)" not in answer["message"]
+
+
+# --- every method of a decorated route, every mounted app (#30) -----------------------------
+
+
+async def upsert(request: Request) -> Response:
+    return Response(status_code=201)
+
+
+def test_a_decorated_route_serving_an_unguarded_method_too_refuses_to_start() -> None:
+    app = Starlette(routes=[Route("/items", idempotent()(upsert), methods=["POST", "PUT"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), check_store="off")
+    message = failed_startup(app)
+    assert "@idempotent on /items serves POST, PUT" in message
+    assert "its PUT requests would run unguarded" in message
+    assert "Split the route" in message
+    assert "IdempotencyMiddleware(methods=[...]) with PUT added" in message
+
+
+def test_a_route_whose_every_method_is_guarded_starts() -> None:
+    app = Starlette(routes=[Route("/items", idempotent()(upsert), methods=["POST", "PUT"])])
+    app.add_middleware(
+        IdempotencyMiddleware, store=MemoryStore(), check_store="off", methods=["POST", "PUT"]
+    )
+    assert start(app) == "lifespan.startup.complete"
+
+
+def sub_app(**options: Any) -> Starlette:
+    """An app mounted by another, with its own middleware: Starlette sends it no lifespan."""
+    return Starlette(
+        routes=[Route("/items", idempotent()(upsert), methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), **options)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"on_store_eror": "fail_open"}, "'on_store_eror' (did you mean 'on_store_error'?)"),
+        ({"methods": ["PUT"]}, "@idempotent on /items (POST) does nothing"),
+    ],
+    ids=["option", "route"],
+)
+def test_the_middleware_of_a_mounted_app_is_checked_at_the_outer_startup(
+    options: dict[str, Any], expected: str
+) -> None:
+    app = Starlette(
+        routes=[Mount("/v2", app=Starlette(routes=[Mount("/sub", sub_app(**options))]))]
+    )
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), check_store="off")
+    message = failed_startup(app)
+    assert "the IdempotencyMiddleware of the app mounted at /v2/sub:" in message
+    assert expected in message
+
+
+def test_a_well_configured_mounted_app_starts() -> None:
+    app = Starlette(routes=[Mount("/sub", sub_app())])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), check_store="off")
+    assert start(app) == "lifespan.startup.complete"
+
+
+async def test_without_a_lifespan_an_unguarded_method_refuses_every_request() -> None:
+    """A mounted app's middleware hears no lifespan: its first request finds what startup
+    would refuse, and requests are refused with the cause, never run unguarded."""
+    runs: list[str] = []
+
+    async def items(request: Request) -> Response:
+        runs.append(request.method)
+        return Response(status_code=201)
+
+    sub = Starlette(
+        routes=[Route("/items", idempotent()(items), methods=["POST", "PUT"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+    )
+    app = Starlette(routes=[Mount("/sub", sub)])
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        for method in ("PUT", "POST", "PUT"):
+            with pytest.raises(ConfigurationError, match="its PUT requests would run unguarded"):
+                await client.request(method, "/sub/items", headers={"Idempotency-Key": "k"})
+    assert runs == []
 
 
 # --- closing the store's own connections when the lifespan ends ----------------------------

@@ -7,6 +7,9 @@ cases in process, with what each refusal says.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.uvicorn import UvicornServer
+from starlette_idempotency.testing._processes import free_port
+from tests.support.uvicorn import REPO_ROOT, UvicornServer
 
 pytestmark = pytest.mark.e2e
 
@@ -124,6 +128,45 @@ def test_a_wraps_decorator_above_idempotent_is_guarded_and_runs_once(
             assert retry.headers.get("x-idempotent-replay") == "true", retry.text
             assert retry.json() == first.json() == {"run": 1}
             assert client.get("/runs").json()[counter] == 1
+
+
+def refused_boot(app: str) -> str:
+    """What uvicorn prints when the app ``app`` refuses to start (it must exit, never serve)."""
+    command = [sys.executable, "-m", "uvicorn", f"tests.e2e.apps.wiring:{app}", "--factory"]
+    finished = subprocess.run(
+        [*command, "--port", str(free_port())],
+        cwd=REPO_ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    output = finished.stdout + finished.stderr
+    assert finished.returncode != 0, output
+    assert "Application startup complete" not in output
+    return output
+
+
+def test_a_decorated_route_serving_post_and_put_refuses_to_start() -> None:
+    output = refused_boot("create_post_and_put_app")
+    assert "@idempotent on /items serves POST, PUT" in output
+    assert "its PUT requests would run unguarded. Split the route" in output
+
+
+def test_a_misconfigured_mounted_app_stops_the_outer_apps_boot() -> None:
+    output = refused_boot("create_mounting_app")
+    assert "the IdempotencyMiddleware of the app mounted at /sub: ttl_hours" in output
+
+
+def test_a_mounted_app_with_no_lifespan_refuses_its_requests_with_the_cause() -> None:
+    with (
+        serve("create_unguarded_mounting_app") as server,
+        httpx.Client(base_url=server.url) as client,
+    ):
+        for method in ("PUT", "POST"):
+            answer = client.request(method, "/sub/items", headers={**key(), **CLOSE})
+            assert answer.status_code == 500
+        assert client.get("/runs").json() == {}
 
 
 def test_an_app_without_the_middleware_refuses_its_decorated_routes() -> None:

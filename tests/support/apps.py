@@ -86,6 +86,10 @@ def build_starlette_app(ledger: Ledger) -> Starlette:
         data = await request.json()
         return await _payment_response(ledger, data, request.headers.get("x-gate"))
 
+    async def put_payments(request: Request) -> Response:  # PUT is not guarded: its own route
+        ledger.executions["put"] += 1
+        return JSONResponse({"n": ledger.executions["put"]})
+
     @idempotent()
     async def status(request: Request) -> Response:
         return _status_response(ledger, int(request.path_params["code"]))
@@ -137,7 +141,8 @@ def build_starlette_app(ledger: Ledger) -> Starlette:
 
     return Starlette(
         routes=[
-            Route("/payments", payments, methods=["POST", "PUT"]),
+            Route("/payments", payments, methods=["POST"]),
+            Route("/payments", put_payments, methods=["PUT"]),
             Route("/refunds", payments, methods=["POST"]),
             Route("/status/{code:int}", status, methods=["POST"]),
             Route("/crash", crash, methods=["POST"]),

@@ -6,6 +6,10 @@ serving one path, a GraphQL-style app mounted whole (guarded by ``protect_all``)
 path-rewriting middleware inside the guard. ``create_unguarded_app``: the same routes with no
 middleware at all. ``create_stacked_app``: FastAPI endpoints under a ``functools.wraps``
 decorator stacked above ``@idempotent`` (async, and sync in the threadpool).
+``create_post_and_put_app``: a decorated route serving POST and PUT, which the middleware
+guards only the POST of. ``create_mounting_app``: a sub-app with a misconfigured
+middleware, mounted by a guarded app (``create_unguarded_mounting_app``: by one with no
+middleware, and the sub-app's route serves an unguarded PUT).
 ``create_service``: ``POST /v1/events`` of the service ``$IDEM_TEST_SERVICE``
 (``ledger`` or ``notifications``), two apps that share one store.
 """
@@ -211,3 +215,35 @@ def create_stacked_app() -> FastAPI:
     app.add_api_route("/runs", counts)
     app.add_middleware(IdempotencyMiddleware, store=store)
     return app
+
+
+@idempotent()
+async def upsert(request: Request) -> Response:
+    runs[f"upsert {request.method}"] += 1
+    return JSONResponse({"run": runs[f"upsert {request.method}"]}, status_code=201)
+
+
+def create_post_and_put_app() -> Starlette:
+    return Starlette(
+        routes=[Route("/items", upsert, methods=["POST", "PUT"]), Route("/runs", counts)],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+    )
+
+
+def create_mounting_app() -> Starlette:
+    sub = Starlette(
+        routes=[Route("/items", upsert, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), ttl_hours=-1)],
+    )
+    return Starlette(
+        routes=[Mount("/sub", sub), Route("/runs", counts)],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+    )
+
+
+def create_unguarded_mounting_app() -> Starlette:
+    sub = Starlette(
+        routes=[Route("/items", upsert, methods=["POST", "PUT"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+    )
+    return Starlette(routes=[Mount("/sub", sub), Route("/runs", counts)])

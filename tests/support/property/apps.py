@@ -150,6 +150,9 @@ def build_starlette(log: AppLog) -> Starlette:
     async def json_route(request: Request) -> Response:
         return await _json_endpoint(log, request, "/json", frozenset())
 
+    async def json_put(request: Request) -> Response:  # PUT is not guarded: a route of its own
+        return await _json_endpoint(log, request, "/json", frozenset())
+
     @idempotent()
     async def raw_route(request: Request) -> Response:
         return await _raw_endpoint(log, request, "/raw", stream=False)
@@ -168,7 +171,8 @@ def build_starlette(log: AppLog) -> Starlette:
 
     return Starlette(
         routes=[
-            Route("/json", json_route, methods=["POST", "PATCH", "PUT"]),
+            Route("/json", json_route, methods=["POST", "PATCH"]),
+            Route("/json", json_put, methods=["PUT"]),
             Route("/raw", raw_route, methods=["POST"]),
             Route("/exclude", exclude_route, methods=["POST"]),
             Route("/stream", stream_route, methods=["POST"]),
