@@ -305,6 +305,8 @@ async def checkpoint(request: HTTPConnection, name: str, data: Any = None) -> No
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 POLICY_ATTRIBUTE = "__idempotency_overrides__"
+#: The ``operation=`` of ``@idempotent`` (``None`` when not given).
+OPERATION_ATTRIBUTE = "__idempotency_operation__"
 #: How many ``__wrapped__`` links are followed from a route's handler to its ``@idempotent``.
 _MAX_WRAPPING = 32
 
@@ -355,10 +357,12 @@ def idempotent(func: _F, /) -> _F: ...
 
 
 @overload
-def idempotent(func: None = None, /, **options: Unpack[RouteOptions]) -> Callable[[_F], _F]: ...
+def idempotent(
+    func: None = None, /, *, operation: str | None = None, **options: Unpack[RouteOptions]
+) -> Callable[[_F], _F]: ...
 
 
-def idempotent(func: Any = None, /, **options: Any) -> Any:
+def idempotent(func: Any = None, /, *, operation: str | None = None, **options: Any) -> Any:
     """Make a POST/PATCH endpoint idempotent under :class:`IdempotencyMiddleware`.
 
     Every option left out takes the middleware's value; the documentation's options reference
@@ -368,6 +372,12 @@ def idempotent(func: Any = None, /, **options: Any) -> Any:
         @app.post("/payments")
         @idempotent(ttl_hours=48, lock_ttl_seconds=60)
         async def pay(body: Payment) -> Receipt: ...
+
+    ``operation`` names what the route does (``"payments.create"``), in place of its method
+    and path template in the records' keys: records stay the route's whatever its path,
+    handler or module become, and two services on one store that name their operations apart
+    never share a record. Without it, a route is its method and path template (never the
+    handler's name: a renamed or moved handler keeps its records).
     """
     if func is not None and not callable(func):
         raise ConfigurationError(
@@ -375,7 +385,14 @@ def idempotent(func: Any = None, /, **options: Any) -> Any:
         )
     unknown = options.keys() - ROUTE_OPTIONS
     if unknown:
-        raise unknown_option_error(unknown, ROUTE_OPTIONS, "@idempotent")
+        raise unknown_option_error(unknown, ROUTE_OPTIONS | {"operation"}, "@idempotent")
+    if operation is not None and (
+        not isinstance(operation, str) or _LABEL.fullmatch(operation) is None
+    ):
+        raise ConfigurationError(
+            f"operation names what the route does in 1 to 200 visible ASCII characters, such "
+            f"as 'payments.create', not {operation!r}"
+        )
     given = {name: value for name, value in options.items() if value is not None}
     # Validate now, at import time, and keep the normalised values. Whether the lock outlives
     # the retention depends on the middleware's values too: merged with the loosest ones here,
@@ -388,6 +405,7 @@ def idempotent(func: Any = None, /, **options: Any) -> Any:
     def decorate(func: _F) -> _F:
         # Set on the function itself too: in the reverse order the router already holds it.
         setattr(func, POLICY_ATTRIBUTE, overrides)
+        setattr(func, OPERATION_ATTRIBUTE, operation)
         return _wrap_marking_start(func)
 
     return decorate if func is None else decorate(func)

@@ -56,7 +56,7 @@ from urllib.parse import parse_qsl, unquote
 import orjson
 
 FINGERPRINT_PREFIX = "sha256:"
-FINGERPRINT_SCHEME = "3"
+FINGERPRINT_SCHEME = "4"
 MAX_JSON_DEPTH = 254  # orjson.dumps' limit, applied to the standard library's path as well
 _SORT_KEYS = orjson.OPT_SORT_KEYS
 _FORM_MEDIA_TYPE = "application/x-www-form-urlencoded"
@@ -423,7 +423,7 @@ def raw_body_form(
 
 def request_fingerprint(
     *,
-    endpoint: str,
+    operation: str,
     method: str,
     path: str,
     query_string: bytes,
@@ -433,8 +433,8 @@ def request_fingerprint(
 ) -> str:
     """``sha256:<hex>`` of the canonical request.
 
-    ``endpoint`` names the handler the request reaches (``module:qualname``), so that a key
-    two endpoints (or two apps on one store) meet on is two requests, never one. ``headers``
+    ``operation`` is the route's ``operation=`` (``""`` without one): never the handler's
+    name, so that a retry across a renamed or moved handler is the same request. ``headers``
     are the (lower-cased name, value) pairs chosen to take part; ``body`` is already
     in canonical form, and ``body_kind`` names that form ("json", "json-exact", "form",
     "multipart", "bytes;<media type>" or "command").
@@ -447,7 +447,7 @@ def request_fingerprint(
         else []
     )
     # The head is one JSON array, so it ends unambiguously before the body bytes begin.
-    head = orjson.dumps([endpoint, method, path, query, sorted(headers, key=_BY_NAME), body_kind])
+    head = orjson.dumps([operation, method, path, query, sorted(headers, key=_BY_NAME), body_kind])
     digest = hashlib.sha256(head)
     digest.update(body)
     return FINGERPRINT_PREFIX + digest.hexdigest()

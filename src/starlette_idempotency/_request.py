@@ -280,7 +280,7 @@ class GuardedRequest:
                 return None
             kind, canonical = form
         return request_fingerprint(
-            endpoint=self._route.handler_name,
+            operation=self._route.operation or "",
             method=scope["method"],
             path=scope["path"],
             query_string=scope.get("query_string", b""),

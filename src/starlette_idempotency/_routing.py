@@ -27,9 +27,12 @@ What tells two requests apart, by what Starlette matches on:
   routes under no ``Host`` keep the key they always had;
 * the path's own values (path parameters, mount parameters), the query and the chosen
   headers: the fingerprint, so a key reused for another value is a 422;
-* the handler the router calls (``module:qualname``): the fingerprint too, so two endpoints
-  a custom route tells apart by something else (a header), or two apps on one store, never
-  take each other's records: a key they meet on is a 422 to the second.
+* an ``@idempotent(operation=...)``: in place of the template in the key, so the records
+  stay the operation's whatever its path becomes, and two services on one store that name
+  their operations apart never share one. The handler's name is in neither key nor
+  fingerprint: a renamed or moved handler, or another launch mode (``python main.py`` against
+  ``uvicorn main:app``), keeps its records. Two routes of one app (or two apps on one store
+  and key prefix) that serve one method, template (or operation) and path share records.
 
 Why one module: the route a request reaches and the routes walked at startup (the checks,
 OpenAPI) must enter mounts, hosts and included routers alike, or the startup check would
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.routing import BaseRoute, Host, Match, Mount, WebSocketRoute, replace_params
 
 from starlette_idempotency._endpoint import (
+    OPERATION_ATTRIBUTE,
     POLICY_ATTRIBUTE,
     idempotent_wrapper,
     misplaced_decorator_error,
@@ -72,9 +76,8 @@ class GuardedRoute:
 
     ``handler`` is the ``@idempotent`` wrapper the router calls for the request's method,
     itself or through decorators above it (the guard marks the request with it, and the
-    wrapper checks the mark), or what the router calls when undecorated; ``handler_name`` names it
-    (``module:qualname``) in every fingerprint, so that two endpoints, or two apps, that meet
-    on one storage key never take each other's records for their own.
+    wrapper checks the mark), or what the router calls when undecorated; ``operation`` is the
+    ``operation=`` it names itself by (``None``: its method and template name it).
     """
 
     template: str
@@ -82,7 +85,7 @@ class GuardedRoute:
     marks_start: bool
     fingerprint_version: str
     handler: object
-    handler_name: str
+    operation: str | None
     command: CommandFingerprinter | None = None
 
 
@@ -140,12 +143,6 @@ def decoration(handler: object) -> tuple[Any, dict[str, Any] | None]:
     wrapper = idempotent_wrapper(handler)
     overrides = getattr(handler if wrapper is None else wrapper, POLICY_ATTRIBUTE, None)
     return wrapper, overrides
-
-
-def handler_name(handler: object) -> str:
-    """``module:qualname`` of a handler, or of the class of an app mounted whole."""
-    named = handler if hasattr(handler, "__qualname__") else type(handler)
-    return f"{getattr(named, '__module__', '')}:{getattr(named, '__qualname__', '')}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,8 +357,8 @@ class RouteResolver:
 
     def resolve(self, scope: Scope, app: ASGIApp) -> tuple[GuardedRoute, str] | None:
         """The guarded route ``scope`` reaches in ``app`` and the template its storage keys
-        take (the path template, after the host the request matched, if any); ``None`` when
-        the request is not guarded."""
+        take (its ``operation=``, or else its path template, after the host the request
+        matched, if any); ``None`` when the request is not guarded."""
         below = self._below
         if below is None or below[0] is not app:
             below = self._below = (app, _router_below(app))
@@ -391,7 +388,8 @@ class RouteResolver:
             self._cache[cache_key] = (leaf.route, leaf.endpoint, guarded)
         if guarded is None:
             return None
-        return guarded, leaf.host + leaf.template if leaf.host else leaf.template
+        template = guarded.operation or leaf.template
+        return guarded, leaf.host + template if leaf.host else template
 
     def check(self, routes: Iterable[BaseRoute], methods: frozenset[str]) -> None:
         """Refuse, at startup, every ``@idempotent`` handler that would not work as written:
@@ -414,10 +412,22 @@ class RouteResolver:
     ) -> Iterator[tuple[str, bool]]:
         """Each problem :meth:`check` refuses, and whether it leaves an unsafe method of a
         decorated handler unguarded."""
+        named: dict[tuple[str, str], str] = {}  # (method, operation): the template it names
         for entry in iter_routes(routes):
             wrapper, overrides = decoration(entry.handler)
             if overrides is None:
                 continue
+            operation: str = getattr(wrapper, OPERATION_ATTRIBUTE, None) or ""
+            for method in sorted(entry.methods & methods) if operation else ():
+                other = named.setdefault((method, operation), entry.template)
+                if other != entry.template:
+                    # One key for two routes: each would answer the other's requests.
+                    yield (
+                        f"@idempotent(operation={operation!r}) names two routes, {method} "
+                        f"{other} and {method} {entry.template}: they would share records. "
+                        f"Give each its own operation",
+                        False,
+                    )
             unsafe = not (entry.methods - methods).issubset(_SAFE_METHODS)
             if wrapper is None:
                 yield str(misplaced_decorator_error(entry.template)), False
@@ -511,6 +521,6 @@ class RouteResolver:
                 "validated" if command else "raw", policy.fingerprint_version
             ),
             handler=handler if wrapper is None else wrapper,
-            handler_name=handler_name(handler),
+            operation=getattr(wrapper, OPERATION_ATTRIBUTE, None),
             command=command,
         )

@@ -137,7 +137,7 @@ async def test_records_carry_the_fingerprint_version() -> None:
     await make_client(app).post("/orders/1", json={"amount": 1}, headers={"Idempotency-Key": "k"})
     (record,) = store.records().values()
     assert record.fingerprint_version == f"{FINGERPRINT_SCHEME}.validated.7"
-    assert FINGERPRINT_SCHEME == "3"
+    assert FINGERPRINT_SCHEME == "4"
 
 
 async def test_what_the_app_parses_is_parsed_alike() -> None:

@@ -28,7 +28,7 @@ def fingerprint(
 ) -> str:
     kind, canonical = raw_body_form(body, content_type=content_type, excluded=excluded)
     return request_fingerprint(
-        endpoint="app:pay",
+        operation="",
         method=method,
         path=path,
         query_string=query,

@@ -27,7 +27,7 @@ JSON = "application/json"
 def fingerprint(body: bytes, excluded: frozenset[str] = frozenset()) -> str:
     kind, canonical = raw_body_form(body, content_type=JSON, excluded=excluded)
     return request_fingerprint(
-        endpoint="app:pay",
+        operation="",
         method="POST",
         path="/p",
         query_string=b"",

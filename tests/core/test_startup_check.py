@@ -360,6 +360,30 @@ async def test_without_a_lifespan_an_unguarded_method_refuses_every_request() ->
     assert runs == []
 
 
+def test_two_routes_naming_one_operation_refuse_to_start() -> None:
+    async def other(request: Request) -> Response:
+        return Response(status_code=201)
+
+    app = Starlette(
+        routes=[
+            Route("/items", idempotent(operation="items.put")(upsert), methods=["POST"]),
+            Route("/things", idempotent(operation="items.put")(other), methods=["POST"]),
+            Route("/patch", idempotent(operation="items.put")(upsert), methods=["PATCH"]),
+        ]
+    )
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), check_store="off")
+    message = failed_startup(app)
+    assert "@idempotent(operation='items.put') names two routes, POST /items and POST " in message
+    assert "Give each its own operation" in message
+    assert "PATCH" not in message  # another method is another key
+
+
+@pytest.mark.parametrize("operation", ["", "a b", "x" * 201, 7])
+def test_an_operation_is_a_short_visible_name(operation: Any) -> None:
+    with pytest.raises(ConfigurationError, match="operation names what the route does"):
+        idempotent(operation=operation)
+
+
 # --- closing the store's own connections when the lifespan ends ----------------------------
 
 

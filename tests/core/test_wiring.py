@@ -465,30 +465,65 @@ async def test_a_record_an_older_version_stored_is_still_found_after_an_upgrade(
     assert runs["partial"] == before
 
 
-async def test_two_endpoints_meeting_on_one_key_never_answer_each_other() -> None:
-    """Two apps on one store (a ledger and a notifications service), both serving
-    ``POST /v1/events``: a key sent to both is a 422 to the second, never its replay."""
+def events_app(store: MemoryStore, name: str, path: str = "/v1/events", **options: Any) -> Any:
+    """``POST path`` of a service, its handler named ``name`` (as a rename, a move or another
+    launch mode names it), on ``store``."""
+
+    async def events(request: Request) -> Response:
+        runs[name] += 1
+        return JSONResponse({"handler": name, "run": runs[name]}, status_code=201)
+
+    events.__module__, _, events.__qualname__ = name.rpartition(":")
+    app = Starlette(routes=[Route(path, idempotent(**options)(events), methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    return make_client(app)
+
+
+@pytest.mark.parametrize(
+    "renamed",
+    ["app.payments:create_payment", "app.billing:pay", "__main__:pay"],
+    ids=["rename", "move", "launch mode"],
+)
+async def test_a_retry_across_a_renamed_or_moved_handler_is_replayed(renamed: str) -> None:
+    """Two versions of one app on one store (a deploy in between)."""
     store = MemoryStore()
-    apps = []
-    for service in ("ledger", "notifications"):
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    first = await events_app(store, "app.payments:pay").post("/v1/events", json={}, headers=headers)
+    retry = await events_app(store, renamed).post("/v1/events", json={}, headers=headers)
+    assert retry.headers.get("x-idempotent-replay") == "true", retry.text
+    assert retry.json() == first.json()
+    assert runs[renamed] == 0
 
-        async def events(request: Request, service: str = service) -> Response:
-            runs[service] += 1
-            return JSONResponse({"service": service}, status_code=201)
 
-        events.__qualname__ = f"{service}.events"
-        app = Starlette(routes=[Route("/v1/events", idempotent()(events), methods=["POST"])])
-        app.add_middleware(IdempotencyMiddleware, store=store)
-        apps.append(make_client(app))
-    ledger, notifications = apps
-    headers = {"Idempotency-Key": "evt-1"}
-    assert (await ledger.post("/v1/events", json={"e": 1}, headers=headers)).json() == {
-        "service": "ledger"
-    }
-    answer = await notifications.post("/v1/events", json={"e": 1}, headers=headers)
-    assert answer.status_code == 422, answer.text
-    assert answer.json()["code"] == "idempotency_key_reused"
-    assert runs["notifications"] == 0
+async def test_an_operation_keeps_its_records_across_a_new_template() -> None:
+    """``operation=`` names the records, not the route template: a version that serves the
+    same path through another template replays the earlier one's answers."""
+    store = MemoryStore()
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    one = events_app(store, "v1:events", "/v1/events", operation="events.receive")
+    two = events_app(store, "v2:events", "/v1/{kind}", operation="events.receive")
+    first = await one.post("/v1/events", json={}, headers=headers)
+    retry = await two.post("/v1/events", json={}, headers=headers)
+    assert retry.headers.get("x-idempotent-replay") == "true", retry.text
+    assert retry.json() == first.json()
+    assert {key.split(":")[2] for key in store.records()} == {"events.receive"}
+    other_body = await two.post("/v1/events", json={"e": 1}, headers=headers)
+    assert other_body.status_code == 422
+
+
+async def test_two_services_naming_their_operations_never_share_a_record() -> None:
+    """Two services on one store, both serving ``POST /v1/events``: a key a gateway sends to
+    both is run by each."""
+    store = MemoryStore()
+    ledger = events_app(store, "ledger:events", operation="ledger.events")
+    notifications = events_app(store, "notifications:events", operation="notifications.events")
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    for _ in range(2):
+        answers = [
+            await c.post("/v1/events", json={}, headers=headers) for c in (ledger, notifications)
+        ]
+        assert [a.json()["handler"] for a in answers] == ["ledger:events", "notifications:events"]
+        assert [a.json()["run"] for a in answers] == [runs["ledger:events"]] * 2
 
 
 # -- bodies and headers -----------------------------------------------------------------------

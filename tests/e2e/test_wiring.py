@@ -176,12 +176,18 @@ def test_an_app_without_the_middleware_refuses_its_decorated_routes() -> None:
         assert client.get("/runs").json() == {}
 
 
-@pytest.mark.parametrize("first", ["ledger", "notifications"])
-def test_two_services_on_one_store_never_answer_each_other(
-    store_env: dict[str, str], first: str
-) -> None:
+def on_a_shared_store(store_env: dict[str, str]) -> None:
     if store_env["IDEM_TEST_STORE"] == "memory":
         pytest.skip("a MemoryStore is never shared by two processes")
+
+
+@pytest.mark.parametrize("first", ["ledger", "notifications"])
+def test_two_services_on_one_store_each_run_their_own_requests(
+    store_env: dict[str, str], first: str
+) -> None:
+    """A gateway forwards one key to two services on one store, both serving
+    ``POST /v1/events``: each names its operation, and runs its own request."""
+    on_a_shared_store(store_env)
     second = "notifications" if first == "ledger" else "ledger"
     with (
         serve("create_service", {**store_env, "IDEM_TEST_SERVICE": first}) as one,
@@ -190,12 +196,35 @@ def test_two_services_on_one_store_never_answer_each_other(
     ):
         headers = {"Idempotency-Key": f"evt-{uuid.uuid4().hex}"}
         event = {"type": "payment.settled", "id": 7}
-        answered = client.post(f"{one.url}/v1/events", json=event, headers=headers)
-        assert answered.json() == {"service": first, "run": 1}
-        forwarded = client.post(f"{other.url}/v1/events", json=event, headers=headers)
-        assert forwarded.status_code == 422, forwarded.text
-        assert forwarded.json()["code"] == "idempotency_key_reused"
-        assert "x-idempotent-replay" not in forwarded.headers
-        assert client.get(f"{other.url}/runs").json() == {}
-        retried = client.post(f"{one.url}/v1/events", json=event, headers=headers)
-        assert retried.headers.get("x-idempotent-replay") == "true"
+        for _ in range(2):
+            answers = [
+                client.post(f"{server.url}/v1/events", json=event, headers=headers)
+                for server in (one, other)
+            ]
+            assert [answer.json() for answer in answers] == [
+                {"service": first, "run": 1},
+                {"service": second, "run": 1},
+            ]
+        assert answers[0].headers.get("x-idempotent-replay") == "true"
+        assert answers[1].headers.get("x-idempotent-replay") == "true"
+
+
+def test_a_retry_across_a_renamed_handler_is_replayed(store_env: dict[str, str]) -> None:
+    """Version 1 of an app answers; version 2, its handler renamed and moved, takes over the
+    store (a deploy) and replays that answer to the retry."""
+    on_a_shared_store(store_env)
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    with (
+        serve("create_payments", {**store_env, "IDEM_TEST_VERSION": "1"}) as old,
+        httpx.Client(base_url=old.url, timeout=10) as client,
+    ):
+        first = client.post("/payments", json={"amount": 1}, headers=headers)
+        assert first.json() == {"version": 1, "run": 1}
+    with (
+        serve("create_payments", {**store_env, "IDEM_TEST_VERSION": "2"}) as new,
+        httpx.Client(base_url=new.url, timeout=10) as client,
+    ):
+        retry = client.post("/payments", json={"amount": 1}, headers=headers)
+        assert retry.headers.get("x-idempotent-replay") == "true", retry.text
+        assert retry.json() == {"version": 1, "run": 1}
+        assert client.get("/runs").json() == {}

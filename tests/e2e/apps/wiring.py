@@ -11,7 +11,9 @@ guards only the POST of. ``create_mounting_app``: a sub-app with a misconfigured
 middleware, mounted by a guarded app (``create_unguarded_mounting_app``: by one with no
 middleware, and the sub-app's route serves an unguarded PUT).
 ``create_service``: ``POST /v1/events`` of the service ``$IDEM_TEST_SERVICE``
-(``ledger`` or ``notifications``), two apps that share one store.
+(``ledger`` or ``notifications``), two apps that share one store and name their operations
+apart. ``create_payments``: ``POST /payments`` of version ``$IDEM_TEST_VERSION`` of one app,
+whose handler version 2 renamed and moved.
 """
 
 from __future__ import annotations
@@ -145,13 +147,13 @@ def create_unguarded_app() -> Starlette:
     return Starlette(routes=_routes())
 
 
-@idempotent()
+@idempotent(operation="ledger.events")
 async def ledger_events(request: Request) -> Response:
     runs["ledger"] += 1
     return JSONResponse({"service": "ledger", "run": runs["ledger"]}, status_code=201)
 
 
-@idempotent()
+@idempotent(operation="notifications.events")
 async def notifications_events(request: Request) -> Response:
     runs["notifications"] += 1
     return JSONResponse({"service": "notifications", "run": runs["notifications"]}, status_code=201)
@@ -247,3 +249,30 @@ def create_unguarded_mounting_app() -> Starlette:
         middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
     )
     return Starlette(routes=[Mount("/sub", sub), Route("/runs", counts)])
+
+
+async def pay(request: Request) -> Response:
+    runs["pay"] += 1
+    return JSONResponse({"version": 1, "run": runs["pay"]}, status_code=201)
+
+
+async def create_payment(request: Request) -> Response:
+    runs["pay"] += 1
+    return JSONResponse({"version": 2, "run": runs["pay"]}, status_code=201)
+
+
+create_payment.__module__ = "billing.payments"  # moved, as well as renamed
+
+
+def create_payments() -> Starlette:
+    """Version ``$IDEM_TEST_VERSION`` (1 or 2) of one app: version 2 renamed its handler."""
+    handler = pay if os.environ["IDEM_TEST_VERSION"] == "1" else create_payment
+    store, lifespan = _store()
+    return Starlette(
+        routes=[
+            Route("/payments", idempotent()(handler), methods=["POST"]),
+            Route("/runs", counts),
+        ],
+        middleware=[Middleware(IdempotencyMiddleware, store=store)],
+        lifespan=lifespan,
+    )
