@@ -271,6 +271,24 @@ async def test_a_wraps_decorator_above_idempotent_is_guarded_and_runs_once() -> 
     assert [p["name"] for p in parameters] == ["Idempotency-Key"]
 
 
+async def test_the_endpoint_finds_its_guard_through_middleware_that_runs_it_in_a_task() -> None:
+    """``@app.middleware("http")`` inside the guard runs the endpoint in a task of its own,
+    which copies the context the guard set."""
+    app = stacked_fastapi()
+
+    @app.middleware("http")
+    async def timing(request: Request, call_next: Any) -> Any:
+        return await call_next(request)
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())  # added last: outermost
+    client = make_client(app)
+    before, headers = runs["stacked pay"], key()
+    answers = [await client.post("/payments", json={"amount": 1}, headers=headers) for _ in "12"]
+    assert [answer.status_code for answer in answers] == [201, 201], answers[0].text
+    assert answers[1].headers.get("x-idempotent-replay") == "true"
+    assert runs["stacked pay"] == before + 1
+
+
 async def test_a_wraps_decorator_passes_on_the_options_of_idempotent() -> None:
     app = stacked_fastapi()
     store = MemoryStore()
