@@ -289,6 +289,28 @@ async def test_the_endpoint_finds_its_guard_through_middleware_that_runs_it_in_a
     assert runs["stacked pay"] == before + 1
 
 
+async def test_the_endpoint_finds_its_guard_when_the_server_offers_pathsend() -> None:
+    """A server extension the middleware cannot capture is kept from the app on a copy of the
+    scope: the endpoint still reports its start there, so its own 401 is its outcome."""
+
+    @idempotent()
+    async def denied(request: Request) -> Response:
+        runs["denied"] += 1
+        return JSONResponse({"run": runs["denied"]}, status_code=401)
+
+    app = Starlette(routes=[Route("/denied", denied, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+
+    async def server(scope: Scope, receive: Receive, send: Send) -> None:
+        await app({**scope, "extensions": {"http.response.pathsend": {}}}, receive, send)
+
+    client, headers, before = make_client(server), key(), runs["denied"]
+    answers = [await client.post("/denied", headers=headers) for _ in "12"]
+    assert [answer.status_code for answer in answers] == [401, 401]
+    assert answers[1].headers.get("x-idempotent-replay") == "true"  # stored: the handler ran
+    assert runs["denied"] == before + 1
+
+
 async def test_a_wraps_decorator_passes_on_the_options_of_idempotent() -> None:
     app = stacked_fastapi()
     store = MemoryStore()
