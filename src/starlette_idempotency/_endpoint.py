@@ -135,8 +135,10 @@ def _refusal(handler: Any, scope: Any, mark: Any) -> UnguardedRequestError:
         )
     else:
         guarded = _name(mark)
-        if guarded == _name(handler):
-            guarded += f" (another function of that name, at {getattr(mark, '__code__', '?')})"
+        if guarded == _name(handler):  # two functions of one name: say where the other is
+            code = getattr(getattr(mark, "__wrapped__", mark), "__code__", None)
+            if code is not None:
+                guarded += f" (defined at {code.co_filename}:{code.co_firstlineno})"
         cause = (
             f"IdempotencyMiddleware guarded the request as one to {guarded}, so its key and "
             "policy are another endpoint's (a middleware inside IdempotencyMiddleware "

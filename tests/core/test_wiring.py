@@ -371,6 +371,30 @@ async def test_a_refusal_names_the_endpoint_refused_and_the_one_guarded() -> Non
     assert ".<locals>.second," in message
 
 
+async def test_a_refusal_tells_two_endpoints_of_one_name_apart() -> None:
+    def handler() -> Any:
+        @idempotent()
+        async def orders(request: Request) -> Response:
+            return Response(status_code=201)
+
+        return orders
+
+    app = Starlette(
+        routes=[
+            Route("/charges", handler(), methods=["POST"]),
+            Route("/v1/charges", handler(), methods=["POST"]),
+        ],
+        middleware=[
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+            Middleware(Rewriting),
+        ],
+    )
+    async with raising_client(app) as client:
+        with pytest.raises(UnguardedRequestError) as refused:
+            await client.post("/v1/charges", headers=key())
+    assert f"(defined at {__file__}:" in str(refused.value)
+
+
 # -- apps mounted whole under protect_all -----------------------------------------------------
 
 
