@@ -2,8 +2,9 @@
 with a message that says what to change; never run unguarded in silence.
 
 Class endpoints, partials, a path-rewriting middleware inside the guard, an app without the
-middleware, apps mounted whole under ``protect_all``, and the keys of requests the app tells
-apart (hosts, tenants, endpoints).
+middleware, decorators stacked above ``@idempotent``, apps mounted whole under ``protect_all``,
+the keys of requests the app tells apart (hosts, tenants, operations), and the records a
+renamed handler keeps.
 """
 
 from __future__ import annotations
