@@ -254,7 +254,9 @@ class Lease(KeyOwner):
                 self._events.shown_key,
             )
             await self._events.lock_lost("complete_found_gone", "reclaimed", status)
-        await self._events.ended(_result_of(status), status, note)
+        await self._events.ended(
+            OutcomeResult.COMPLETED if status < 400 else OutcomeResult.FAILED, status, note
+        )
 
     def frees_key(self, status: int) -> bool:
         """Whether a response of ``status`` frees the key for a retry instead of being stored:
@@ -300,7 +302,9 @@ class Lease(KeyOwner):
                 "no response" if status is None else f"status {status}",
                 f"status {recorded_status}",
             )
-        await self._events.ended(_result_of(recorded_status), status)
+        await self._events.ended(
+            OutcomeResult.COMPLETED if recorded_status < 400 else OutcomeResult.FAILED, status
+        )
 
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
@@ -343,10 +347,6 @@ class Lease(KeyOwner):
                 self._events.shown_error(exc),
             )
         await self._events.ended(OutcomeResult.RELEASED, status)
-
-
-def _result_of(status: int) -> OutcomeResult:
-    return OutcomeResult.COMPLETED if status < 400 else OutcomeResult.FAILED
 
 
 class ReplayingReceive:

@@ -30,8 +30,6 @@ from tests.stores.transaction_app import (
     ISOLATIONS,
     Database,
     build_app,
-    create_tables,
-    drop_tables,
 )
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
@@ -44,25 +42,15 @@ DRIVERS = ("asyncpg", "sqlalchemy", "session")
 RETRIER = {"application_name": "idempotency-tx-test"}
 
 
-@pytest.fixture
-async def tables(postgres_dsn: str, postgres_table: str, sql: Any) -> AsyncIterator[str]:
-    store = PostgresStore.from_dsn(postgres_dsn, table=postgres_table)
-    await store.create_schema()
-    await store.aclose()
-    await create_tables(sql, postgres_table)
-    yield postgres_table
-    await drop_tables(sql, postgres_table)
-
-
 @pytest.fixture(params=DRIVERS)
 async def app(
     request: pytest.FixtureRequest, postgres_dsn: str, tables: str
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Database]]:
-    guarded, database = build_app(postgres_dsn, tables, request.param)
+    guarded, database, store = build_app(postgres_dsn, tables, request.param)
     async with make_client(guarded, raise_app_exceptions=False) as client:
         yield client, database
     await database.aclose()
-    await guarded.store.aclose()  # type: ignore[attr-defined]
+    await store.aclose()
 
 
 def guarded_by(store: object, pay: object) -> Starlette:
@@ -121,9 +109,7 @@ async def test_the_middleware_does_not_write_the_outcome_again(
         def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
             pass
 
-    guarded, database = build_app(postgres_dsn, tables, "asyncpg")
-    store = guarded.store  # type: ignore[attr-defined]
-    counted = IdempotencyMiddleware(guarded.app, store=store, metrics=Calls())  # type: ignore[attr-defined]
+    counted, database, store = build_app(postgres_dsn, tables, "asyncpg", metrics=Calls())
     async with make_client(counted) as client:
         response = await client.post("/pay", json={"amount": "1"}, headers={"Idempotency-Key": "k"})
     await database.aclose()
