@@ -130,11 +130,11 @@ class Lease(KeyOwner):
                 f"checkpoint({name!r}) inside idempotency_transaction: call tx.checkpoint(), "
                 "which writes it in the transaction that holds the record"
             )
-        record = self.with_checkpoint(name, data)
+        record = self.with_checkpoint(self.record, name, data)
         await self._save_progress(record, self._route.policy.lock_ttl_seconds)
 
-    def with_checkpoint(self, name: str, data: Any) -> IdempotencyRecord:
-        """The record with one more recovery point, to be saved while the handler runs."""
+    def with_checkpoint(self, record: IdempotencyRecord, name: str, data: Any) -> IdempotencyRecord:
+        """``record`` with one more recovery point, to be saved while the handler runs."""
         if not self._store.store.supports_recovery:
             raise ConfigurationError(
                 f"{type(self._store.store).__name__} cannot keep recovery points: use "
@@ -149,8 +149,8 @@ class Lease(KeyOwner):
             )
         now = self._clock()
         return replace(
-            self.record,
-            checkpoints=(*self.record.checkpoints, Checkpoint(name, data, now)),
+            record,
+            checkpoints=(*record.checkpoints, Checkpoint(name, data, now)),
             expires_at=now + self._route.policy.ttl_seconds,
         )
 

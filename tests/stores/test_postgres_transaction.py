@@ -22,10 +22,12 @@ from starlette_idempotency import (
     IdempotencyMiddleware,
     MemoryStore,
     PostgresStore,
+    idempotency_context,
     idempotency_transaction,
     idempotent,
 )
 from starlette_idempotency.stores import RecordStatus
+from starlette_idempotency.stores.base import IdempotencyStore
 from tests.stores.transaction_app import (
     ISOLATIONS,
     Database,
@@ -53,7 +55,7 @@ async def app(
     await store.aclose()
 
 
-def guarded_by(store: object, pay: object) -> Starlette:
+def guarded_by(store: IdempotencyStore, pay: object) -> Starlette:
     """``pay`` at ``POST /pay``, the middleware added as the docs say (inside the app's error
     middleware, which would otherwise answer an exception before the middleware saw it)."""
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])  # type: ignore[arg-type]
@@ -322,3 +324,40 @@ async def test_a_record_no_longer_in_progress_is_not_fenced(
     record = await record_of(sql, tables, "k")
     assert record["owner_token"] == "someone-else"
     assert record["status"] == RecordStatus.IN_PROGRESS.value
+
+
+async def test_a_rolled_back_recovery_point_is_never_written_later(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """A recovery point written in a transaction that rolls back is gone with it: the key is
+    freed as for any failure, and the retry runs as a first attempt, not as a recovery."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    database = Database(postgres_dsn, tables, "asyncpg")
+    recovered: list[str | None] = []
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        recovered.append(idempotency_context(request).recovered_from)
+
+        async def work(connection: Any, fetchval: Any) -> Response:
+            async with idempotency_transaction(request, connection) as tx:
+                await fetchval(f"INSERT INTO {tables}_payments VALUES (DEFAULT, 'k', '1', '')")
+                await tx.checkpoint("payment_written")
+                if len(recovered) == 1:
+                    raise RuntimeError("the first attempt fails after its checkpoint")
+                return await tx.respond(JSONResponse({}, status_code=201))
+
+        response: Response = await database.in_transaction("read_committed", work)
+        return response
+
+    async with make_client(guarded_by(store, pay), raise_app_exceptions=False) as client:
+        failed = await client.post("/pay", headers={"Idempotency-Key": "k"})
+        retried = await client.post("/pay", headers={"Idempotency-Key": "k"})
+    await database.aclose()
+    await store.aclose()
+    assert failed.status_code == 500
+    assert retried.status_code == 201
+    assert recovered == [None, None]
+    assert await payments(sql, tables, "k") == ["1"]
+    record = await record_of(sql, tables, "k")
+    assert "payment_written" in record["checkpoints"]  # the committed one, with the outcome
