@@ -35,9 +35,8 @@ CRASH = {"X-Demo-Crash": "after-commit"}
 async def crash_after_commit(
     cluster: Cluster, client: httpx.AsyncClient, body: dict[str, Any], key: str
 ) -> str:
-    """Send the payment through nginx with the crash hook; returns the pod that died (the
-    next test's cluster fixture starts it again). nginx does not resend a POST, so the client
-    gets a 502."""
+    """Send the payment through nginx with the crash hook; returns the pod that died. nginx
+    does not resend a POST, so the client gets a 502."""
     crashed = await post(client, "/payments", body, key=key, headers=CRASH)
     assert crashed.status_code == 502, crashed.text
 
@@ -48,6 +47,19 @@ async def crash_after_commit(
     name = await eventually(dead_pod, timeout=10, interval=0.05, message="the pod to die")
     assert [pod.name for pod in cluster.pods.values() if not pod.running] == [name]
     return name
+
+
+async def restart(cluster: Cluster, client: httpx.AsyncClient, name: str) -> None:
+    """Start the dead pod again and wait until nginx sends it requests: nginx takes a pod that
+    failed out of its rotation for a while (fail_timeout), and a test that then kills the other
+    pod would find no pod to send a GET to."""
+    cluster.start_pod(name)
+
+    async def routed() -> bool | None:
+        response = await client.get("/healthz")
+        return True if response.headers.get("x-pod-id") == name else None
+
+    await eventually(routed, timeout=15, interval=0.1, message=f"nginx to route to {name}")
 
 
 async def retry_through_nginx(
@@ -92,7 +104,7 @@ async def test_crash_after_the_commit_is_replayed_with_one_payment_and_one_outbo
             events[0]["payload"]["providerRef"]
         ]
 
-        cluster.start_pod(dead)  # restarted: both pods replay it
+        await restart(cluster, client, dead)  # both pods replay it
         for pod in cluster.pods.values():
             again = await post(client, f"{pod.url}/payments", body, key=key)
             assert again.headers["x-idempotent-replay"] == "true"
@@ -122,4 +134,4 @@ async def test_on_redis_a_crash_after_the_commit_runs_the_payment_again_but_char
         assert len(await outbox_rows(client, cluster.url, reference)) == 2
         charges = await provider_charges(client, cluster.url, reference)
         assert [charge["pod"] for charge in charges] == [dead]
-        cluster.start_pod(dead)
+        await restart(cluster, client, dead)
