@@ -16,8 +16,7 @@ from typing import Any, Unpack
 
 from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
 from starlette_idempotency._keys import KeyScope, KeyScopeResolver
-from starlette_idempotency._openapi import OpenAPIDocumenter
-from starlette_idempotency._openapi_install import document_middleware
+from starlette_idempotency._openapi.documenter import OpenAPIDocumenter
 from starlette_idempotency._options import (
     ROUTE_OPTIONS,
     IdempotencyPolicy,
@@ -209,7 +208,7 @@ class IdempotencyMiddleware:
     @classmethod
     def openapi_documenter(cls, app: ASGIApp, options: Mapping[str, Any]) -> OpenAPIDocumenter:
         """What a middleware built around ``app`` with ``options`` adds to the OpenAPI schema,
-        for an app whose middleware stack is not built yet (see ``_openapi``)."""
+        for an app whose middleware stack is not built yet (see ``install_openapi``)."""
         _check_options(options)
         bound = inspect.signature(cls.__init__).bind(None, app, **options)
         bound.apply_defaults()
@@ -255,7 +254,7 @@ class IdempotencyMiddleware:
         errors = ErrorResponder(
             header_name=header_name, error_format=error_format, problem_type=problem_type
         )
-        # Installed by the first scope, which names the app (there is none before: see _openapi)
+        # Installed by the first scope, which names the app (none before: see install_openapi)
         self._openapi: OpenAPIDocumenter | None = OpenAPIDocumenter(
             app,
             self._resolver,
@@ -380,6 +379,3 @@ class RefusedMiddleware(IdempotencyMiddleware):
         if scope["type"] == "lifespan":
             await refuse_startup(self.refusal, receive, send)
         raise self.refusal
-
-
-document_middleware(IdempotencyMiddleware)
