@@ -170,19 +170,6 @@ def _check_store_object(store: object) -> None:
         )
 
 
-def _compressing_layer_inside(app: ASGIApp) -> str | None:
-    """The class name of a compressing middleware among the layers ``app`` wraps, if any."""
-    layer: object = app
-    for _ in range(64):  # a middleware stack, not a cycle
-        name = type(layer).__name__
-        if any(word in name.lower() for word in ("gzip", "brotli", "compress", "zstd")):
-            return name
-        layer = getattr(layer, "app", None)
-        if layer is None:
-            break
-    return None
-
-
 class IdempotencyMiddleware:
     """Makes decorated POST/PATCH routes safe to retry with an ``Idempotency-Key`` header.
 
@@ -299,17 +286,6 @@ class IdempotencyMiddleware:
             renewals=self.renewals,
         )
         self._startup_check = StartupCheck(store, check_store, self._check_routes)
-        compressing = _compressing_layer_inside(app)
-        if compressing is not None:
-            logger.warning(
-                "%s runs inside IdempotencyMiddleware, so responses are stored compressed for "
-                "whatever encoding the first client accepted (a replay is decoded again for a "
-                "client that does not accept it). Add IdempotencyMiddleware before %s "
-                "(app.add_middleware(IdempotencyMiddleware, ...) first), so that it runs inside "
-                "the compression and stores plain responses.",
-                compressing,
-                compressing,
-            )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._openapi is not None:  # the first scope: document its app, once
