@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Unpack
+from typing import Any, TypeVar, Unpack, cast
+
+from starlette.middleware.exceptions import ExceptionMiddleware
 
 from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, METHOD_NOT_GUARDED
 from starlette_idempotency._keys import KeyScope, KeyScopeResolver
@@ -131,10 +132,51 @@ def _check_options(options: Mapping[str, Any]) -> None:
     )
 
 
-def _built_by_starlette() -> bool:
-    """Whether ``IdempotencyMiddleware(...)`` was called by Starlette's (or FastAPI's)
-    ``build_middleware_stack``: frame 1 is ``__new__``, frame 2 its caller."""
-    return sys._getframe(2).f_code.co_name == "build_middleware_stack"
+def _in_an_app_stack(app: object) -> bool:
+    """Whether ``app`` is a layer of a Starlette (or FastAPI) app's own middleware stack, which
+    ``build_middleware_stack`` builds around the app's ``ExceptionMiddleware``, always the
+    innermost (a layer in between that keeps its app elsewhere than ``.app`` hides it)."""
+    layer: object = app
+    for _ in range(64):  # a middleware stack, not a cycle
+        if isinstance(layer, ExceptionMiddleware):
+            return True
+        layer = getattr(layer, "app", None)
+        if layer is None:
+            break
+    return False
+
+
+_M = TypeVar("_M")
+
+
+class _CheckedFirst(type):
+    """Builds ``IdempotencyMiddleware(app, **options)`` once its options are checked.
+
+    Called with wrong options, it raises :class:`ConfigurationError`, except where the
+    exception would not stop the server: Starlette builds an app's middleware stack on the
+    app's first ASGI call, the lifespan's, and uvicorn reads an exception there as "no
+    lifespan", reports a healthy start and answers every request 500. So a middleware built
+    into an app's stack from wrong options is built refusing: it fails the lifespan startup
+    (the server exits with the message) and raises the error for every request. The checks
+    run before ``__init__``, whose signature type checkers (and ``add_middleware`` with them)
+    read, so that no option it would not bind (a missing ``store``) escapes them.
+    """
+
+    def __call__(cls: type[_M], app: ASGIApp, *args: Any, **options: Any) -> _M:
+        try:
+            if args:
+                raise ConfigurationError(
+                    "IdempotencyMiddleware takes its options by name (store=..., "
+                    f"header_name=...), not {len(args)} positional argument(s)"
+                )
+            _check_options(options)
+        except ConfigurationError as exc:
+            if not _in_an_app_stack(app):
+                raise
+            refused: Any = cls.__new__(cls)  # no __init__: nothing but the refusal runs
+            refused.app, refused._refusal = app, exc
+            return cast(_M, refused)
+        return cast(_M, super().__call__(app, **options))  # type: ignore[misc]
 
 
 def _route_resolver(route_defaults: Mapping[str, Any], *, protect_all: bool) -> RouteResolver:
@@ -170,27 +212,16 @@ def _check_store_object(store: object) -> None:
         )
 
 
-class IdempotencyMiddleware:
+class IdempotencyMiddleware(metaclass=_CheckedFirst):
     """Makes decorated POST/PATCH routes safe to retry with an ``Idempotency-Key`` header.
 
     Every ``@idempotent`` option can be given here as the default for all routes; the
     documentation's options reference gives the meaning of each.
     """
 
-    def __new__(cls, *args: Any, **options: Any) -> IdempotencyMiddleware:
-        # Every option is checked here, before __init__ (which type checkers, and Starlette's
-        # add_middleware with them, read for the signature). Starlette builds the middleware
-        # stack on the app's first ASGI call, the lifespan's: an exception there would read as
-        # "no lifespan" to uvicorn, which then reports a healthy start and answers every
-        # request 500. So what Starlette builds from wrong options is a middleware that
-        # refuses the startup instead, and the server exits with the message.
-        try:
-            _check_options(options)
-        except ConfigurationError as exc:
-            if _built_by_starlette():
-                return RefusedMiddleware.refusing(exc)
-            raise
-        return super().__new__(cls)
+    #: Why this middleware refuses the startup and every request: Starlette built it into an
+    #: app's stack from wrong options (see ``_CheckedFirst``).
+    _refusal: ConfigurationError | None = None
 
     @classmethod
     def openapi_documenter(cls, app: ASGIApp, options: Mapping[str, Any]) -> OpenAPIDocumenter:
@@ -288,6 +319,10 @@ class IdempotencyMiddleware:
         self._startup_check = StartupCheck(store, check_store, self._check_routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._refusal is not None:
+            if scope["type"] == "lifespan":
+                await refuse_startup(self._refusal, receive, send)
+            raise self._refusal
         if self._openapi is not None:  # the first scope: document its app, once
             openapi, self._openapi = self._openapi, None
             openapi.install(scope)
@@ -331,27 +366,3 @@ class IdempotencyMiddleware:
                 for method in (entry.methods or self._methods) & self._methods
             }
             self.observer.declare(sorted(endpoints), self._services.store.name)
-
-
-class RefusedMiddleware(IdempotencyMiddleware):
-    """What Starlette builds from ``IdempotencyMiddleware`` options that are wrong.
-
-    It refuses the app's lifespan startup with the error (the server exits, and never reports
-    a healthy start), and raises it for any request of a server that runs no lifespan.
-    """
-
-    refusal: ConfigurationError
-
-    @classmethod
-    def refusing(cls, refusal: ConfigurationError) -> RefusedMiddleware:
-        refused = object.__new__(cls)
-        refused.refusal = refusal
-        return refused
-
-    def __init__(self, app: ASGIApp, *args: Any, **options: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await refuse_startup(self.refusal, receive, send)
-        raise self.refusal
