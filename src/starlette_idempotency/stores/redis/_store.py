@@ -284,7 +284,9 @@ class RedisStore(StoreBase):
         from the server or every primary of a cluster: a ``maxmemory`` with a policy that
         evicts (records vanish, and retries run again), and no append-only file (a restart
         loses records). When ``CONFIG`` is refused (renamed or not allowed, as on many
-        managed services), one warning says what to check by hand.
+        managed services), one warning says what to check by hand. Raises
+        :class:`ConfigurationError`, as an operation does, while a client of the store's own
+        is open in another event loop that still runs.
         """
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
