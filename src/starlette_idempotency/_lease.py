@@ -37,7 +37,7 @@ from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordS
 from starlette_idempotency._renewal import HeldLock, LockRenewal, LockRenewals
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
-from starlette_idempotency._types import ASGIApp, Clock, Message, Receive, Scope, Send
+from starlette_idempotency._types import ASGIApp, Body, Clock, Message, Receive, Scope, Send
 from starlette_idempotency.errors import (
     ConfigurationError,
     IdempotencyError,
@@ -349,22 +349,34 @@ class Lease(KeyOwner):
         await self._events.ended(OutcomeResult.RELEASED, status)
 
 
+#: The size of the messages a body gathered from several is handed to the app in (what uvicorn
+#: reads at a time): the app's parser streams them, and nothing holds a second copy.
+REPLAY_CHUNK_BYTES = 64 * 1024
+
+
 class ReplayingReceive:
-    """Its :meth:`receive` hands the buffered body to the app once, then defers to the client
-    (so the app still sees ``http.disconnect``)."""
+    """Its :meth:`receive` hands the buffered body to the app, then defers to the client (so
+    the app still sees ``http.disconnect``): a body that came in one message as that message,
+    one gathered from several in messages of :data:`REPLAY_CHUNK_BYTES`."""
 
     __slots__ = ("_body", "_receive")
 
-    def __init__(self, body: bytes, receive: Receive) -> None:
-        self._body: bytes | None = body
+    def __init__(self, body: Body, receive: Receive) -> None:
+        self._body: Body | memoryview | None = body
         self._receive = receive
 
     async def receive(self) -> Message:
         body = self._body
         if body is None:
             return await self._receive()
-        self._body = None
-        return {"type": "http.request", "body": body, "more_body": False}
+        if type(body) is bytes:
+            self._body = None
+            return {"type": "http.request", "body": body, "more_body": False}
+        view = memoryview(body)  # slices of it copy nothing
+        rest = view[REPLAY_CHUNK_BYTES:]
+        self._body = rest if rest else None
+        chunk = view[:REPLAY_CHUNK_BYTES].tobytes()
+        return {"type": "http.request", "body": chunk, "more_body": bool(rest)}
 
 
 class Run(ReplayingReceive):
@@ -386,7 +398,7 @@ class Run(ReplayingReceive):
     )
 
     def __init__(
-        self, lease: Lease, policy: IdempotencyPolicy, body: bytes, receive: Receive, send: Send
+        self, lease: Lease, policy: IdempotencyPolicy, body: Body, receive: Receive, send: Send
     ) -> None:
         self._lease = lease
         self._policy = policy
