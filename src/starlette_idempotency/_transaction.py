@@ -187,7 +187,8 @@ class IdempotencyTransaction:
                 "being stored: raise (the transaction rolls back), or return that response "
                 "outside the transaction"
             )
-        record, _ = lease.outcome(status, list(response.raw_headers), body)
+        kept = body if len(body) <= lease.policy.max_response_bytes else None
+        record, _ = lease.outcome(status, list(response.raw_headers), kept)
         if self._record is not None:  # with the recovery points written in the transaction
             record = replace(record, checkpoints=self._record.checkpoints)
         await self._run(self._queries.finish(lease.store_key, record, lease.policy.ttl_seconds))
