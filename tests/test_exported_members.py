@@ -105,3 +105,10 @@ def test_a_public_submodule_is_an_attribute_of_the_root() -> None:
     assert starlette_idempotency.errors.StoreError is starlette_idempotency.StoreError
     assert not hasattr(starlette_idempotency, "no_such_name")
     assert not hasattr(starlette_idempotency, "_no_such_module")
+
+
+def test_install_openapi_is_the_roots_and_loads_no_fastapi() -> None:
+    """The package never imports FastAPI itself: an app that is one has imported it."""
+    modules = loaded_by("from starlette_idempotency import install_openapi")
+    assert "starlette_idempotency._openapi.install" in modules
+    assert "fastapi" not in modules

@@ -91,6 +91,13 @@ def test_the_wheel_installs_and_every_public_name_imports(dist: Path, tmp_path: 
         f"assert s.__file__.startswith({str(venv)!r}), s.__file__\n"
         "missing = [n for n in s.__all__ if getattr(s, n, None) is None]\n"
         "assert not missing, missing\n"
+        # The readiness route a Kubernetes probe calls, served from the installed wheel.
+        "from starlette.applications import Starlette\n"
+        "from starlette.testclient import TestClient\n"
+        "app = Starlette(routes=[s.readiness_route(s.MemoryStore())])\n"
+        "with TestClient(app) as client:\n"
+        "    ready = client.get('/ready')\n"
+        "assert ready.status_code == 200, ready.text\n"
         "print(s.__version__)\n"
     )
     result = subprocess.run(

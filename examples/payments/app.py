@@ -11,6 +11,7 @@ code as "pod-a" and "pod-b"::
     IDEMPOTENCY_KEY_PREFIX      Redis key prefix (default payments-demo)
     IDEMPOTENCY_REDIS_ACQUIRE   setnx (default) or lua
     DEMO_MAX_DELAY_MS           the longest demo delay a request may ask for (default 60000)
+    DEMO_CRASH_HOOKS            1: honour X-Demo-Crash (tests and demos only; default off)
 
 Run it with ``uvicorn --factory examples.payments.app:create_app``. The tables are created at
 startup. ``GET /metrics/`` serves the middleware's Prometheus metrics (the monitoring kit,
@@ -18,6 +19,17 @@ startup. ``GET /metrics/`` serves the middleware's Prometheus metrics (the monit
 request header ``X-Demo-Delay-Ms`` makes ``POST /payments`` sleep before it writes to the
 ledger, so concurrent retries and crashes can be shown by hand; it is not part of the request
 fingerprint (only headers named in ``fingerprint_headers`` are).
+
+``POST /payments`` charges a (fake) payment provider with a key derived from the request's
+(``idempotency_context(request).derived_key("provider.charge")``), so a second attempt gets the
+first charge back, then writes the payment row and its ``payment.created`` outbox event in one
+transaction. On ``PostgresStore`` (``IDEMPOTENCY_STORE=postgres``) the idempotency record
+commits in that transaction too (``idempotency_transaction``): a pod that dies after the commit
+leaves a finished record, and the retry is replayed. On ``RedisStore`` the record cannot join a
+PostgreSQL transaction: the middleware stores it after the commit, and a crash in between runs
+the payment again once the lock lapses (the provider still charges once). With
+``DEMO_CRASH_HOOKS=1``, ``X-Demo-Crash: after-commit`` makes the pod SIGKILL itself right after
+that commit, before the response.
 
 ``POST /charges`` is the same payment through a (fake) payment provider, with recovery
 points: ``X-Demo-Delay-After-Provider-Ms`` makes it sleep after the provider charged and before
@@ -31,8 +43,10 @@ its own errors share one body (:class:`ErrorOut`), and text that PostgreSQL cann
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -41,7 +55,7 @@ from decimal import Decimal
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Header, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
@@ -57,6 +71,7 @@ from starlette_idempotency import (
     PrometheusMetrics,
     checkpoint,
     idempotency_context,
+    idempotency_transaction,
     idempotent,
     mark_retryable,
     readiness_route,
@@ -94,6 +109,8 @@ class Settings:
     redis_acquire: AcquireStrategy = "setnx"
     # Long enough to kill a pod mid-request by hand; short enough that no request parks forever.
     max_demo_delay_ms: int = 60_000
+    # Off unless a test or a demo asks: X-Demo-Crash kills the pod.
+    crash_hooks: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
@@ -108,6 +125,7 @@ class Settings:
             key_prefix=env.get("IDEMPOTENCY_KEY_PREFIX", "payments-demo"),
             redis_acquire=acquire,
             max_demo_delay_ms=int(env.get("DEMO_MAX_DELAY_MS", "60000")),
+            crash_hooks=env.get("DEMO_CRASH_HOOKS") == "1",
         )
 
 
@@ -214,6 +232,22 @@ def _order(row: Row) -> Order:
     )
 
 
+class OutboxEvent(Model):
+    id: int
+    event_type: str
+    payload: dict[str, Any]
+    created_at: str
+
+
+def _outbox_event(row: Row) -> OutboxEvent:
+    return OutboxEvent(
+        id=row["id"],
+        event_type=row["event_type"],
+        payload=json.loads(row["payload"]),
+        created_at=iso(row["created_at"]),
+    )
+
+
 class ErrorOut(BaseModel):
     """The body of the demo's own errors (the idempotency middleware documents its own)."""
 
@@ -313,6 +347,19 @@ def build_api(settings: Settings) -> FastAPI:
         # A default, not an annotation: FastAPI resolves annotations in the module's globals.
         return Header(0, ge=0, le=settings.max_demo_delay_ms)
 
+    async def demo_delay(reference: str, milliseconds: int) -> None:
+        delayed.add(reference)
+        try:
+            await asyncio.sleep(milliseconds / 1000)
+        finally:
+            delayed.discard(reference)
+
+    def crash_after_commit(request: Request) -> None:
+        """SIGKILL this pod, as a crash between the commit and the response would: out of the
+        schema, and honoured only with DEMO_CRASH_HOOKS=1."""
+        if settings.crash_hooks and request.headers.get("x-demo-crash") == "after-commit":
+            os.kill(os.getpid(), signal.SIGKILL)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         assert settings.database_url is not None
@@ -349,27 +396,58 @@ def build_api(settings: Settings) -> FastAPI:
     async def livez() -> dict[str, str]:
         return {"status": "alive", "pod": pod}
 
+    async def write_payment(
+        ledger: Ledger, connection: Any, body: PaymentIn, provider_ref: str
+    ) -> JSONResponse:
+        """The payment row and its outbox event, on ``connection`` (in its transaction)."""
+        row = await ledger.insert_payment(
+            account_id=body.account_id,
+            amount=body.amount,
+            currency=body.currency,
+            merchant_reference=body.merchant_reference,
+            pod=pod,
+            connection=connection,
+        )
+        payment = _payment(row).model_dump(mode="json", by_alias=True)
+        event = {**payment, "providerRef": provider_ref}
+        await ledger.add_outbox_event(connection, "payment.created", event)
+        return JSONResponse(payment)
+
     @app.post("/payments", response_model=Payment)
     @idempotent(ttl_hours=48, lock_ttl_seconds=settings.payments_lock_ttl_seconds)
     async def create_payment(
         body: PaymentIn,
         request: Request,
         x_demo_delay_ms: int = delay_header(),
-    ) -> Payment:
-        if x_demo_delay_ms:
-            delayed.add(body.merchant_reference)
-            try:
-                await asyncio.sleep(x_demo_delay_ms / 1000)
-            finally:
-                delayed.discard(body.merchant_reference)
-        row = await ledger_of(request).insert_payment(
-            account_id=body.account_id,
+    ) -> Response:
+        """Charge the provider with a derived key, then commit the payment, its outbox event
+        and (on PostgresStore) the idempotency record in one transaction."""
+        ledger = ledger_of(request)
+        # The same on every retry and after a takeover: the provider charges once for it.
+        provider_ref = await ledger.provider_charge_once(
+            idempotency_key=idempotency_context(request).derived_key("provider.charge"),
+            merchant_reference=body.merchant_reference,
             amount=body.amount,
             currency=body.currency,
-            merchant_reference=body.merchant_reference,
             pod=pod,
         )
-        return _payment(row)
+        if x_demo_delay_ms:
+            await demo_delay(body.merchant_reference, x_demo_delay_ms)
+        async with ledger.connection() as connection:
+            if isinstance(store, PostgresStore):
+                # Fenced: the record's row is locked under this request's owner token, and
+                # the outcome commits with the payment, or nothing does.
+                async with idempotency_transaction(request, connection) as tx:
+                    response = await tx.respond(
+                        await write_payment(ledger, connection, body, provider_ref)
+                    )
+            else:
+                # RedisStore cannot join a PostgreSQL transaction: the middleware stores the
+                # outcome after this commit.
+                async with connection.transaction():
+                    response = await write_payment(ledger, connection, body, provider_ref)
+        crash_after_commit(request)
+        return response
 
     @app.post("/charges", response_model=Payment)
     @idempotent(ttl_hours=48, lock_ttl_seconds=settings.payments_lock_ttl_seconds)
@@ -397,11 +475,7 @@ def build_api(settings: Settings) -> FastAPI:
                 pod=pod,
             )
         if x_demo_delay_after_provider_ms:
-            delayed.add(body.merchant_reference)
-            try:
-                await asyncio.sleep(x_demo_delay_after_provider_ms / 1000)
-            finally:
-                delayed.discard(body.merchant_reference)
+            await demo_delay(body.merchant_reference, x_demo_delay_after_provider_ms)
         row = await ledger.insert_payment(
             account_id=body.account_id,
             amount=body.amount,
@@ -422,6 +496,15 @@ def build_api(settings: Settings) -> FastAPI:
         """What the fake provider charged for a merchant reference (one row per charge)."""
         rows = await ledger_of(request).list_provider_charges(merchant_reference)
         return [{"providerRef": row["provider_ref"], "pod": row["pod"]} for row in rows]
+
+    @app.get("/outbox", response_model=list[OutboxEvent])
+    async def list_outbox(
+        request: Request,
+        merchant_reference: Annotated[str, Query(alias="merchantReference", pattern=NO_NUL)],
+    ) -> list[OutboxEvent]:
+        """The outbox events of a merchant reference's payments, oldest first."""
+        rows = await ledger_of(request).outbox_events(merchant_reference)
+        return [_outbox_event(row) for row in rows]
 
     @app.get("/payments", response_model=list[Payment])
     async def list_payments(

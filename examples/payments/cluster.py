@@ -2,14 +2,15 @@
 
 Command line (from the repository root)::
 
-    python -m examples.payments.cluster up [--store redis|postgres] [--detach]
+    python -m examples.payments.cluster up [--store redis|postgres] [--detach] [--crash-hooks]
     python -m examples.payments.cluster status [--url]
     python -m examples.payments.cluster down
 
 ``up`` starts Redis and PostgreSQL unless ``REDIS_URL`` / ``DATABASE_URL`` are set, creates
 the demo database, starts "pod-a" and "pod-b" and nginx on free ports, waits until every part
 answers, prints the URLs and runs in the foreground until Ctrl-C; ``--detach`` leaves it
-running in the background. ``down`` stops a running ``up`` through the state file
+running in the background; ``--crash-hooks`` lets ``X-Demo-Crash: after-commit`` kill a pod
+(``DEMO_CRASH_HOOKS=1``). ``down`` stops a running ``up`` through the state file
 ``.demo/state.json`` (logs are kept in ``.demo/logs/``).
 
 Python API, used by the end-to-end tests::
@@ -20,6 +21,8 @@ Python API, used by the end-to-end tests::
         cluster.kill_pod("pod-a")    # SIGKILL
         cluster.start_pod("pod-a")   # again, on the same port
         cluster.stop_redis(); cluster.start_redis()
+
+``env={CRASH_HOOKS: "1"}`` lets ``X-Demo-Crash: after-commit`` kill a pod after its commit.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ StoreKind = Literal["redis", "postgres"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STATE_DIR = REPO_ROOT / ".demo"
 POD_NAMES = ("pod-a", "pod-b")
+#: The pods' switch for ``X-Demo-Crash`` (off unless asked for).
+CRASH_HOOKS = "DEMO_CRASH_HOOKS"
 DATABASE_NAME = "payments"
 
 INSTALL_HINTS = {
@@ -588,6 +593,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         database_url=os.environ.get("DATABASE_URL") or None,
         state_dir=state_dir,
         payments_lock_ttl_seconds=args.payments_lock_ttl,
+        env={CRASH_HOOKS: "1"} if args.crash_hooks else None,
     )
     missing = cluster.missing_binaries()
     if missing:
@@ -639,6 +645,8 @@ def _up_detached(args: argparse.Namespace) -> int:
     ]
     if args.payments_lock_ttl is not None:
         command += ["--payments-lock-ttl", str(args.payments_lock_ttl)]
+    if args.crash_hooks:
+        command.append("--crash-hooks")
     launcher = _spawn(command, log_path=log_path)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -734,6 +742,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--detach", action="store_true", help="run in the background")
     up.add_argument(
         "--payments-lock-ttl", type=float, default=None, help="POST /payments lock TTL (s)"
+    )
+    up.add_argument(
+        "--crash-hooks",
+        action="store_true",
+        help="let X-Demo-Crash: after-commit SIGKILL a pod (DEMO_CRASH_HOOKS=1)",
     )
     up.add_argument("--state-dir", type=Path, default=argparse.SUPPRESS)
     commands.add_parser("down", help="stop what `up` started").add_argument(

@@ -1,16 +1,18 @@
-"""The demo's ledger: payments, members and orders in PostgreSQL, through asyncpg.
+"""The demo's ledger: payments, their outbox, members and orders in PostgreSQL, through asyncpg.
 
-The ``payments`` and ``orders`` tables have no unique constraint on the merchant or order
-reference, nor on anything derived from the idempotency key, on purpose: a request that ran
-twice leaves a second row for everyone to see. Only ``members.email`` is unique, because a
-duplicate e-mail is the demo's retryable business failure.
+The ``payments``, ``outbox`` and ``orders`` tables have no unique constraint on the merchant or
+order reference, nor on anything derived from the idempotency key, on purpose: a request that
+ran twice leaves a second row for everyone to see. Only ``members.email`` is unique, because a
+duplicate e-mail is the demo's retryable business failure, and the fake provider's
+``idempotency_key``, because a provider with idempotency keys keeps one charge per key.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from datetime import datetime
 from decimal import Decimal
 from typing import Any, cast
@@ -33,6 +35,15 @@ CREATE TABLE IF NOT EXISTS payments (
 CREATE INDEX IF NOT EXISTS payments_merchant_reference_idx
     ON payments (merchant_reference);
 
+-- Events for other services, written in the transaction of the rows they announce (a relay
+-- would publish them; the demo only writes them).
+CREATE TABLE IF NOT EXISTS outbox (
+    id bigserial PRIMARY KEY,
+    event_type text NOT NULL,
+    payload jsonb NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+
 CREATE TABLE IF NOT EXISTS members (
     id uuid PRIMARY KEY,
     email text NOT NULL,
@@ -53,8 +64,9 @@ CREATE TABLE IF NOT EXISTS orders (
 );
 CREATE INDEX IF NOT EXISTS orders_order_reference_idx ON orders (order_reference);
 
--- The fake payment provider's side: one row per charge call it received, on purpose without a
--- unique constraint, so that a handler charging twice shows as two rows.
+-- The fake payment provider's side: one row per charge it made. A charge call without an
+-- idempotency key always charges (so that a handler charging twice shows as two rows); a call
+-- with one charges once per key, and a second call gets that first charge back.
 CREATE TABLE IF NOT EXISTS provider_charges (
     provider_ref text NOT NULL,
     merchant_reference text NOT NULL,
@@ -65,6 +77,9 @@ CREATE TABLE IF NOT EXISTS provider_charges (
 );
 CREATE INDEX IF NOT EXISTS provider_charges_ref_idx ON provider_charges (provider_ref);
 CREATE INDEX IF NOT EXISTS provider_charges_merchant_idx ON provider_charges (merchant_reference);
+ALTER TABLE provider_charges ADD COLUMN IF NOT EXISTS idempotency_key text;
+CREATE UNIQUE INDEX IF NOT EXISTS provider_charges_idempotency_key_idx
+    ON provider_charges (idempotency_key);
 """
 
 _PAYMENT_COLUMNS = "id, account_id, amount, currency, merchant_reference, pod, created_at"
@@ -98,6 +113,12 @@ class Ledger:
             await connection.execute(_SCHEMA_LOCK)
             await connection.execute(_SCHEMA)
 
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[Any]:
+        """One of the pool's connections, for statements that commit together."""
+        async with self._pool.acquire() as connection:
+            yield connection
+
     async def ping(self) -> bool:
         return bool(await self._pool.fetchval("SELECT true", timeout=2))
 
@@ -109,8 +130,10 @@ class Ledger:
         currency: str,
         merchant_reference: str,
         pod: str,
+        connection: Any = None,
     ) -> Row:
-        row = await self._pool.fetchrow(
+        """Insert a payment, on ``connection`` (in its transaction) or on the pool."""
+        row = await (connection or self._pool).fetchrow(
             "INSERT INTO payments (id, account_id, amount, currency, merchant_reference, pod) "
             f"VALUES ($1, $2, $3, $4, $5, $6) RETURNING {_PAYMENT_COLUMNS}",
             uuid.uuid4(),
@@ -121,6 +144,26 @@ class Ledger:
             pod,
         )
         return cast(Row, row)
+
+    async def add_outbox_event(
+        self, connection: Any, event_type: str, payload: Mapping[str, Any]
+    ) -> None:
+        """Write an event on ``connection``: it commits with the rows it announces, or not at
+        all."""
+        await connection.execute(
+            "INSERT INTO outbox (event_type, payload) VALUES ($1, $2::jsonb)",
+            event_type,
+            json.dumps(payload),
+        )
+
+    async def outbox_events(self, merchant_reference: str) -> Sequence[Row]:
+        """The events whose payload names this merchant reference, oldest first."""
+        rows = await self._pool.fetch(
+            "SELECT id, event_type, payload, created_at FROM outbox "
+            f"WHERE payload ->> 'merchantReference' = $1 ORDER BY id LIMIT {_LIST_LIMIT}",
+            merchant_reference,
+        )
+        return cast(Sequence[Row], rows)
 
     async def get_payment(self, payment_id: uuid.UUID) -> Row:
         row = await self._pool.fetchrow(
@@ -147,6 +190,38 @@ class Ledger:
             currency,
             pod,
         )
+
+    async def provider_charge_once(
+        self,
+        *,
+        idempotency_key: str,
+        merchant_reference: str,
+        amount: Decimal,
+        currency: str,
+        pod: str,
+    ) -> str:
+        """The fake provider's charge with an idempotency key: the first call charges, and any
+        later call with the key is dropped and answered with that first charge's reference."""
+        charged = await self._pool.fetchval(
+            "INSERT INTO provider_charges "
+            "(provider_ref, idempotency_key, merchant_reference, amount, currency, pod) "
+            "VALUES ($1, $2, $3, $4, $5, $6) "
+            "ON CONFLICT (idempotency_key) DO NOTHING RETURNING provider_ref",
+            f"prv_{uuid.uuid4().hex}",
+            idempotency_key,
+            merchant_reference,
+            amount,
+            currency,
+            pod,
+        )
+        if charged is not None:
+            return str(charged)
+        # A new statement, so it sees the first call's row even if it committed meanwhile.
+        first = await self._pool.fetchval(
+            "SELECT provider_ref FROM provider_charges WHERE idempotency_key = $1",
+            idempotency_key,
+        )
+        return str(first)
 
     async def provider_has_charge(self, provider_ref: str) -> bool:
         """The fake provider's lookup by its own idempotency reference."""

@@ -24,6 +24,7 @@ if _typing.TYPE_CHECKING:
         mark_retryable,
     )
     from starlette_idempotency._keys import KeySource, storage_key
+    from starlette_idempotency._openapi.install import install_openapi
     from starlette_idempotency._protection import ResponseEncryption
     from starlette_idempotency._record import StoredResponse
     from starlette_idempotency._responses import IdempotencyProblem
@@ -92,6 +93,7 @@ _HOMES = {
     "idempotency_context": "starlette_idempotency._endpoint",
     "idempotency_transaction": "starlette_idempotency._transaction",
     "idempotent": "starlette_idempotency._endpoint",
+    "install_openapi": "starlette_idempotency._openapi.install",
     "mark_retryable": "starlette_idempotency._endpoint",
     "readiness_endpoint": "starlette_idempotency.readiness",
     "readiness_route": "starlette_idempotency.readiness",
@@ -160,6 +162,7 @@ __all__ = [
     "idempotency_context",
     "idempotency_transaction",
     "idempotent",
+    "install_openapi",
     "mark_retryable",
     "readiness_endpoint",
     "readiness_route",

@@ -30,6 +30,7 @@ from starlette_idempotency._fingerprint import (
     json_depth_within_limit,
     raw_body_form,
 )
+from starlette_idempotency._types import Body
 
 
 def _encode(value: Any) -> str:
@@ -89,7 +90,7 @@ class CommandFingerprinter:
         self._json_without_content_type = json_without_content_type
         self._absent = absent
 
-    def canonical(self, body: bytes, content_type: str) -> tuple[str, bytes] | None:
+    def canonical(self, body: Body, content_type: str) -> tuple[str, Body] | None:
         """The body's canonical form as ``(kind, bytes)``: the ``command`` when the body is
         one, the raw form when FastAPI would not read it as JSON or the command cannot be
         written exactly, ``None`` when the body is not a valid command."""
@@ -122,7 +123,7 @@ class CommandFingerprinter:
         except (RecursionError, ValueError, ArithmeticError):
             return self._raw(body, content_type)
 
-    def _raw(self, body: bytes, content_type: str) -> tuple[str, bytes]:
+    def _raw(self, body: Body, content_type: str) -> tuple[str, Body]:
         return raw_body_form(body, content_type=content_type, excluded=self._excluded)
 
 

@@ -42,7 +42,6 @@ from typing import Any, Final, Protocol, TypeVar, Unpack, cast, overload
 
 from starlette.requests import HTTPConnection
 
-from starlette_idempotency._openapi_install import hook_fastapi
 from starlette_idempotency._options import (
     ROUTE_OPTIONS,
     IdempotencyPolicy,
@@ -401,8 +400,6 @@ def idempotent(func: Any = None, /, *, operation: str | None = None, **options: 
     # it is checked with the real ones at startup.
     validated = _LOOSEST.merged(given)
     overrides = {name: getattr(validated, name) for name in given}
-
-    hook_fastapi()  # FastAPI may have been imported after this package
 
     def decorate(func: _F) -> _F:
         # Set on the function itself too: in the reverse order the router already holds it.

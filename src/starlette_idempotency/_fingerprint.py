@@ -31,6 +31,12 @@ order of its values), and the body, whose form is named by its kind:
     nested deeper than 254 levels (as deep as orjson writes) and bodies that are not the JSON
     they claim to be.
 
+Of the content type's parameters, one takes part: a ``charset`` other than UTF-8 (the default
+every reader here assumes) follows the kind of a ``form``, ``multipart`` or ``bytes`` body, as
+in ``multipart;charset=iso8859-1``: the app reads the same bytes as other text under it. JSON
+is read from its bytes whatever the charset says; a multipart ``boundary`` only says where the
+parts lie, which their form already holds; nothing else changes what the app reads.
+
 The rule: two bodies that Python's ``json`` reads as different values (``1`` and ``1.0``,
 ``2**64`` and ``2**64 + 1``, ``NaN`` and ``null``) never share a fingerprint. Two it reads as
 equal share one when both take the same path; one value sent once as ``json`` and once as
@@ -43,6 +49,8 @@ body that fails one form falls to the next, and its kind names the form that mad
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import hashlib
 import json
 import operator
@@ -55,6 +63,8 @@ from urllib.parse import parse_qsl, unquote
 
 import orjson
 
+from starlette_idempotency._types import Body
+
 FINGERPRINT_PREFIX = "sha256:"
 FINGERPRINT_SCHEME = "4"
 MAX_JSON_DEPTH = 254  # orjson.dumps' limit, applied to the standard library's path as well
@@ -65,20 +75,45 @@ _MULTIPART_MEDIA_TYPE = "multipart/form-data"
 _BY_NAME = operator.itemgetter(0)
 
 
-# A content type as its media type (parameters dropped) and whether FastAPI reads it as JSON;
-# requests send few distinct ones, so each is worked out once.
-_MEDIA_TYPES: dict[str, tuple[str, bool]] = {}
+# A content type as its media type (parameters dropped), whether FastAPI reads it as JSON, and
+# its charset as the body's kind names it (see _charset); requests send few distinct ones, so
+# each is worked out once.
+_MEDIA_TYPES: dict[str, tuple[str, bool, str]] = {}
 _MAX_MEDIA_TYPES = 256
+_CHARSET = re.compile(r';\s*charset\s*=\s*(?:"([^"]*)"|([^;\s]*))', re.IGNORECASE)
 
 
-def _media_type(content_type: str) -> tuple[str, bool]:
-    """``content_type``'s media type and whether it is JSON (see :data:`_MEDIA_TYPES`)."""
+def _charset(content_type: str) -> str:
+    """``;charset=<codec>`` for a ``charset`` parameter other than UTF-8, ``""`` without one.
+
+    It changes how the app reads a text or form body (Starlette's multipart parser decodes
+    field names, values and filenames with it), so the same bytes under another charset are
+    another request. UTF-8 is the default every reader here assumes (Starlette, RFC 7578 for
+    multipart, the WHATWG rules for urlencoded forms), so ``charset=utf-8`` adds nothing, and
+    fingerprints stay those of the requests without it. Aliases of one codec (``latin-1``,
+    ``ISO-8859-1``) are one charset.
+    """
+    names = []
+    for quoted, token in _CHARSET.findall(content_type):
+        name = (quoted or token).strip().lower()
+        # An unknown one stays as sent: a reader may refuse it or fall back to another.
+        with contextlib.suppress(LookupError):
+            name = codecs.lookup(name).name
+        names.append(name)
+    if not names or names == ["utf-8"]:
+        return ""
+    return ";charset=" + ",".join(names)
+
+
+def _media_type(content_type: str) -> tuple[str, bool, str]:
+    """``content_type``'s media type, whether it is JSON, and its charset (see
+    :data:`_MEDIA_TYPES`)."""
     media_type = content_type.partition(";")[0].strip().lower()
     main, _, sub = media_type.partition("/")
     is_json = main == "application" and "/" not in sub and (sub == "json" or sub.endswith("+json"))
     if len(_MEDIA_TYPES) >= _MAX_MEDIA_TYPES:
         _MEDIA_TYPES.clear()
-    _MEDIA_TYPES[content_type] = known = (media_type, is_json)
+    _MEDIA_TYPES[content_type] = known = (media_type, is_json, _charset(content_type))
     return known
 
 
@@ -199,7 +234,7 @@ def _cut_members(canonical: bytes, excluded: frozenset[str]) -> bytes | None:
     return canonical
 
 
-def _exact_json(body: bytes, excluded: frozenset[str]) -> tuple[str, bytes] | None:
+def _exact_json(body: Body, excluded: frozenset[str]) -> tuple[str, bytes] | None:
     """The standard library's canonical form, exact for every value it parses."""
     try:
         value = json.loads(body)
@@ -220,7 +255,7 @@ class ParsedJson:
     by_orjson: bool
 
 
-def parse_json(body: bytes) -> ParsedJson | None:
+def parse_json(body: Body) -> ParsedJson | None:
     """``body`` parsed by orjson or, for what only it reads (see ``json-exact``), by the
     standard library as Starlette parses it; ``None`` when it is not JSON."""
     try:
@@ -234,7 +269,7 @@ def parse_json(body: bytes) -> ParsedJson | None:
 
 
 def canonical_json(
-    body: bytes, excluded: frozenset[str] = frozenset(), parsed: ParsedJson | None = None
+    body: Body, excluded: frozenset[str] = frozenset(), parsed: ParsedJson | None = None
 ) -> tuple[str, bytes] | None:
     """The canonical form of a JSON body as ``(kind, bytes)``, or ``None`` when it is not
     JSON or cannot be written exactly (nested too deep).
@@ -315,14 +350,14 @@ def _field_order(field: bytes) -> bytes:
     return name
 
 
-def canonical_form(body: bytes, excluded: frozenset[str] = frozenset()) -> bytes:
+def canonical_form(body: Body, excluded: frozenset[str] = frozenset()) -> bytes:
     """The canonical form of an ``application/x-www-form-urlencoded`` body.
 
     Each field is kept whole, its escapes normalised (see the module docstring), and the
     fields are stably sorted by name (see ``_field_order``). ``excluded`` holds lower-cased
     field names to drop, matched against the name as Starlette decodes it.
     """
-    fields = [field for field in _normalised(body).split(b"&") if field]
+    fields = [field for field in _normalised(bytes(body)).split(b"&") if field]
     if excluded:
         # Normalised names hold no "+", so unquote() decodes them as Starlette's
         # unquote_plus() decodes the original.
@@ -340,7 +375,7 @@ _FIELD_NAME = re.compile(rb';\s*name\s*=\s*(?:"([^"]*)"|([^;\s]+))', re.IGNORECA
 
 
 def canonical_multipart(
-    body: bytes, content_type: str, excluded: frozenset[str] = frozenset()
+    body: Body, content_type: str, excluded: frozenset[str] = frozenset()
 ) -> bytes | None:
     """The canonical form of a ``multipart/form-data`` body (see the module docstring), or
     ``None`` when it is not well-formed multipart (RFC 2046, as Starlette's parser reads it).
@@ -370,6 +405,7 @@ def canonical_multipart(
         end = body.find(delimiter, start)
         if end < 0:
             return None
+        head: Body
         if body.startswith(b"\r\n", start):  # a part with no headers
             head, content = b"", start + 2
         else:
@@ -400,25 +436,25 @@ def _part_name(headers: list[tuple[str, str]]) -> str | None:
 
 
 def raw_body_form(
-    body: bytes, *, content_type: str, excluded: frozenset[str], parsed: ParsedJson | None = None
-) -> tuple[str, bytes]:
+    body: Body, *, content_type: str, excluded: frozenset[str], parsed: ParsedJson | None = None
+) -> tuple[str, Body]:
     """The body as the ``raw`` fingerprint sees it, as ``(kind, canonical bytes)``: JSON,
     urlencoded and multipart forms canonicalised, anything else as its bytes (see the module
     docstring). ``parsed`` is a JSON body already parsed (see :class:`ParsedJson`)."""
-    media_type, is_json = _MEDIA_TYPES.get(content_type) or _media_type(content_type)
-    if is_json:
+    media_type, is_json, charset = _MEDIA_TYPES.get(content_type) or _media_type(content_type)
+    if is_json:  # read from its bytes (UTF-8, -16 or -32, as json.loads tells), whatever charset
         canonical = canonical_json(body, excluded, parsed)
         if canonical is not None:
             return canonical
     elif media_type == _FORM_MEDIA_TYPE:
-        return "form", canonical_form(body, excluded)
+        return "form" + charset, canonical_form(body, excluded)
     elif media_type == _MULTIPART_MEDIA_TYPE:
         multipart = canonical_multipart(body, content_type, excluded)
         if multipart is not None:
-            return "multipart", multipart
+            return "multipart" + charset, multipart
     # The media type goes with the bytes: one body under two content types may be two requests
     # to the app (JSON for one, a form or plain text for the other).
-    return f"bytes;{media_type}", body
+    return f"bytes;{media_type}{charset}", body
 
 
 def request_fingerprint(
@@ -429,7 +465,7 @@ def request_fingerprint(
     query_string: bytes,
     headers: Iterable[tuple[str, str]],
     body_kind: str,
-    body: bytes,
+    body: Body,
 ) -> str:
     """``sha256:<hex>`` of the canonical request.
 

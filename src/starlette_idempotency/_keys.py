@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection
 
 from starlette_idempotency._fingerprint import ParsedJson, parse_json
-from starlette_idempotency._types import HTTP_TOKEN, Scope
+from starlette_idempotency._types import HTTP_TOKEN, Body, Scope
 from starlette_idempotency.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -248,13 +248,13 @@ class KeySource:
         return f"An idempotency key is required: key_from {self.name} found none in the request"
 
     async def read(
-        self, scope: Scope, body: bytes, *, max_length: int, key_format: KeyFormat | None
+        self, scope: Scope, body: Body, *, max_length: int, key_format: KeyFormat | None
     ) -> tuple[str | InvalidKey | None, ParsedJson | None]:
         """The key a body source finds in a request (``None`` when it finds none), checked
         as :func:`check_key` does, and the body as JSON when it was parsed for it."""
         if not self.json_path:
             assert self._function is not None
-            value = await call_hook(self._function, "key_from", scope, body)
+            value = await call_hook(self._function, "key_from", scope, bytes(body))
             if value is None:
                 return None, None
             if not isinstance(value, str):

@@ -37,7 +37,7 @@ from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordS
 from starlette_idempotency._renewal import HeldLock, LockRenewal, LockRenewals
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
-from starlette_idempotency._types import ASGIApp, Clock, Message, Receive, Scope, Send
+from starlette_idempotency._types import ASGIApp, Body, Clock, Message, Receive, Scope, Send
 from starlette_idempotency.errors import (
     ConfigurationError,
     IdempotencyError,
@@ -130,11 +130,11 @@ class Lease(KeyOwner):
                 f"checkpoint({name!r}) inside idempotency_transaction: call tx.checkpoint(), "
                 "which writes it in the transaction that holds the record"
             )
-        record = self.with_checkpoint(name, data)
+        record = self.with_checkpoint(self.record, name, data)
         await self._save_progress(record, self._route.policy.lock_ttl_seconds)
 
-    def with_checkpoint(self, name: str, data: Any) -> IdempotencyRecord:
-        """The record with one more recovery point, to be saved while the handler runs."""
+    def with_checkpoint(self, record: IdempotencyRecord, name: str, data: Any) -> IdempotencyRecord:
+        """``record`` with one more recovery point, to be saved while the handler runs."""
         if not self._store.store.supports_recovery:
             raise ConfigurationError(
                 f"{type(self._store.store).__name__} cannot keep recovery points: use "
@@ -149,8 +149,8 @@ class Lease(KeyOwner):
             )
         now = self._clock()
         return replace(
-            self.record,
-            checkpoints=(*self.record.checkpoints, Checkpoint(name, data, now)),
+            record,
+            checkpoints=(*record.checkpoints, Checkpoint(name, data, now)),
             expires_at=now + self._route.policy.ttl_seconds,
         )
 
@@ -254,7 +254,9 @@ class Lease(KeyOwner):
                 self._events.shown_key,
             )
             await self._events.lock_lost("complete_found_gone", "reclaimed", status)
-        await self._events.ended(_result_of(status), status, note)
+        await self._events.ended(
+            OutcomeResult.COMPLETED if status < 400 else OutcomeResult.FAILED, status, note
+        )
 
     def frees_key(self, status: int) -> bool:
         """Whether a response of ``status`` frees the key for a retry instead of being stored:
@@ -300,7 +302,9 @@ class Lease(KeyOwner):
                 "no response" if status is None else f"status {status}",
                 f"status {recorded_status}",
             )
-        await self._events.ended(_result_of(recorded_status), status)
+        await self._events.ended(
+            OutcomeResult.COMPLETED if recorded_status < 400 else OutcomeResult.FAILED, status
+        )
 
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
@@ -345,26 +349,34 @@ class Lease(KeyOwner):
         await self._events.ended(OutcomeResult.RELEASED, status)
 
 
-def _result_of(status: int) -> OutcomeResult:
-    return OutcomeResult.COMPLETED if status < 400 else OutcomeResult.FAILED
+#: The size of the messages a body gathered from several is handed to the app in (what uvicorn
+#: reads at a time): the app's parser streams them, and nothing holds a second copy.
+REPLAY_CHUNK_BYTES = 64 * 1024
 
 
 class ReplayingReceive:
-    """Its :meth:`receive` hands the buffered body to the app once, then defers to the client
-    (so the app still sees ``http.disconnect``)."""
+    """Its :meth:`receive` hands the buffered body to the app, then defers to the client (so
+    the app still sees ``http.disconnect``): a body that came in one message as that message,
+    one gathered from several in messages of :data:`REPLAY_CHUNK_BYTES`."""
 
     __slots__ = ("_body", "_receive")
 
-    def __init__(self, body: bytes, receive: Receive) -> None:
-        self._body: bytes | None = body
+    def __init__(self, body: Body, receive: Receive) -> None:
+        self._body: Body | memoryview | None = body
         self._receive = receive
 
     async def receive(self) -> Message:
         body = self._body
         if body is None:
             return await self._receive()
-        self._body = None
-        return {"type": "http.request", "body": body, "more_body": False}
+        if type(body) is bytes:
+            self._body = None
+            return {"type": "http.request", "body": body, "more_body": False}
+        view = memoryview(body)  # slices of it copy nothing
+        rest = view[REPLAY_CHUNK_BYTES:]
+        self._body = rest if rest else None
+        chunk = view[:REPLAY_CHUNK_BYTES].tobytes()
+        return {"type": "http.request", "body": chunk, "more_body": bool(rest)}
 
 
 class Run(ReplayingReceive):
@@ -386,7 +398,7 @@ class Run(ReplayingReceive):
     )
 
     def __init__(
-        self, lease: Lease, policy: IdempotencyPolicy, body: bytes, receive: Receive, send: Send
+        self, lease: Lease, policy: IdempotencyPolicy, body: Body, receive: Receive, send: Send
     ) -> None:
         self._lease = lease
         self._policy = policy

@@ -284,7 +284,7 @@ class ResponseKeeper:
     """Turns a finished response into the copy the store keeps, and a kept copy back into
     the response a replay sends (the steps are the module's)."""
 
-    __slots__ = ("_encryption", "_replay_header_name", "replay_header")
+    __slots__ = ("_encoded_seen", "_encryption", "_replay_header_name", "replay_header")
 
     def __init__(
         self, *, replay_header_name: str, encryption: ResponseEncryption | None = None
@@ -293,6 +293,7 @@ class ResponseKeeper:
         #: The replay header's name as ASGI headers carry it (lower-case bytes).
         self.replay_header = self._replay_header_name.encode("latin-1")
         self._encryption = encryption
+        self._encoded_seen = False
 
     def keep(
         self,
@@ -319,6 +320,8 @@ class ResponseKeeper:
             headers.append((name, value))
             if content_type is None and name == "content-type":
                 content_type = value
+            elif name == "content-encoding" and not self._encoded_seen:
+                self._saw_encoding(value)
         if body is None:
             headers.append(BODY_OMITTED_HEADER)
         copy = StoredResponse(status, tuple(headers), body or b"", content_type)
@@ -328,6 +331,24 @@ class ResponseKeeper:
         if self._encryption is not None:
             copy = self._encryption.encrypt(copy, store_key)
         return copy, note
+
+    def _saw_encoding(self, coding: str) -> None:
+        """Warn, once, that responses reach the middleware encoded: what compresses them runs
+        inside it (whatever its name), so they are stored for the encoding the first client
+        accepted."""
+        if coding.strip().lower() in ("", "identity"):
+            return
+        self._encoded_seen = True
+        logger.warning(
+            "a response reached IdempotencyMiddleware with Content-Encoding: %s, so responses "
+            "are stored compressed for whatever encoding the first client accepted (a replay "
+            "is decoded again for a client that does not accept it). A compressing middleware "
+            "(GZipMiddleware, say) runs inside IdempotencyMiddleware: add IdempotencyMiddleware "
+            "before it (app.add_middleware(IdempotencyMiddleware, ...) first), so that it runs "
+            "inside the compression and stores plain responses. A handler that encodes its own "
+            "responses needs no change.",
+            coding.strip(),
+        )
 
     def _redacted(
         self, parts: StoredParts, copy: StoredResponse

@@ -48,7 +48,7 @@ from starlette_idempotency._responses import (
 )
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._services import RequestServices
-from starlette_idempotency._types import Receive, Scope, Send
+from starlette_idempotency._types import Body, Receive, Scope, Send
 from starlette_idempotency.errors import LockLostError, StoreError
 from starlette_idempotency.observability import CheckResult, RequestEvents
 from starlette_idempotency.stores.base import AcquireResult
@@ -203,7 +203,7 @@ class GuardedRequest:
         self._events.key = found
         await self._acquire_and_run(found, body, parsed)
 
-    async def _without_key(self, message: str, body: bytes | None) -> None:
+    async def _without_key(self, message: str, body: Body | None) -> None:
         """A request whose source yields no key: refused on a required route, else run
         unprotected (with the ``body`` already read, if it was)."""
         if self._policy.required:
@@ -225,8 +225,12 @@ class GuardedRequest:
                 Problem.INVALID_KEY, invalid.message, CheckResult.INVALID_KEY, note=note
             )
 
-    async def _read_body(self) -> bytes | None:
-        """The whole request body, or ``None`` once an answer was sent (413) or the client left."""
+    async def _read_body(self) -> Body | None:
+        """The whole request body, or ``None`` once an answer was sent (413) or the client left.
+
+        Held once: a body sent in several messages is gathered in one growing ``bytearray``,
+        which the fingerprint reads in place and the app gets back in chunks (see
+        :class:`~starlette_idempotency._lease.ReplayingReceive`)."""
         limit = self._services.limits.max_body_bytes
         if self._content_length == _INVALID_LENGTH:
             await self._reject(
@@ -238,20 +242,26 @@ class GuardedRequest:
         if self._content_length is not None and self._content_length > limit:
             await self._body_too_large()
             return None
-        chunks: list[bytes] = []
+        gathered: bytearray | None = None  # the chunks of a body sent in several messages
         size = 0
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
                 return None
-            chunk = message.get("body", b"")
+            chunk: bytes = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 await self._body_too_large()
                 return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+            more = message.get("more_body", False)
+            if gathered is None:
+                if not more:
+                    return chunk  # the whole body in one message, kept as it came
+                gathered = bytearray(chunk)
+            else:
+                gathered += chunk
+            if not more:
+                return gathered
 
     async def _body_too_large(self) -> None:
         await self._reject(
@@ -261,7 +271,7 @@ class GuardedRequest:
             CheckResult.TOO_LARGE,
         )
 
-    def _fingerprint(self, body: bytes, parsed: ParsedJson | None) -> str | None:
+    def _fingerprint(self, body: Body, parsed: ParsedJson | None) -> str | None:
         """The request's fingerprint; ``None`` when ``fingerprint="validated"`` finds the body
         is not a valid command. An encoded body (``Content-Encoding: gzip``, which a custom
         route class may decode) is no command the middleware can read: it takes the raw form."""
@@ -290,7 +300,7 @@ class GuardedRequest:
         )
 
     async def _acquire_and_run(
-        self, key: str, body: bytes, parsed: ParsedJson | None = None
+        self, key: str, body: Body, parsed: ParsedJson | None = None
     ) -> None:
         services, policy = self._services, self._policy
         fingerprint = self._fingerprint(body, parsed)
@@ -363,7 +373,7 @@ class GuardedRequest:
         await self._answer_existing(AcquireResult(acquired=False, record=record), fingerprint)
 
     async def _send_refusal(
-        self, exc: HTTPException, body: bytes, result: CheckResult, note: str | None = None
+        self, exc: HTTPException, body: Body, result: CheckResult, note: str | None = None
     ) -> None:
         """Answer the ``HTTPException`` a hook of the app raised, as the app answers it."""
         status = str(exc.status_code)
@@ -447,7 +457,7 @@ class GuardedRequest:
         await self._reject_in_progress(result.record if result else None, note="wait_timed_out")
         return None
 
-    async def _pass_invalid_command(self, body: bytes) -> None:
+    async def _pass_invalid_command(self, body: Body) -> None:
         """Let the app answer an invalid body with its own 422, without touching the store.
 
         Should the endpoint start anyway (the app accepted what its own model rejects), the
@@ -458,7 +468,7 @@ class GuardedRequest:
         scope[REQUEST_SCOPE_KEY] = InvalidCommandMarks()
         await self._services.app(scope, ReplayingReceive(body, self._receive).receive, self._send)
 
-    async def _on_store_down(self, exc: StoreError, body: bytes) -> None:
+    async def _on_store_down(self, exc: StoreError, body: Body) -> None:
         if self._policy.on_store_error == "fail_open":
             logger.warning(
                 "idempotency store unavailable, running %s unprotected (fail_open): %s",

@@ -21,6 +21,7 @@ driver.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -157,7 +158,7 @@ class IdempotencyTransaction:
         with the handler's own writes, or not at all."""
         lease = self._lease
         self._usable(f"checkpoint({name!r})")
-        record = lease.with_checkpoint(name, data)
+        record = lease.with_checkpoint(self._record or lease.record, name, data)
         policy = lease.policy
         statement = self._queries.save_progress(
             lease.store_key, record, policy.ttl_seconds, policy.lock_ttl_seconds
@@ -165,7 +166,6 @@ class IdempotencyTransaction:
         if await self._run(statement) is None:  # the row is locked and ours: cannot happen
             raise LockLostError(f"the record of idempotency key {lease.key!r} changed")
         self._record = record
-        lease.record = record
 
     async def respond(self, response: Response) -> Response:
         """Write ``response`` as the request's outcome in the transaction, and return it for
@@ -187,7 +187,10 @@ class IdempotencyTransaction:
                 "being stored: raise (the transaction rolls back), or return that response "
                 "outside the transaction"
             )
-        record, _ = lease.outcome(status, list(response.raw_headers), body)
+        kept = body if len(body) <= lease.policy.max_response_bytes else None
+        record, _ = lease.outcome(status, list(response.raw_headers), kept)
+        if self._record is not None:  # with the recovery points written in the transaction
+            record = replace(record, checkpoints=self._record.checkpoints)
         await self._run(self._queries.finish(lease.store_key, record, lease.policy.ttl_seconds))
         self._record = record
         self._responded = (status, body)
@@ -272,9 +275,14 @@ class IdempotencyTransaction:
                     await self._connection.rollback()
         finally:
             lease.transaction_open = False
-        if kind is None and self._responded is not None:
-            # Committed (or, in the app's transaction, to commit with it): never written again.
+        if kind is not None:
+            return
+        # Committed (or, in a transaction of the app's, to commit with it): what the lease
+        # writes from now on builds on it, and an outcome is never written again.
+        if self._responded is not None:
             lease.recorded = self._responded
+        elif self._record is not None:
+            lease.record = self._record
 
 
 def idempotency_transaction(request: HTTPConnection, connection: Any) -> IdempotencyTransaction:

@@ -12,6 +12,9 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+#: A request body as the middleware holds it: the one message's ``bytes`` it came in, or the
+#: ``bytearray`` the chunks of several were gathered in (one copy, never a list and its join).
+Body = bytes | bytearray
 
 #: An HTTP field name or method (RFC 9110 "token").
 HTTP_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")

@@ -10,14 +10,14 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Unpack
+from typing import Any, TypeVar, Unpack, cast
+
+from starlette.middleware.exceptions import ExceptionMiddleware
 
 from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, GUARDED_SCOPE, METHOD_NOT_GUARDED
 from starlette_idempotency._keys import KeyScope, KeyScopeResolver
-from starlette_idempotency._openapi import OpenAPIDocumenter
-from starlette_idempotency._openapi_install import document_middleware
+from starlette_idempotency._openapi.documenter import OpenAPIDocumenter
 from starlette_idempotency._options import (
     ROUTE_OPTIONS,
     IdempotencyPolicy,
@@ -132,10 +132,51 @@ def _check_options(options: Mapping[str, Any]) -> None:
     )
 
 
-def _built_by_starlette() -> bool:
-    """Whether ``IdempotencyMiddleware(...)`` was called by Starlette's (or FastAPI's)
-    ``build_middleware_stack``: frame 1 is ``__new__``, frame 2 its caller."""
-    return sys._getframe(2).f_code.co_name == "build_middleware_stack"
+def _in_an_app_stack(app: object) -> bool:
+    """Whether ``app`` is a layer of a Starlette (or FastAPI) app's own middleware stack, which
+    ``build_middleware_stack`` builds around the app's ``ExceptionMiddleware``, always the
+    innermost (a layer in between that keeps its app elsewhere than ``.app`` hides it)."""
+    layer: object = app
+    for _ in range(64):  # a middleware stack, not a cycle
+        if isinstance(layer, ExceptionMiddleware):
+            return True
+        layer = getattr(layer, "app", None)
+        if layer is None:
+            break
+    return False
+
+
+_M = TypeVar("_M")
+
+
+class _CheckedFirst(type):
+    """Builds ``IdempotencyMiddleware(app, **options)`` once its options are checked.
+
+    Called with wrong options, it raises :class:`ConfigurationError`, except where the
+    exception would not stop the server: Starlette builds an app's middleware stack on the
+    app's first ASGI call, the lifespan's, and uvicorn reads an exception there as "no
+    lifespan", reports a healthy start and answers every request 500. So a middleware built
+    into an app's stack from wrong options is built refusing: it fails the lifespan startup
+    (the server exits with the message) and raises the error for every request. The checks
+    run before ``__init__``, whose signature type checkers (and ``add_middleware`` with them)
+    read, so that no option it would not bind (a missing ``store``) escapes them.
+    """
+
+    def __call__(cls: type[_M], app: ASGIApp, *args: Any, **options: Any) -> _M:
+        try:
+            if args:
+                raise ConfigurationError(
+                    "IdempotencyMiddleware takes its options by name (store=..., "
+                    f"header_name=...), not {len(args)} positional argument(s)"
+                )
+            _check_options(options)
+        except ConfigurationError as exc:
+            if not _in_an_app_stack(app):
+                raise
+            refused: Any = cls.__new__(cls)  # no __init__: nothing but the refusal runs
+            refused.app, refused._refusal = app, exc
+            return cast(_M, refused)
+        return cast(_M, super().__call__(app, **options))  # type: ignore[misc]
 
 
 def _route_resolver(route_defaults: Mapping[str, Any], *, protect_all: bool) -> RouteResolver:
@@ -196,45 +237,23 @@ def _check_store_object(store: object) -> None:
         )
 
 
-def _compressing_layer_inside(app: ASGIApp) -> str | None:
-    """The class name of a compressing middleware among the layers ``app`` wraps, if any."""
-    layer: object = app
-    for _ in range(64):  # a middleware stack, not a cycle
-        name = type(layer).__name__
-        if any(word in name.lower() for word in ("gzip", "brotli", "compress", "zstd")):
-            return name
-        layer = getattr(layer, "app", None)
-        if layer is None:
-            break
-    return None
-
-
-class IdempotencyMiddleware:
+class IdempotencyMiddleware(metaclass=_CheckedFirst):
     """Makes decorated POST/PATCH routes safe to retry with an ``Idempotency-Key`` header.
 
     Every ``@idempotent`` option can be given here as the default for all routes; the
     documentation's options reference gives the meaning of each.
     """
 
-    def __new__(cls, *args: Any, **options: Any) -> IdempotencyMiddleware:
-        # Every option is checked here, before __init__ (which type checkers, and Starlette's
-        # add_middleware with them, read for the signature). Starlette builds the middleware
-        # stack on the app's first ASGI call, the lifespan's: an exception there would read as
-        # "no lifespan" to uvicorn, which then reports a healthy start and answers every
-        # request 500. So what Starlette builds from wrong options is a middleware that
-        # refuses the startup instead, and the server exits with the message.
-        try:
-            _check_options(options)
-        except ConfigurationError as exc:
-            if _built_by_starlette():
-                return RefusedMiddleware.refusing(exc)
-            raise
-        return super().__new__(cls)
+    #: Why this middleware refuses the startup and every request: Starlette built it into an
+    #: app's stack from wrong options (see ``_CheckedFirst``), or the first request of an app
+    #: whose lifespan did not run found a decorated handler its routes would run unguarded
+    #: (see :meth:`_unguarded_methods`).
+    _refusal: ConfigurationError | None = None
 
     @classmethod
     def openapi_documenter(cls, app: ASGIApp, options: Mapping[str, Any]) -> OpenAPIDocumenter:
         """What a middleware built around ``app`` with ``options`` adds to the OpenAPI schema,
-        for an app whose middleware stack is not built yet (see ``_openapi``)."""
+        for an app whose middleware stack is not built yet (see ``install_openapi``)."""
         _check_options(options)
         bound = inspect.signature(cls.__init__).bind(None, app, **options)
         bound.apply_defaults()
@@ -280,7 +299,7 @@ class IdempotencyMiddleware:
         errors = ErrorResponder(
             header_name=header_name, error_format=error_format, problem_type=problem_type
         )
-        # Installed by the first scope, which names the app (there is none before: see _openapi)
+        # Installed by the first scope, which names the app (none before: see install_openapi)
         self._openapi: OpenAPIDocumenter | None = OpenAPIDocumenter(
             app,
             self._resolver,
@@ -325,36 +344,27 @@ class IdempotencyMiddleware:
             renewals=self.renewals,
         )
         self._startup_check = StartupCheck(store, check_store, self._check_routes)
-        #: Set by the first request of an app whose lifespan did not run, when its routes
-        #: would run a decorated handler unguarded (see :meth:`_unguarded_methods`).
-        self._refusal: ConfigurationError | None = None
-        compressing = _compressing_layer_inside(app)
-        if compressing is not None:
-            logger.warning(
-                "%s runs inside IdempotencyMiddleware, so responses are stored compressed for "
-                "whatever encoding the first client accepted (a replay is decoded again for a "
-                "client that does not accept it). Add IdempotencyMiddleware before %s "
-                "(app.add_middleware(IdempotencyMiddleware, ...) first), so that it runs inside "
-                "the compression and stores plain responses.",
-                compressing,
-                compressing,
-            )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._refusal is not None:
+            if scope["type"] == "lifespan":
+                await refuse_startup(self._refusal, receive, send)
+            raise self._refusal
         if self._openapi is not None:  # the first scope: document its app, once
             openapi, self._openapi = self._openapi, None
             openapi.install(scope)
             if scope["type"] != "lifespan":
                 # No lifespan ran to check the routes: log what it would have refused. A
                 # misplaced decorator or a lock longer than the retention also fails its own
-                # route's requests; a decorator on a route whose methods are not guarded
-                # changes nothing.
+                # route's requests; a decorated handler that a route would run unguarded for an
+                # unsafe method fails every request; a decorator on a route whose methods are
+                # not guarded changes nothing.
                 problems = self._startup_check.route_problems(scope)
                 if problems is not None:
                     logger.error("idempotency configuration: %s", problems)
                     self._refusal = self._unguarded_methods(scope)
-        if self._refusal is not None and scope["type"] == "http":
-            raise self._refusal
+                    if self._refusal is not None:
+                        raise self._refusal
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 await self._startup_check.run(self.app, scope, receive, send)
@@ -403,30 +413,3 @@ class IdempotencyMiddleware:
                 for method in (entry.methods or self._methods) & self._methods
             }
             self.observer.declare(sorted(endpoints), self._services.store.name)
-
-
-class RefusedMiddleware(IdempotencyMiddleware):
-    """What Starlette builds from ``IdempotencyMiddleware`` options that are wrong.
-
-    It refuses the app's lifespan startup with the error (the server exits, and never reports
-    a healthy start), and raises it for any request of a server that runs no lifespan.
-    """
-
-    refusal: ConfigurationError
-
-    @classmethod
-    def refusing(cls, refusal: ConfigurationError) -> RefusedMiddleware:
-        refused = object.__new__(cls)
-        refused.refusal = refusal
-        return refused
-
-    def __init__(self, app: ASGIApp, *args: Any, **options: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await refuse_startup(self.refusal, receive, send)
-        raise self.refusal
-
-
-document_middleware(IdempotencyMiddleware)

@@ -193,7 +193,7 @@ def command(
     content_type: str = JSON,
     body_type: Any = Any,
     excluded: frozenset[str] = frozenset({"nonce"}),
-) -> tuple[str, bytes] | None:
+) -> tuple[str, bytes | bytearray] | None:
     return CommandFingerprinter(body_type, excluded).canonical(body, content_type)
 
 

@@ -19,6 +19,7 @@ from starlette_idempotency._fingerprint import (
     raw_body_form,
     request_fingerprint,
 )
+from starlette_idempotency._types import Body
 from tests.support.json_values import json_values, same
 
 JSON = "application/json"
@@ -178,7 +179,7 @@ def test_deep_nesting_does_not_depend_on_the_stack() -> None:
     caller's stack is, so a retry fingerprints as its first request did."""
     body = b'{"a": NaN, "b": ' + nested(MAX_JSON_DEPTH) + b"}"
 
-    def at_depth(frames: int) -> tuple[str, bytes]:
+    def at_depth(frames: int) -> tuple[str, Body]:
         if frames:
             return at_depth(frames - 1)
         return raw_body_form(body, content_type=JSON, excluded=frozenset())

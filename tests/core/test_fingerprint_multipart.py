@@ -176,3 +176,65 @@ async def test_a_retried_upload_is_replayed_whatever_boundary_the_client_draws()
     renamed = {"file": ("copy.pdf", b"%PDF-1.7 " * 1000, "application/pdf")}
     assert (await client.post("/uploads", files=renamed, headers=headers)).status_code == 422
     assert runs["upload"] == 1
+
+
+@idempotent()
+async def note(request: Request) -> Response:
+    async with request.form() as form:
+        runs["note"] += 1
+        return JSONResponse({"note": form["note"]}, status_code=201)
+
+
+async def test_a_charset_that_changes_what_the_app_reads_is_another_request() -> None:
+    """The same bytes under ``charset=latin-1`` are other field values to Starlette's parser:
+    a 422, never the UTF-8 request's answer; ``charset=utf-8`` is what no charset means."""
+    app = Starlette(routes=[Route("/notes", note, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    client = make_client(app)
+    body = encode([("note", None, None, "café".encode())], "c1")
+    kinds = [content_type("c1"), content_type("c1") + "; charset=latin-1"]
+    read = [
+        await client.post(
+            "/notes",
+            content=body,
+            headers={"content-type": kind, "Idempotency-Key": uuid.uuid4().hex},
+        )
+        for kind in kinds
+    ]
+    assert [answer.json() for answer in read] == [{"note": "café"}, {"note": "cafÃ©"}]
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    first = await client.post("/notes", content=body, headers={**headers, "content-type": kinds[0]})
+    assert first.status_code == 201, first.text
+    same = content_type("c1") + '; charset="UTF-8"'
+    retry = await client.post("/notes", content=body, headers={**headers, "content-type": same})
+    assert retry.headers.get("x-idempotent-replay") == "true"
+    latin = await client.post("/notes", content=body, headers={**headers, "content-type": kinds[1]})
+    assert latin.status_code == 422, latin.text
+
+
+@pytest.mark.parametrize(
+    ("sent", "kind"),
+    [
+        ("text/plain", "bytes;text/plain"),
+        ("text/plain; charset=utf-8", "bytes;text/plain"),
+        ("text/plain; charset=UTF8", "bytes;text/plain"),
+        ("text/plain; charset=latin-1", "bytes;text/plain;charset=iso8859-1"),
+        ('text/plain; charset="ISO-8859-1"', "bytes;text/plain;charset=iso8859-1"),
+        ("text/plain; charset=no-such-codec", "bytes;text/plain;charset=no-such-codec"),
+        ("application/x-www-form-urlencoded", "form"),
+        ("application/x-www-form-urlencoded; charset=cp1252", "form;charset=cp1252"),
+        ("application/json; charset=latin-1", "json"),
+    ],
+)
+def test_a_charset_other_than_utf_8_follows_the_kind(sent: str, kind: str) -> None:
+    """Without a charset (or with UTF-8) the kinds, and so the fingerprints, are those of
+    before; JSON is read from its bytes, whatever the charset says."""
+    body = b'{"a": 1}' if "json" in sent else b"a=1"
+    assert raw_body_form(body, content_type=sent, excluded=frozenset())[0] == kind
+
+
+def test_a_multipart_charset_follows_its_kind() -> None:
+    body = encode([("a", None, None, b"1")], "k1")
+    for charset, kind in [("", "multipart"), ("; charset=latin-1", "multipart;charset=iso8859-1")]:
+        media = content_type("k1") + charset
+        assert raw_body_form(body, content_type=media, excluded=frozenset())[0] == kind

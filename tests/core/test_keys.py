@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from starlette_idempotency._keys import InvalidKey, key_pattern, parse_key
-from starlette_idempotency._openapi_schemas import key_schema
+from starlette_idempotency._openapi.fragments import key_schema
 
 
 def parse(raw: bytes, max_length: int = 255) -> str | InvalidKey:

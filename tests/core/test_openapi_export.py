@@ -1,10 +1,12 @@
-"""The schema exported before the app starts (``json.dumps(app.openapi())``, as client
-generators and CI contract checks do) is the schema ``/openapi.json`` serves once it runs."""
+"""The schema exported before the app starts (``install_openapi(app)``, then
+``json.dumps(app.openapi())``, as client generators and CI contract checks do) is the schema
+``/openapi.json`` serves once it runs; no class of FastAPI's is patched for it."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -15,8 +17,15 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.applications import Starlette
 
-from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency import (
+    ConfigurationError,
+    IdempotencyMiddleware,
+    MemoryStore,
+    idempotent,
+    install_openapi,
+)
 from starlette_idempotency._responses import IdempotencyProblem
 from tests.core.test_openapi import (
     Schema,
@@ -44,26 +53,62 @@ CONFIGURATIONS = {
 }
 
 
+FASTAPIS_OWN = FastAPI.openapi
+
+
 def exported(app: FastAPI) -> Schema:
     """What a script exporting the schema writes: ``json.dumps(app.openapi())``."""
     schema: Schema = json.loads(json.dumps(app.openapi()))
     return schema
 
 
+def installed(app: FastAPI) -> FastAPI:
+    install_openapi(app)
+    return app
+
+
 @pytest.mark.parametrize("options", CONFIGURATIONS.values(), ids=CONFIGURATIONS.keys())
 async def test_the_schema_exported_before_startup_is_the_one_served(options: Any) -> None:
-    app = payments_app(**options)
+    app = installed(payments_app(**options))
     before = exported(app)
-    assert "openapi" not in vars(app)  # composed at the class, the app itself untouched
+    assert FastAPI.openapi is FASTAPIS_OWN  # the app's own openapi, not FastAPI's class
     assert "409" in before["paths"]["/payments"]["post"]["responses"]
     async with lifespan_of(app):
         served = await served_schema(app)
     assert before == served
-    assert exported(payments_app(**options)) == served  # and so from a fresh app
+    assert exported(installed(payments_app(**options))) == served  # and so from a fresh app
+
+
+async def test_without_install_openapi_an_early_export_is_fastapis_and_startup_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = payments_app()
+    plain = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    assert exported(app) == plain
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
+        async with lifespan_of(app):
+            served = await served_schema(app)
+    assert "call starlette_idempotency.install_openapi(app)" in caplog.text
+    assert "409" in served["paths"]["/payments"]["post"]["responses"]
+
+
+def test_install_openapi_refuses_what_it_cannot_document() -> None:
+    with pytest.raises(ConfigurationError, match="a Starlette app has no OpenAPI schema"):
+        install_openapi(Starlette())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"call it after app\.add_middleware"):
+        install_openapi(FastAPI())
+
+
+async def test_install_openapi_after_startup_changes_nothing() -> None:
+    app = payments_app()
+    async with lifespan_of(app):
+        served = await served_schema(app)
+        install_openapi(app)
+        assert exported(app) == served
 
 
 async def test_the_started_middleware_documents_once() -> None:
-    app = payments_app()
+    app = installed(payments_app())
     exported(app)
     async with lifespan_of(app):
         schema = await served_schema(app)
@@ -80,7 +125,7 @@ async def test_the_started_middleware_documents_once() -> None:
 
 
 async def test_openapi_before_and_after_the_first_request_without_a_lifespan() -> None:
-    app = payments_app()
+    app = installed(payments_app())
     before = exported(app)
     async with client(app) as http:
         assert (await http.get("/payments")).status_code == 200
@@ -96,6 +141,7 @@ async def test_middleware_added_after_a_first_export_is_documented() -> None:
 
     assert not key_parameters(exported(app)["paths"]["/notes"]["post"])
     app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), protect_all=True)
+    install_openapi(app)
     assert key_parameters(exported(app)["paths"]["/notes"]["post"])
 
 
@@ -122,6 +168,7 @@ def test_a_user_override_that_calls_fastapis_openapi_is_completed_before_startup
         return schema
 
     app.openapi = custom_openapi  # type: ignore[method-assign]
+    install_openapi(app)  # after the override, which it composes
     schema = exported(app)
     assert schema["info"]["x-logo"] == {"url": "https://example.com/logo.png"}
     assert len(key_parameters(schema["paths"]["/payments"]["post"])) == 1
@@ -129,8 +176,8 @@ def test_a_user_override_that_calls_fastapis_openapi_is_completed_before_startup
 
 def test_a_misconfigured_middleware_refuses_the_export() -> None:
     app = payments_app(on_store_eror="fail_open")  # the typo the startup would refuse too
-    with pytest.raises(Exception, match="did you mean 'on_store_error'"):
-        app.openapi()
+    with pytest.raises(ConfigurationError, match="did you mean 'on_store_error'"):
+        install_openapi(app)
 
 
 APP_MODULE = """
@@ -159,13 +206,14 @@ async def note(body: Payment) -> Payment:
 
 
 app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), error_format="problem")
+install_openapi(app)
 """
 FASTAPI_FIRST = """
 from fastapi import FastAPI
-from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent, install_openapi
 """
 PACKAGE_FIRST = """
-from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent, install_openapi
 from fastapi import FastAPI
 """
 

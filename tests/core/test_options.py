@@ -5,6 +5,8 @@ import re
 import httpx
 import pytest
 from starlette.applications import Starlette
+from starlette.middleware.gzip import GZipMiddleware
+from starlette.testclient import TestClient
 
 from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
 
@@ -177,3 +179,40 @@ async def test_bare_decorator_takes_the_middlewares_options() -> None:
     assert first.json() == replay.json() == {"n": 1}
     assert replay.headers["x-idempotent-replay"] == "true"
     assert missing.status_code == 400
+
+
+def test_an_option_given_by_position_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match=r"takes its options by name \(store=\.\.\."):
+        IdempotencyMiddleware(Starlette(), MemoryStore())  # type: ignore[call-arg]
+
+
+def misconfigured_app(**options: object) -> Starlette:
+    """An app whose stack Starlette builds with wrong middleware options, a layer between."""
+    app = Starlette()
+    app.add_middleware(GZipMiddleware)  # innermost: the middleware finds the stack through it
+    app.add_middleware(IdempotencyMiddleware, **options)  # type: ignore[arg-type]
+    app.add_middleware(GZipMiddleware)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "IdempotencyMiddleware needs a store"),
+        ({"store": MemoryStore(), "ttl_hour": 1}, "did you mean 'ttl_hours'"),
+    ],
+)
+def test_built_into_an_apps_stack_wrong_options_refuse_the_startup(
+    options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message), TestClient(misconfigured_app(**options)):
+        pass
+
+
+async def test_built_into_an_apps_stack_wrong_options_refuse_every_request() -> None:
+    """Where the server runs no lifespan, each request raises the refusal."""
+    transport = httpx.ASGITransport(app=misconfigured_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        for _ in range(2):
+            with pytest.raises(ConfigurationError, match="needs a store"):
+                await client.get("/")

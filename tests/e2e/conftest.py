@@ -2,7 +2,8 @@
 
 Each cluster is started once per run, on free ports, with servers of its own (never the shared
 Redis or PostgreSQL), and stopped at the end of the run whatever happened. ``cluster`` is
-parametrised over the two idempotency stores; ``redis_cluster`` is the Redis one alone. Before
+parametrised over the two idempotency stores; ``redis_cluster`` and ``postgres_cluster`` are
+one of them alone. Before
 each test, anything an earlier test stopped (a pod, Redis) is started again.
 """
 
@@ -37,6 +38,12 @@ def cluster(request: pytest.FixtureRequest, clusters: Clusters) -> Cluster:
 def redis_cluster(clusters: Clusters) -> Cluster:
     """The demo on RedisStore (its own Redis server, free to stop)."""
     return clusters.get("redis")
+
+
+@pytest.fixture
+def postgres_cluster(clusters: Clusters) -> Cluster:
+    """The demo on PostgresStore (``POST /payments`` commits its record in its transaction)."""
+    return clusters.get("postgres")
 
 
 @pytest.fixture

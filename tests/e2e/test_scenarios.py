@@ -17,9 +17,11 @@ from tests.support.e2e import (
     LOCK_TTL_SECONDS,
     first_payment,
     new_key,
+    outbox_rows,
     payment_body,
     payment_rows,
     post,
+    provider_charges,
 )
 
 pytestmark = pytest.mark.e2e
@@ -125,6 +127,13 @@ async def test_6_pod_crash_mid_request_retry_on_other_pod_runs_after_lock_ttl(
     assert waited >= LOCK_TTL_SECONDS * 0.5  # it did wait for the lock, not run at once
     rows = await payment_rows(client, cluster.url, reference)
     assert [row["pod"] for row in rows] == ["pod-b"]
+    # pod-a charged the provider before it died; pod-b's call, with the same derived key, got
+    # that charge back instead of charging again.
+    charges = await provider_charges(client, cluster.url, reference)
+    assert [charge["pod"] for charge in charges] == ["pod-a"]
+    events = await outbox_rows(client, cluster.url, reference)
+    assert [event["payload"]["id"] for event in events] == [rows[0]["id"]]
+    assert events[0]["payload"]["providerRef"] == charges[0]["providerRef"]
 
     cluster.start_pod("pod-a")
     replay = await post(client, f"{pod_a.url}/payments", body, key=key)
@@ -156,11 +165,7 @@ async def test_crash_after_the_provider_call_charges_exactly_once(
         )
         assert response.status_code == 200, response.text
         assert response.json()["pod"] == "pod-b"
-        charges = (
-            await client.get(
-                f"{cluster.url}/provider/charges", params={"merchantReference": reference}
-            )
-        ).json()
+        charges = await provider_charges(client, cluster.url, reference)
         assert [charge["pod"] for charge in charges] == ["pod-a"]  # charged once, by pod-a
         assert len(await payment_rows(client, cluster.url, reference)) == 1
         replay = await post(client, f"{pod_b.url}/charges", body, key=key)

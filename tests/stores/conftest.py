@@ -14,6 +14,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from starlette_idempotency import PostgresStore
 from starlette_idempotency.stores import IdempotencyRecord
 from starlette_idempotency.stores.base import IdempotencyStore
 from starlette_idempotency.testing._isolation import (
@@ -22,6 +23,7 @@ from starlette_idempotency.testing._isolation import (
     unique_table,
 )
 from starlette_idempotency.testing._redis_server import RedisServer
+from tests.stores.transaction_app import create_tables, drop_tables
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.pods import Pods
 from tests.support.records import pending
@@ -58,8 +60,12 @@ def pod_urls(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
         }
     app = "tests.stores.pod_app:create_app"
     with ExitStack() as stack:
-        holder = stack.enter_context(UvicornServer(app, env=env, factory=True))
-        retrier = stack.enter_context(UvicornServer(app, env=env, factory=True))
+        holder = stack.enter_context(
+            UvicornServer(app, env={**env, "IDEM_TEST_POD": "holder"}, factory=True)
+        )
+        retrier = stack.enter_context(
+            UvicornServer(app, env={**env, "IDEM_TEST_POD": "retrier"}, factory=True)
+        )
         yield holder.url, retrier.url
     if request.param == "redis":
         asyncio.run(delete_prefixed_at(redis_url, prefix))
@@ -122,3 +128,14 @@ async def proxy(postgres_dsn: str) -> AsyncIterator[CuttingProxy]:
         pytest.skip("the proxy needs a postgresql:// DSN with a TCP host")
     async with CuttingProxy(parts.hostname, parts.port or 5432) as running:
         yield running
+
+
+@pytest.fixture
+async def tables(postgres_dsn: str, postgres_table: str, sql: Any) -> AsyncIterator[str]:
+    """The store's table and the payments app's (:mod:`tests.stores.transaction_app`)."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=postgres_table)
+    await store.create_schema()
+    await store.aclose()
+    await create_tables(sql, postgres_table)
+    yield postgres_table
+    await drop_tables(sql, postgres_table)

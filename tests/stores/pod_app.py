@@ -14,7 +14,7 @@ answers at once, so that a second run shows in the test instead of hanging it).
 ``IDEM_TEST_BLOCK_SECONDS`` without an await, as a CPU-bound ``async def`` handler does.
 ``GET /_runs/{key}`` says how many times this pod started a handler for the key (and saved its
 recovery point), ``GET /_lease/{route}/{key}`` the lease the store shows for the record,
-``GET /_observed`` the processing timeouts counted and the lock watchdog's warnings.
+``GET /_observed`` the processing timeouts counted and the lock renewal's warnings.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ time.time = _skewed_time
 
 
 class Observed(logging.Handler):
-    """The processing timeouts counted (a metrics sink) and the watchdog's warnings."""
+    """The processing timeouts counted (a metrics sink) and lock renewal's warnings."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

@@ -9,8 +9,9 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
+from starlette_idempotency.stores._postgres_connections import location_of
 from starlette_idempotency.stores.base import CheckableStore, StoreFinding
-from starlette_idempotency.stores.postgres import _COLUMNS, PostgresStore, _location
+from starlette_idempotency.stores.postgres import _COLUMNS, PostgresStore
 from starlette_idempotency.testing._postgres_server import PostgresServer
 
 pytestmark = pytest.mark.postgres
@@ -55,21 +56,23 @@ async def durable_store(postgres_dsn: str, postgres_table: str) -> AsyncIterator
 def test_location_of_a_dsn_never_shows_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     for variable in ("PGHOST", "PGPORT", "PGDATABASE", "PGUSER"):
         monkeypatch.delenv(variable, raising=False)
-    assert _location("postgresql://app:s3cret@db.internal:6543/payments", {}) == (
+    assert location_of("postgresql://app:s3cret@db.internal:6543/payments", {}) == (
         "db.internal:6543/payments"
     )
-    assert _location("postgresql://app:s3cret@db.internal/payments?sslmode=require", {}) == (
+    assert location_of("postgresql://app:s3cret@db.internal/payments?sslmode=require", {}) == (
         "db.internal:5432/payments"
     )
-    assert _location("postgresql://app@h1:5432,h2:5433/payments", {}) == "h1:5432,h2:5433/payments"
-    assert _location("postgresql:///payments?host=/run/postgresql", {}) == (
+    assert (
+        location_of("postgresql://app@h1:5432,h2:5433/payments", {}) == "h1:5432,h2:5433/payments"
+    )
+    assert location_of("postgresql:///payments?host=/run/postgresql", {}) == (
         "/run/postgresql:5432/payments"
     )
-    assert _location("postgresql://app@db", {"port": 7000}) == "db:7000/app"  # db = user
-    assert _location("postgresql://db/payments", {"database": "other"}) == "db:5432/other"
+    assert location_of("postgresql://app@db", {"port": 7000}) == "db:7000/app"  # db = user
+    assert location_of("postgresql://db/payments", {"database": "other"}) == "db:5432/other"
     monkeypatch.setenv("PGHOST", "from-env")
     monkeypatch.setenv("PGDATABASE", "envdb")
-    assert _location("postgresql://", {}) == "from-env:5432/envdb"
+    assert location_of("postgresql://", {}) == "from-env:5432/envdb"
 
 
 async def test_describe_names_server_database_and_table_without_password(

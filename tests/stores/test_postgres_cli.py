@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from starlette_idempotency.stores.postgres import _location
+from starlette_idempotency.stores._postgres_connections import location_of
 from starlette_idempotency.testing._processes import free_port
 from tests.support.cli import Ran, assert_unreachable
 from tests.support.cli import cli as run_cli
@@ -84,7 +84,7 @@ async def test_usage_errors() -> None:
 async def test_purge_before_migrate_says_to_run_migrate(
     postgres_dsn: str, postgres_table: str
 ) -> None:
-    where = f"postgres at {_location(postgres_dsn, {})} table {postgres_table}"
+    where = f"postgres at {location_of(postgres_dsn, {})} table {postgres_table}"
     ran = await cli("purge", "--dsn", postgres_dsn, "--table", postgres_table)
     assert (ran.code, ran.out) == (1, "")
     assert ran.err.splitlines() == [
@@ -109,7 +109,7 @@ async def test_doctor_on_a_migrated_table(postgres_dsn: str, postgres_table: str
     ran = await cli("doctor", "--dsn", postgres_dsn, "--table", postgres_table)
     assert ran.code == 0, ran.out + ran.err
     assert ran.lines[0] == (
-        f"doctor: checking postgres at {_location(postgres_dsn, {})} table {postgres_table}"
+        f"doctor: checking postgres at {location_of(postgres_dsn, {})} table {postgres_table}"
     )
     findings = ran.lines[1:-1]
     assert len(findings) == len(expected), ran.out
@@ -132,7 +132,7 @@ async def test_doctor_without_the_table_says_to_run_migrate(
     errors = [line for line in ran.lines if line.startswith("error: ")]
     assert len(errors) == 1, ran.out
     assert errors[0].startswith(
-        f"error: table {postgres_table} in {_location(postgres_dsn, {})} does not exist: "
+        f"error: table {postgres_table} in {location_of(postgres_dsn, {})} does not exist: "
     )
     assert "starlette-idempotency migrate" in errors[0]
     assert ran.lines[-1].startswith("doctor: 1 error, ")

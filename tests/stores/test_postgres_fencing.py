@@ -18,6 +18,7 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from starlette_idempotency._record import Checkpoint, RecordStatus, record_to_dict
+from starlette_idempotency.stores._postgres_sql import row_params
 from starlette_idempotency.stores.base import AcquireResult, FencedWrite
 from starlette_idempotency.stores.postgres import PostgresStore
 from tests.support.postgres import (
@@ -271,7 +272,7 @@ async def test_fenced_write_agrees_with_the_row_under_concurrent_writers(
 
 async def abandon(store: PostgresStore, key: str, record: Any) -> bool:
     """The statement that undoes ``record``'s abandoned acquire of ``key``."""
-    params = store._row_params(f"idempotency:{key}", record, LOCK_TTL)
+    params = row_params(f"idempotency:{key}", record, LOCK_TTL)
     return bool(await store._fetchval("undo (abandon)", "abandon", *params))
 
 
@@ -295,7 +296,7 @@ async def test_an_insert_landing_after_its_undo_writes_nothing(
 
     assert (
         await postgres_store._fetchval(
-            "try_acquire", "acquire_insert", *postgres_store._row_params("idempotency:k", late, 30)
+            "try_acquire", "acquire_insert", *row_params("idempotency:k", late, 30)
         )
         is None
     )  # the late INSERT: nothing written

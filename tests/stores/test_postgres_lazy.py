@@ -161,12 +161,25 @@ def test_each_new_event_loop_opens_its_own_after_the_last_one_closed(
     assert backends(postgres_dsn, app_name) == 0
 
 
+def test_a_loop_that_ends_with_its_pool_open_closes_it(
+    postgres_dsn: str, postgres_table: str, app_name: str, schema: None
+) -> None:
+    """No aclose, as a request without a lifespan leaves it: the loop's end closes the pool
+    (asyncio.run shuts its async generators down), and the next loop opens its own."""
+    store = lazy_store(postgres_dsn, postgres_table, app_name)
+    for _ in range(ROUNDS):
+        asyncio.run(store.get("k"))
+        assert backends(postgres_dsn, app_name) == 0
+
+
 @pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")
-def test_a_loop_that_ended_with_its_pool_open_is_named(
+def test_a_loop_closed_with_its_pool_open_is_named(
     postgres_dsn: str, postgres_table: str, app_name: str, schema: None
 ) -> None:
     store = lazy_store(postgres_dsn, postgres_table, app_name)
-    asyncio.run(store.get("k"))  # no aclose: as a request without a lifespan leaves it
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(store.get("k"))
+    loop.close()  # without shutdown_asyncgens(): nothing closed the pool in its loop
     with pytest.raises(ConfigurationError, match="ended without closing it") as refused:
         asyncio.run(store.get("k"))
     assert "lifespan" in str(refused.value)

@@ -22,8 +22,9 @@ import pytest
 
 from starlette_idempotency._record import Checkpoint
 from starlette_idempotency.errors import StoreError
+from starlette_idempotency.stores._postgres_connections import never_ran as statement_never_ran
 from starlette_idempotency.stores.base import FencedWrite
-from starlette_idempotency.stores.postgres import PostgresStore, _never_ran
+from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.testing._postgres_server import PostgresServer
 from tests.support.conditions import eventually
 from tests.support.cutting_proxy import CuttingProxy
@@ -357,7 +358,7 @@ async def test_classification_of_real_failures(
     assert type(exc).__name__ == error
     cause = exc.__cause__
     assert getattr(cause, "sqlstate", None) == notice
-    assert _never_ran(exc) is never_ran
+    assert statement_never_ran(exc) is never_ran
 
 
 async def test_immediate_shutdown_mid_statement_is_not_certain(
@@ -374,4 +375,4 @@ async def test_immediate_shutdown_mid_statement_is_not_certain(
     exc = await raised(lambda: waiting)
     assert isinstance(exc, asyncpg.ConnectionDoesNotExistError)
     assert exc.__cause__ is None
-    assert not _never_ran(exc)
+    assert not statement_never_ran(exc)

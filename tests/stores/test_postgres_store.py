@@ -486,8 +486,8 @@ async def test_purge_rejects_a_bad_batch_size(postgres_store: PostgresStore) -> 
 
 
 def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from starlette_idempotency.stores import postgres
+    from starlette_idempotency.stores._postgres_connections import asyncpg_driver
 
     monkeypatch.setitem(sys.modules, "asyncpg", None)
     with pytest.raises(ImportError, match=r"starlette-idempotency\[postgres\]"):
-        postgres._asyncpg()
+        asyncpg_driver()

@@ -22,16 +22,16 @@ from starlette_idempotency import (
     IdempotencyMiddleware,
     MemoryStore,
     PostgresStore,
+    idempotency_context,
     idempotency_transaction,
     idempotent,
 )
 from starlette_idempotency.stores import RecordStatus
+from starlette_idempotency.stores.base import IdempotencyStore
 from tests.stores.transaction_app import (
     ISOLATIONS,
     Database,
     build_app,
-    create_tables,
-    drop_tables,
 )
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
@@ -44,28 +44,18 @@ DRIVERS = ("asyncpg", "sqlalchemy", "session")
 RETRIER = {"application_name": "idempotency-tx-test"}
 
 
-@pytest.fixture
-async def tables(postgres_dsn: str, postgres_table: str, sql: Any) -> AsyncIterator[str]:
-    store = PostgresStore.from_dsn(postgres_dsn, table=postgres_table)
-    await store.create_schema()
-    await store.aclose()
-    await create_tables(sql, postgres_table)
-    yield postgres_table
-    await drop_tables(sql, postgres_table)
-
-
 @pytest.fixture(params=DRIVERS)
 async def app(
     request: pytest.FixtureRequest, postgres_dsn: str, tables: str
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Database]]:
-    guarded, database = build_app(postgres_dsn, tables, request.param)
+    guarded, database, store = build_app(postgres_dsn, tables, request.param)
     async with make_client(guarded, raise_app_exceptions=False) as client:
         yield client, database
     await database.aclose()
-    await guarded.store.aclose()  # type: ignore[attr-defined]
+    await store.aclose()
 
 
-def guarded_by(store: object, pay: object) -> Starlette:
+def guarded_by(store: IdempotencyStore, pay: object) -> Starlette:
     """``pay`` at ``POST /pay``, the middleware added as the docs say (inside the app's error
     middleware, which would otherwise answer an exception before the middleware saw it)."""
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])  # type: ignore[arg-type]
@@ -121,9 +111,7 @@ async def test_the_middleware_does_not_write_the_outcome_again(
         def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
             pass
 
-    guarded, database = build_app(postgres_dsn, tables, "asyncpg")
-    store = guarded.store  # type: ignore[attr-defined]
-    counted = IdempotencyMiddleware(guarded.app, store=store, metrics=Calls())  # type: ignore[attr-defined]
+    counted, database, store = build_app(postgres_dsn, tables, "asyncpg", metrics=Calls())
     async with make_client(counted) as client:
         response = await client.post("/pay", json={"amount": "1"}, headers={"Idempotency-Key": "k"})
     await database.aclose()
@@ -336,3 +324,40 @@ async def test_a_record_no_longer_in_progress_is_not_fenced(
     record = await record_of(sql, tables, "k")
     assert record["owner_token"] == "someone-else"
     assert record["status"] == RecordStatus.IN_PROGRESS.value
+
+
+async def test_a_rolled_back_recovery_point_is_never_written_later(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """A recovery point written in a transaction that rolls back is gone with it: the key is
+    freed as for any failure, and the retry runs as a first attempt, not as a recovery."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    database = Database(postgres_dsn, tables, "asyncpg")
+    recovered: list[str | None] = []
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        recovered.append(idempotency_context(request).recovered_from)
+
+        async def work(connection: Any, fetchval: Any) -> Response:
+            async with idempotency_transaction(request, connection) as tx:
+                await fetchval(f"INSERT INTO {tables}_payments VALUES (DEFAULT, 'k', '1', '')")
+                await tx.checkpoint("payment_written")
+                if len(recovered) == 1:
+                    raise RuntimeError("the first attempt fails after its checkpoint")
+                return await tx.respond(JSONResponse({}, status_code=201))
+
+        response: Response = await database.in_transaction("read_committed", work)
+        return response
+
+    async with make_client(guarded_by(store, pay), raise_app_exceptions=False) as client:
+        failed = await client.post("/pay", headers={"Idempotency-Key": "k"})
+        retried = await client.post("/pay", headers={"Idempotency-Key": "k"})
+    await database.aclose()
+    await store.aclose()
+    assert failed.status_code == 500
+    assert retried.status_code == 201
+    assert recovered == [None, None]
+    assert await payments(sql, tables, "k") == ["1"]
+    record = await record_of(sql, tables, "k")
+    assert "payment_written" in record["checkpoints"]  # the committed one, with the outcome

@@ -2,7 +2,8 @@
 opened by the startup check in the lifespan's event loop, closed by the middleware when the
 lifespan ends when the store opened its connections itself, and left open when the app passed
 them in. Starlette's ``TestClient`` runs each ``with`` block in an event loop of its own, so an
-app started twice also shows that the second start opens its own connections.
+app started twice also shows that the second start opens its own connections. Without ``with``
+(no lifespan, a loop per request), each loop closes what the store opened in it as it ends.
 
 The servers are the real ones: PostgreSQL's ``pg_stat_activity`` and Redis's ``CLIENT LIST``
 count the connections by a name of the test's own.
@@ -11,7 +12,6 @@ count the connections by a name of the test's own.
 from __future__ import annotations
 
 import asyncio
-import gc
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -306,27 +306,63 @@ async def test_without_a_lifespan_a_store_never_handed_a_pool_answers_503(
     assert any("has no pool: hand it the pool" in r.getMessage() for r in caplog.records)
 
 
+def requests_without_a_lifespan(app: FastAPI) -> None:
+    """FastAPI's testing pattern: ``TestClient(app)`` without ``with``, so no lifespan runs
+    and each request has an event loop of its own; new keys, then a retry replayed."""
+    client = TestClient(app)
+    for key in ("a", "b", "c"):
+        assert client.post("/pay", headers={"Idempotency-Key": key}).status_code == 200
+    pay_twice(client, "d")
+
+
 @pytest.mark.postgres
-@pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")
-def test_a_test_client_without_its_lifespan_is_told_to_use_it(
-    postgres_dsn: str, postgres_table: str, name: str, caplog: pytest.LogCaptureFixture
+def test_from_dsn_under_a_test_client_without_its_lifespan(
+    postgres_dsn: str, postgres_table: str, name: str
 ) -> None:
-    """Outside a ``with`` block, each request runs in an event loop of its own and nothing
-    closes the pool the first one opened: the second is refused (503), saying why."""
+    """Each request's loop closes the pool it opened as it ends; the next opens its own."""
     store = PostgresStore.from_dsn(
         postgres_dsn, table=postgres_table, server_settings={"application_name": name}
     )
 
-    async def migrate(store: PostgresStore) -> None:
-        await store.create_schema()
-        await store.aclose()
+    async def migrate() -> None:
+        async with store:
+            await store.create_schema()
 
-    asyncio.run(migrate(store))
+    asyncio.run(migrate())
     app, runs = guarded_app(store)
-    client = TestClient(app)
-    assert client.post("/pay", headers={"Idempotency-Key": "a"}).status_code == 200
-    assert client.post("/pay", headers={"Idempotency-Key": "b"}).status_code == 503
-    assert runs == [1]
-    assert any("a TestClient outside a `with` block" in r.getMessage() for r in caplog.records)
-    del client, app, store
-    gc.collect()  # the first loop's pool, which nothing could close
+    requests_without_a_lifespan(app)
+    assert runs == [1, 1, 1, 1]
+    assert postgres_connections(postgres_dsn, name) == 0
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("driver", ["redis-py", "glide"])
+def test_redis_from_url_under_a_test_client_without_its_lifespan(
+    redis_url: str, redis_prefix: str, name: str, driver: DriverName
+) -> None:
+    """Each request's loop closes the connections it opened as it ends; the next connects."""
+    store = RedisStore.from_url(redis_url, key_prefix=redis_prefix, driver=driver, client_name=name)
+    app, runs = guarded_app(store)
+    requests_without_a_lifespan(app)
+    assert runs == [1, 1, 1, 1]
+    eventually_sync(
+        lambda: redis_connections(redis_url, name) == 0,
+        timeout=5,
+        message=f"the {driver} connections named {name} to close",
+    )
+
+
+@pytest.mark.redis
+def test_redis_from_url_refuses_a_second_live_event_loop(redis_url: str, redis_prefix: str) -> None:
+    """Its connections serve the loop that opened them: another is refused, not failed inside
+    the driver, until that loop closes them."""
+    store = RedisStore.from_url(redis_url, key_prefix=redis_prefix)
+    first = asyncio.new_event_loop()
+    try:
+        assert first.run_until_complete(store.get("k")) is None
+        with pytest.raises(ConfigurationError, match="another event loop, which is not closed"):
+            asyncio.run(store.get("k"))
+        first.run_until_complete(store.aclose())
+    finally:
+        first.close()
+    assert asyncio.run(store.get("k")) is None

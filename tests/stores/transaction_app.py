@@ -136,7 +136,10 @@ class Database:
             await self._engine.dispose()
 
 
-def build_app(dsn: str, table: str, driver: str, pod: str = "") -> tuple[ASGIApp, Database]:
+def build_app(
+    dsn: str, table: str, driver: str, pod: str = "", **options: Any
+) -> tuple[Starlette, Database, PostgresStore]:
+    """The app, its database and its store (``options`` go to the middleware)."""
     store = PostgresStore.from_dsn(dsn, table=table)
     database = Database(dsn, table, driver)
 
@@ -196,13 +199,14 @@ def build_app(dsn: str, table: str, driver: str, pod: str = "") -> tuple[ASGIApp
         ],
         lifespan=lifespan,
     )
-    return IdempotencyMiddleware(app, store=store), database
+    app.add_middleware(IdempotencyMiddleware, store=store, **options)
+    return app, database, store
 
 
 def create_app() -> ASGIApp:
     """``uvicorn --factory tests.stores.transaction_app:create_app``."""
     env = os.environ
-    app, _ = build_app(
+    app, _, _ = build_app(
         env["IDEM_TEST_DSN"], env["IDEM_TEST_TABLE"], env["IDEM_TEST_DRIVER"], env["IDEM_TEST_POD"]
     )
     return app

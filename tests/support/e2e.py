@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 import httpx
-from examples.payments.cluster import Cluster, StoreKind
+from examples.payments.cluster import CRASH_HOOKS, Cluster, StoreKind
 
 # Short, so the crash scenario waits 2 s for the lock to lapse instead of 60 s.
 LOCK_TTL_SECONDS = 2.0
@@ -21,7 +21,11 @@ class Clusters:
 
     def get(self, store: StoreKind) -> Cluster:
         if store not in self._running:
-            cluster = Cluster(store=store, payments_lock_ttl_seconds=LOCK_TTL_SECONDS)
+            cluster = Cluster(
+                store=store,
+                payments_lock_ttl_seconds=LOCK_TTL_SECONDS,
+                env={CRASH_HOOKS: "1"},  # X-Demo-Crash, for test_payment_transaction
+            )
             cluster.start()  # stops what it started if it fails half-way
             self._running[store] = cluster
         cluster = self._running[store]
@@ -81,6 +85,23 @@ async def first_payment(
 
 async def payment_rows(client: httpx.AsyncClient, base_url: str, reference: str) -> list[Any]:
     response = await client.get(f"{base_url}/payments", params={"merchantReference": reference})
+    response.raise_for_status()
+    rows: list[Any] = response.json()
+    return rows
+
+
+async def outbox_rows(client: httpx.AsyncClient, base_url: str, reference: str) -> list[Any]:
+    response = await client.get(f"{base_url}/outbox", params={"merchantReference": reference})
+    response.raise_for_status()
+    rows: list[Any] = response.json()
+    return rows
+
+
+async def provider_charges(client: httpx.AsyncClient, base_url: str, reference: str) -> list[Any]:
+    """What the demo's fake provider charged for a merchant reference."""
+    response = await client.get(
+        f"{base_url}/provider/charges", params={"merchantReference": reference}
+    )
     response.raise_for_status()
     rows: list[Any] = response.json()
     return rows

@@ -1,7 +1,6 @@
 """PostgreSQL store: one row per key, INSERT-first ownership, every later write fenced by SQL.
 
-Needs the ``postgres`` extra (asyncpg): ``pip install 'starlette-idempotency[postgres]'``. The
-SQL lives in ``sql/schema.sql`` and ``sql/queries.sql`` beside this module.
+Needs the ``postgres`` extra (asyncpg): ``pip install 'starlette-idempotency[postgres]'``.
 
 Statements per operation (each one statement, so its own short transaction):
 
@@ -12,8 +11,7 @@ Statements per operation (each one statement, so its own short transaction):
   off with its connection) is undone in the background by a statement fenced by its owner
   token (see :meth:`PostgresStore._undo_abandoned`), so that no lock outlives a request that
   never ran.
-* ``finish``: 1, which locks the row, then writes it fenced by the owner token
-  and says how (a :class:`~starlette_idempotency.stores.base.FencedWrite`).
+* ``finish``: 1, which locks the row, then writes it fenced by the owner token and says how.
 * ``save_progress`` / ``release`` / ``renew`` / ``get``: 1 each, no read first.
 * ``purge_expired``: 1 per batch.
 
@@ -23,7 +21,7 @@ has not read yet because it was busy) is closed instead, with nothing sent. An o
 (``create_schema`` excepted) is sent once more, on a new connection, when its first try
 certainly had no effect: that, or the server had ended the connection and said so before
 answering (``pg_terminate_backend``, a clean restart or switchover, ``idle_session_timeout``;
-see :func:`_never_ran`). The pool is then told to replace its other connections too, which
+see :func:`never_ran`). The pool is then told to replace its other connections too, which
 usually ended the same way. A connection lost with no such word after the statement went out
 is an error, never retried.
 
@@ -47,30 +45,40 @@ The pool is the app's (passed in, or handed over with ``use_pool``) or the store
 (``from_dsn``), which it opens on first use in the running event loop and closes in ``aclose``
 (see :mod:`._lazy_pool`); nothing in the statements depends on which.
 
-Why one module: the store's operations, the mapping of its rows to records and the rule for
-when a statement may be sent again all answer one question, what one SQL statement did, and
-each is read against the others (a retry is safe only for statements shaped as these are).
+The rooms: this module holds the store's operations and when each may be sent again;
+``_postgres_sql.py`` the statements, their parameters and rows read back as records;
+``_postgres_connections.py`` what a driver's failure says about a statement, and where a pool
+connects. A retry is safe only for statements shaped as ``queries.sql``'s are: read the three
+together when changing one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import getpass
 import logging
-import os
-import re
-import select
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, Literal, NoReturn, Protocol, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit
+from typing import Any, Literal, TypeVar
 
 from starlette_idempotency._record import (
     IdempotencyRecord,
     RecordStatus,
 )
-from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
+from starlette_idempotency.errors import ConfigurationError, StoreError
 from starlette_idempotency.stores._lazy_pool import LazyPool
+from starlette_idempotency.stores._postgres_connections import (
+    EndedWhileIdle,
+    PoolLike,
+    create_pool,
+    ended_while_idle,
+    is_open,
+    keep_session,
+    location_of,
+    may_have_run,
+    never_ran,
+    pool_location,
+    raise_store_error,
+)
 from starlette_idempotency.stores._postgres_sql import (
     DEFAULT_TABLE,
     Statement,
@@ -100,8 +108,6 @@ DEFAULT_OPERATION_TIMEOUT = 10.0
 # finished); then it starts again. Running out of attempts needs sustained churn on one key.
 _ACQUIRE_ATTEMPTS = 5
 
-_HOST_PORT = re.compile(r"(.+):(\d+)")
-
 # How long the undo of an abandoned acquire waits before trying again while the database fails.
 _UNDO_RETRY_SECONDS = 0.1
 
@@ -124,179 +130,6 @@ _COLUMNS = (
     "expires_at",
 )
 _MIGRATE_HINT = "run `starlette-idempotency migrate` or `await store.create_schema()`"
-
-# FATAL errors that a backend raises only from an interrupt check: pg_terminate_backend and a
-# smart or fast shutdown (57P01 admin_shutdown), idle_session_timeout (57P05). See _never_ran
-# for why they prove that a statement had no effect.
-_TERMINATED_SQLSTATES = frozenset({"57P01", "57P05"})
-# asyncpg refusing to send on a connection it already knows to be closed.
-_CLOSED_MESSAGES = ("connection is closed", "connection has been released back to the pool")
-
-
-class PoolLike(Protocol):
-    """The part of ``asyncpg.Pool`` the store uses."""
-
-    async def fetchrow(self, query: str, *args: Any) -> Any: ...
-
-    async def fetchval(self, query: str, *args: Any) -> Any: ...
-
-    def acquire(self) -> Any: ...
-
-    async def expire_connections(self) -> None: ...
-
-
-def _asyncpg() -> Any:
-    try:
-        import asyncpg  # type: ignore[import-untyped]
-    except ImportError as exc:  # pragma: no cover - the test environment has asyncpg
-        raise ImportError(
-            "PostgresStore needs asyncpg: pip install 'starlette-idempotency[postgres]'"
-        ) from exc
-    return asyncpg
-
-
-def _raise_store_error(exc: Exception, operation: str) -> NoReturn:
-    """Re-raise a driver or network error as a :class:`StoreError`; anything else as it is."""
-    asyncpg = _asyncpg()
-    message = f"PostgreSQL {operation} failed: {type(exc).__name__}: {exc}"
-    if isinstance(exc, TimeoutError | asyncpg.QueryCanceledError):
-        raise StoreTimeoutError(message) from exc
-    if isinstance(exc, asyncpg.ClientConfigurationError):
-        raise ConfigurationError(message) from exc
-    if isinstance(
-        exc, OSError | asyncpg.PostgresError | asyncpg.InterfaceError | asyncpg.InternalClientError
-    ):
-        raise StoreError(message) from exc
-    raise exc
-
-
-def _never_ran(exc: BaseException) -> bool:
-    """Whether ``exc`` proves that a single-statement operation had no effect, so that sending
-    it again cannot run it twice.
-
-    Certain: the store found the pooled connection ended before it sent anything
-    (:class:`_EndedWhileIdle`); asyncpg refused to send on a connection it knew was closed
-    (``InterfaceError``); or the server's termination notice, a FATAL ErrorResponse with a
-    SQLSTATE of ``_TERMINATED_SQLSTATES``, came back before the statement's ReadyForQuery
-    (asyncpg then raises ``ConnectionDoesNotExistError`` caused by it). A backend raises those
-    only at an interrupt check, and there is none between the commit of our implicit
-    transaction (at Sync, with interrupts held) and the flush of ReadyForQuery, so the
-    statement either never started (the backend was idle when told to exit) or was rolled
-    back with the backend.
-
-    Unknown, never retried: a connection that died with no such notice after the statement
-    was sent (a reset or EOF: a crashed or killed backend, a network failure, ``pg_ctl stop
-    -m immediate``, whose 57P01 is only a WARNING). The commit may have happened and only its
-    reply have been lost.
-    """
-    if isinstance(exc, _EndedWhileIdle):
-        return True
-    asyncpg = _asyncpg()
-    if isinstance(exc, asyncpg.InterfaceError):
-        return str(exc).endswith(_CLOSED_MESSAGES)
-    notice = exc.__cause__ if isinstance(exc, asyncpg.ConnectionDoesNotExistError) else exc
-    return (
-        isinstance(notice, asyncpg.PostgresError)
-        and getattr(notice, "sqlstate", None) in _TERMINATED_SQLSTATES
-    )
-
-
-class _EndedWhileIdle(ConnectionResetError):
-    """A pooled connection the server had ended while it sat idle, found before anything was
-    sent on it (see :func:`_ended_while_idle`)."""
-
-
-def _ended_while_idle(connection: Any) -> bool:
-    """Whether the server has sent something to this idle connection: a connection checked out
-    of the pool owes no reply, so what waits to be read there is the server ending it (an
-    immediate shutdown, a crash, a failover, an idle timeout, with or without a notice first)
-    that the event loop has not read yet, because it was busy. Sent on, a statement would meet
-    a connection already closed, with no word proving it did not run. A socket the check
-    cannot see counts as alive."""
-    transport = getattr(connection, "_transport", None)
-    sock = None if transport is None else transport.get_extra_info("socket")
-    if sock is None or sock.fileno() < 0:
-        return False
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return bool(poller.poll(0))
-
-
-def _may_have_run(exc: BaseException | None) -> bool:
-    """Whether the statement that failed with ``exc`` may still have committed: it was
-    abandoned when the operation timed out, or lost its connection with no word from the
-    server. An error the statement itself raised (a server-side ``statement_timeout``
-    included), or one before it was sent (no connection), left nothing behind."""
-    if isinstance(exc, TimeoutError):
-        return True
-    asyncpg = _asyncpg()
-    return isinstance(exc, asyncpg.ConnectionDoesNotExistError) and not _never_ran(exc)
-
-
-def _location(dsn: str | None, options: Mapping[str, Any]) -> str:
-    """``host:port/database`` for messages, as the connect options, then the ``dsn`` URL,
-    then the libpq environment give them; never the user or password."""
-    fields: dict[str, str] = {}
-    if dsn:
-        parts = urlsplit(dsn)
-        fields.update(parse_qsl(parts.query))
-        if hosts := unquote(parts.netloc.rpartition("@")[2]):
-            fields["host"] = hosts
-        if parts.path.strip("/"):
-            fields["dbname"] = unquote(parts.path.strip("/"))
-        if parts.username:
-            fields["user"] = unquote(parts.username)
-
-    def pick(option: str, keyword: str, variable: str, default: str) -> str:
-        value = options.get(option) or fields.get(keyword) or os.environ.get(variable)
-        return str(value or default)
-
-    host = pick("host", "host", "PGHOST", "localhost")
-    port = pick("port", "port", "PGPORT", "5432")
-    user = pick("user", "user", "PGUSER", getpass.getuser())
-    database = pick("database", "dbname", "PGDATABASE", user)
-    if "," not in host and _HOST_PORT.fullmatch(host) is None:
-        host = f"{host}:{port}"
-    return f"{host}/{database}"
-
-
-def _connect_options(pool: object) -> tuple[str | None, Mapping[str, Any]] | None:
-    """The DSN and connect options of an asyncpg pool (asyncpg keeps them, privately);
-    ``None`` for a pool whose options cannot be read back."""
-    args, options = getattr(pool, "_connect_args", None), getattr(pool, "_connect_kwargs", None)
-    if not isinstance(args, tuple | list) or not isinstance(options, Mapping):
-        return None
-    return (args[0] if args and isinstance(args[0], str) else None), options
-
-
-def _pool_location(pool: object) -> str:
-    """Where an asyncpg pool connects."""
-    connect = _connect_options(pool)
-    return "an unknown address (a pool passed in)" if connect is None else _location(*connect)
-
-
-def _is_open(pool: object) -> bool:
-    """Whether ``pool`` is open, as far as it says (asyncpg's ``is_closing``)."""
-    is_closing = getattr(pool, "is_closing", None)
-    return not (callable(is_closing) and is_closing())
-
-
-async def _keep_session(connection: Any) -> None:
-    """A pool ``reset`` that sends nothing (see :meth:`PostgresStore.from_dsn`)."""
-
-
-async def _create_pool(dsn: str | None, options: Mapping[str, Any]) -> Any:
-    """An asyncpg pool, opened in the running event loop; options asyncpg refuses are a
-    :class:`ConfigurationError`, and a database it cannot reach a :class:`StoreError`."""
-    asyncpg = _asyncpg()
-    try:
-        return await asyncpg.create_pool(dsn, **options)
-    except asyncpg.ClientConfigurationError as exc:
-        _raise_store_error(exc, "connect")
-    except (TypeError, ValueError) as exc:  # an option asyncpg does not take, or a bad value
-        raise ConfigurationError(f"PostgresStore pool options: {exc}") from exc
-    except Exception as exc:
-        _raise_store_error(exc, "connect")
 
 
 class PostgresStore(StoreBase):
@@ -340,7 +173,7 @@ class PostgresStore(StoreBase):
         #: The store's statements (also run in the app's transaction: ``_transaction``).
         self.queries = queries = TableQueries(table, key_prefix)
         self._table = queries.table
-        self._location = None if pool is None else _pool_location(pool)
+        self._location = None if pool is None else pool_location(pool)
         self._prefix = queries.prefix
         self._timeout = operation_timeout
         self._sql = queries.sql
@@ -377,14 +210,14 @@ class PostgresStore(StoreBase):
         """
         store = cls(table=table, key_prefix=key_prefix, operation_timeout=operation_timeout)
         pool_options.setdefault("min_size", 1)
-        pool_options.setdefault("reset", _keep_session)
+        pool_options.setdefault("reset", keep_session)
         if operation_timeout is not None:
             pool_options.setdefault("timeout", operation_timeout)
         store._dsn, store._pool_options = dsn, pool_options
         store._own_pool = LazyPool(
-            lambda: _create_pool(dsn, pool_options), name="PostgresStore's own pool"
+            lambda: create_pool(dsn, pool_options), name="PostgresStore's own pool"
         )
-        store._location = _location(dsn, pool_options)
+        store._location = location_of(dsn, pool_options)
         return store
 
     @classmethod
@@ -421,13 +254,13 @@ class PostgresStore(StoreBase):
                 "this PostgresStore opens a pool of its own (PostgresStore.from_dsn or "
                 "connect): to hand it yours, build it as PostgresStore(table=...) instead"
             )
-        if self._pool is not None and self._pool is not pool and _is_open(self._pool):
+        if self._pool is not None and self._pool is not pool and is_open(self._pool):
             raise ConfigurationError(
                 "this PostgresStore already uses a pool, which is still open: hand it one "
                 "pool (use_pool once per lifespan, after the previous lifespan closed its pool)"
             )
         self._pool = pool
-        self._location = _pool_location(pool)
+        self._location = pool_location(pool)
 
     @property
     def owns_connections(self) -> bool:
@@ -457,7 +290,7 @@ class PostgresStore(StoreBase):
         self, operation: str, attempt: Callable[[], Awaitable[_T]], *, retry: bool = True
     ) -> _T:
         """Run ``attempt`` within the operation timeout, driver errors mapped; once more, on a
-        new connection, when the first try certainly had no effect (see :func:`_never_ran`).
+        new connection, when the first try certainly had no effect (see :func:`never_ran`).
 
         Each statement of ``attempt`` must be its own transaction, and ``attempt`` safe to
         start again after its earlier statements ran (they only read or fail to write).
@@ -467,7 +300,7 @@ class PostgresStore(StoreBase):
                 try:
                     return await attempt()
                 except Exception as exc:
-                    if not (retry and _never_ran(exc)):
+                    if not (retry and never_ran(exc)):
                         raise
                     logger.warning(
                         "PostgreSQL %s: the server had closed the connection (%s); "
@@ -480,7 +313,7 @@ class PostgresStore(StoreBase):
                     await (await self._current_pool()).expire_connections()
                     return await attempt()
         except Exception as exc:
-            _raise_store_error(exc, operation)
+            raise_store_error(exc, operation)
 
     def _fetchval(self, operation: str, query: str, *args: Any) -> Awaitable[Any]:
         """The first value of the named ``query``, run as ``operation`` (see :meth:`_run`)."""
@@ -509,12 +342,12 @@ class PostgresStore(StoreBase):
         COMMITTED: in an explicit transaction when the database's default isolation is another.
 
         A connection the server ended while it sat idle is never used (see
-        :class:`_EndedWhileIdle`)."""
+        :class:`EndedWhileIdle`)."""
         pool = await self._current_pool()
         async with pool.acquire() as connection:
-            if _ended_while_idle(connection):
+            if ended_while_idle(connection):
                 connection.terminate()
-                raise _EndedWhileIdle("the server had ended the pooled connection while idle")
+                raise EndedWhileIdle("the server had ended the pooled connection while idle")
             if self._explicit_isolation is None:
                 await self._learn_isolation(connection)
             if not self._explicit_isolation:
@@ -555,7 +388,7 @@ class PostgresStore(StoreBase):
                 await connection.execute(self._schema)
             return not existed
 
-        # Several statements and an explicit COMMIT: _never_ran's reasoning covers single
+        # Several statements and an explicit COMMIT: never_ran's reasoning covers single
         # statements only, so this is not retried (it is run once, at deploy time).
         return await self._run("create_schema", create, retry=False)
 
@@ -593,7 +426,7 @@ class PostgresStore(StoreBase):
             self._undo_abandoned(key, params, lock_ttl)
             raise
         except StoreError as exc:
-            if _may_have_run(exc.__cause__):
+            if may_have_run(exc.__cause__):
                 self._undo_abandoned(key, params, lock_ttl)
             raise
         if result is None:
@@ -753,7 +586,7 @@ class PostgresStore(StoreBase):
             try:
                 await self._own_pool.close()
             except Exception as exc:
-                _raise_store_error(exc, "close")
+                raise_store_error(exc, "close")
 
     async def __aenter__(self) -> PostgresStore:
         return self

@@ -14,6 +14,7 @@ from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 MISTAKES: dict[str, dict[str, Any]] = {
     "typo": {"store": MemoryStore(), "on_store_eror": "fail_open"},
     "url": {"store": "redis://localhost:6379/0"},
+    "no store": {},  # the one mistake __init__ could not even bind
     "none": {"store": MemoryStore()},
 }
 

@@ -113,6 +113,8 @@ class RedisChangeListener:
                 await pubsub.aclose()
 
     async def aclose(self) -> None:
+        """Close the connection; a later :meth:`wait` opens another, in its own event loop."""
+        self._subscribing = asyncio.Lock()  # one waited on is bound to its event loop
         for timer in self._lingering.values():
             timer.cancel()
         self._lingering.clear()

@@ -22,9 +22,10 @@ protocol, correct only together with the fenced writes that follow them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
-from collections.abc import Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -35,6 +36,7 @@ from starlette_idempotency._record import (
     load_record,
 )
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
+from starlette_idempotency.stores._lazy_pool import close_at_loop_end, refuse_a_busy_loop
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     AcquireResult,
@@ -197,6 +199,10 @@ class RedisStore(StoreBase):
         self._wait_replicas = wait_replicas
         self._wait_timeout_ms = wait_timeout_ms
         self._owns_client = owns_client
+        # The event loop the operations run in, and for a client of the store's own what
+        # closes its connections when that loop ends (see _enter_loop).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_end: AsyncGenerator[None, None] | None = None
         self._nx_get = True  # cleared for good once the server rejects SET NX GET
         self._changes = RedisChangeListener(driver.subscription)
         self._undoing: set[asyncio.Task[None]] = set()
@@ -278,9 +284,37 @@ class RedisStore(StoreBase):
         from the server or every primary of a cluster: a ``maxmemory`` with a policy that
         evicts (records vanish, and retries run again), and no append-only file (a restart
         loses records). When ``CONFIG`` is refused (renamed or not allowed, as on many
-        managed services), one warning says what to check by hand.
+        managed services), one warning says what to check by hand. Raises
+        :class:`ConfigurationError`, as an operation does, while a client of the store's own
+        is open in another event loop that still runs.
         """
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
         return await check_redis(self._driver, self.describe())
+
+    async def _enter_loop(self) -> None:
+        """Called by the first operation in an event loop (an identity check per operation).
+
+        A client the store created (:meth:`from_url`) connects in the loop that uses it, and
+        its connections serve no other; so it is closed when that loop ends, if the app's
+        lifespan did not close it first, and connects again in the next loop. Starlette's
+        ``TestClient`` outside a ``with`` block runs no lifespan and each request in a loop of
+        its own. A client passed in is the app's: used as it is, in whatever loop runs.
+        """
+        loop = asyncio.get_running_loop()
+        if self._owns_client and self._loop is not None:  # its connections are open there
+            name = f"RedisStore's client ({self.describe()})"
+            refuse_a_busy_loop(name, self._loop, still_open=True)
+        self._loop = loop
+        if self._owns_client:
+            self._loop_end = await close_at_loop_end(
+                functools.partial(self._close_at_loop_end, loop)
+            )
+
+    async def _close_at_loop_end(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is loop:  # not closed by aclose() meanwhile
+            self._loop_end = None
+            await self.aclose()
 
     def storage_key(self, key: str) -> str:
         """The Redis key that holds ``key``'s record."""
@@ -310,6 +344,8 @@ class RedisStore(StoreBase):
         :meth:`_undo_abandoned`): the caller will not run the handler, so the lock must not
         outlive it.
         """
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
         skey, value, px = self.storage_key(key), dump_record(pending), _ms(lock_ttl)
         with _DriverErrors(self._driver, "try_acquire", key):
             for _ in range(3):  # the key can vanish between the acquire and the recovery step
@@ -508,6 +544,8 @@ class RedisStore(StoreBase):
         With ``wait_replicas``, ``WAIT`` is pipelined behind it, as behind the acquire: the
         response is not sent whole before the replicas have the record (or the wait timed out,
         which is logged)."""
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
         skey = self.storage_key(key)
         args: list[Arg] = [dump_record(record), record.owner_token, str(_ms(ttl)), skey]
         with _DriverErrors(self._driver, "finish", key):
@@ -533,6 +571,8 @@ class RedisStore(StoreBase):
 
         False, writing nothing, unless ``record.owner_token`` holds the key ``InProgress``.
         """
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
         value = dump_record(replace(record, locked_until=0.0))  # the script sets the lease
         args: list[Arg] = [value, record.owner_token, str(_ms(ttl)), str(round(lease * 1000))]
         with _DriverErrors(self._driver, "save_progress", key):
@@ -541,6 +581,8 @@ class RedisStore(StoreBase):
 
     async def release(self, key: str, owner_token: str) -> bool:
         """Delete the key if ``owner_token`` holds it; false when another owner does."""
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
         skey = self.storage_key(key)
         with _DriverErrors(self._driver, "release", key):
             released = await self._driver.run_script("release", skey, [owner_token, skey])
@@ -549,6 +591,8 @@ class RedisStore(StoreBase):
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
         """Extend the lock to ``lock_ttl`` if ``owner_token`` holds it ``InProgress``: the key's
         TTL, or for a record with recovery points its lease, on the server's clock."""
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
         with _DriverErrors(self._driver, "renew", key):
             renewed = await self._driver.run_script(
                 "renew", self.storage_key(key), [owner_token, str(_ms(lock_ttl))]
@@ -558,11 +602,15 @@ class RedisStore(StoreBase):
     async def wait_for_change(self, key: str) -> None:
         """Return once ``key`` is completed, failed, released or resolved by any process
         (bounded by the caller): a pub/sub notice on the channel named after the key."""
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
         with _DriverErrors(self._driver, "wait_for_change", key):
             await self._changes.wait(self.storage_key(key))
 
     async def get(self, key: str) -> IdempotencyRecord | None:
         """The live record under ``key``, if any."""
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
         with _DriverErrors(self._driver, "get", key):
             raw = await self._driver.get(self.storage_key(key))
         return None if raw is None else self._load(key, raw)
@@ -575,6 +623,8 @@ class RedisStore(StoreBase):
         Walks every key of the prefix with ``SCAN`` (which never blocks the server) and reads
         each value: a cost in proportion to the keys stored, for an operator's shell. Needs a
         redis-py client on a standalone Redis."""
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
         driver = self._driver
         if not isinstance(driver, ScanningDriver):
             raise ConfigurationError("listing records needs a redis-py client")
@@ -598,6 +648,9 @@ class RedisStore(StoreBase):
     async def aclose(self) -> None:
         """Close the change listener, and the client if :meth:`from_url` created it; a client
         passed in stays open."""
+        loop_end, self._loop_end, self._loop = self._loop_end, None, None
+        if loop_end is not None:
+            await loop_end.aclose()  # this loop's end has nothing left to close
         undoing = list(self._undoing)  # undoing abandoned acquires is best effort
         for task in undoing:
             task.cancel()

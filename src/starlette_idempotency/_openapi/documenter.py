@@ -1,10 +1,11 @@
-"""The middleware in a FastAPI app's OpenAPI: the key header, its own answers, and replays.
+"""What the middleware adds to a FastAPI app's OpenAPI: the key header, its own answers, and
+the replay headers.
 
 FastAPI documents what its routes declare, and the middleware answers before them. So on the
 first ASGI scope the middleware sees (the lifespan's, or the first request's), when
 ``scope["app"]`` is a FastAPI app whose routes are the ones this middleware guards,
 :meth:`OpenAPIDocumenter.install` has its ``app.openapi()`` completed with what this
-middleware does (:func:`~starlette_idempotency._openapi_install.install`). A Starlette app has
+middleware does (:func:`~starlette_idempotency._openapi.install.install`). A Starlette app has
 no OpenAPI and is left alone; so is a FastAPI app whose routes this middleware does not guard
 (a middleware given to one ``Mount``). A FastAPI app mounted inside
 another is documented by its own middleware, at its own first request (mounted apps get no
@@ -22,37 +23,24 @@ its policy (a 503 only when it fails closed, the "already processed" 409 only un
 declares at the same status (FastAPI's validation 422 stays; the bodies become ``anyOf`` both),
 and the replay headers on its 2xx and 3xx responses.
 
-Before the app has started there is no middleware yet, so no first scope: how the schema is
-completed then, and how the two ways meet, is :mod:`~starlette_idempotency._openapi_install`'s.
+Before the app has started there is no middleware yet, so no first scope: a script exporting
+the schema calls :func:`~starlette_idempotency._openapi.install.install_openapi`.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from starlette.routing import BaseRoute, compile_path
 
-from starlette_idempotency import _openapi_schemas as fragments
-from starlette_idempotency._openapi_install import install
+from starlette_idempotency._openapi import fragments
+from starlette_idempotency._openapi.fragments import Schema
+from starlette_idempotency._openapi.install import fastapi_app, install
 from starlette_idempotency._options import IdempotencyPolicy
 from starlette_idempotency._responses import ErrorFormat, Problem
 from starlette_idempotency._routing import RouteResolver, iter_routes, routes_for
 from starlette_idempotency._types import ASGIApp, Scope
-
-if TYPE_CHECKING:
-    from fastapi import FastAPI
-
-from starlette_idempotency._openapi_schemas import Schema
-
-
-def _fastapi_app(candidate: object) -> FastAPI | None:
-    # Never imported here: FastAPI is optional, and an app that is one has imported it.
-    fastapi = sys.modules.get("fastapi")
-    if fastapi is not None and isinstance(candidate, fastapi.FastAPI):
-        return cast("FastAPI", candidate)
-    return None
 
 
 def _path_format(template: str) -> str:
@@ -114,7 +102,7 @@ class OpenAPIDocumenter:
     def install(self, scope: Scope) -> None:
         """Document ``scope["app"]`` when it is a FastAPI app whose routes this middleware
         guards: from then on its ``app.openapi()`` includes the middleware."""
-        app = _fastapi_app(scope.get("app"))
+        app = fastapi_app(scope.get("app"))
         if app is None or routes_for(scope, self._app) is not app.routes:
             return
         install(app, self)
