@@ -23,9 +23,9 @@ if _typing.TYPE_CHECKING:
         idempotent,
         mark_retryable,
     )
+    from starlette_idempotency._kept_response import ResponseEncryption
     from starlette_idempotency._keys import KeySource, storage_key
     from starlette_idempotency._openapi.install import install_openapi
-    from starlette_idempotency._protection import ResponseEncryption
     from starlette_idempotency._record import StoredResponse
     from starlette_idempotency._responses import IdempotencyProblem
     from starlette_idempotency._transaction import IdempotencyTransaction, idempotency_transaction
@@ -83,7 +83,7 @@ _HOMES = {
     "PostgresStore": "starlette_idempotency.stores.postgres",
     "PrometheusMetrics": "starlette_idempotency.prometheus",
     "RedisStore": "starlette_idempotency.stores.redis",
-    "ResponseEncryption": "starlette_idempotency._protection",
+    "ResponseEncryption": "starlette_idempotency._kept_response",
     "StoreError": "starlette_idempotency.errors",
     "StoreReadiness": "starlette_idempotency.readiness",
     "StoreTimeoutError": "starlette_idempotency.errors",

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from starlette_idempotency._kept_response import SEALED_HEADER, ResponseEncryption, never_stored
 from starlette_idempotency._keys import split_storage_key, storage_key
-from starlette_idempotency._protection import SEALED_HEADER, ResponseEncryption, never_stored
 from starlette_idempotency._record import (
     IdempotencyRecord,
     RecordStatus,

@@ -31,8 +31,8 @@ from typing import Any
 import anyio
 
 from starlette_idempotency._endpoint import GUARDED_SCOPE, REQUEST_SCOPE_KEY, KeyOwner
+from starlette_idempotency._kept_response import ResponseKeeper
 from starlette_idempotency._options import IdempotencyPolicy
-from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
 from starlette_idempotency._renewal import HeldLock, LockRenewal, LockRenewals
 from starlette_idempotency._routing import GuardedRoute

@@ -21,8 +21,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypedDict, TypeGuard
 
+from starlette_idempotency._kept_response import Redactor, StoredParts
 from starlette_idempotency._keys import KeyFormat, KeyFunction, KeySource
-from starlette_idempotency._protection import Redactor, StoredParts
 from starlette_idempotency.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)

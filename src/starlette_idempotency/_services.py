@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from starlette_idempotency._kept_response import ResponseKeeper
 from starlette_idempotency._keys import KeyScopeResolver
-from starlette_idempotency._protection import ResponseKeeper
 from starlette_idempotency._renewal import LockRenewals
 from starlette_idempotency._responses import ErrorResponder
 from starlette_idempotency._store_calls import BoundedStore

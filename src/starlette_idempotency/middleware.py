@@ -16,6 +16,7 @@ from typing import Any, TypeVar, Unpack, cast
 from starlette.middleware.exceptions import ExceptionMiddleware
 
 from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, GUARDED_SCOPE, METHOD_NOT_GUARDED
+from starlette_idempotency._kept_response import ResponseEncryption, ResponseKeeper
 from starlette_idempotency._keys import KeyScope, KeyScopeResolver
 from starlette_idempotency._openapi.documenter import OpenAPIDocumenter
 from starlette_idempotency._options import (
@@ -25,7 +26,6 @@ from starlette_idempotency._options import (
     check_option,
     unknown_option_error,
 )
-from starlette_idempotency._protection import ResponseEncryption, ResponseKeeper
 from starlette_idempotency._renewal import LockRenewals
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
-from starlette_idempotency._protection import ResponseEncryption
+from starlette_idempotency._kept_response import ResponseEncryption
 from starlette_idempotency._responses import ErrorFormat, IdempotencyProblem, Problem
 from starlette_idempotency.stores import IdempotencyRecord
 from starlette_idempotency.stores.base import AcquireResult

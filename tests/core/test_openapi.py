@@ -22,9 +22,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Host, Mount, Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency._kept_response import ResponseEncryption
 from starlette_idempotency._keys import key_pattern
 from starlette_idempotency._openapi.fragments import key_schema
-from starlette_idempotency._protection import ResponseEncryption
 from starlette_idempotency._responses import Problem
 from starlette_idempotency._routing import find_leaf, iter_routes
 

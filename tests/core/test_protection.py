@@ -29,7 +29,7 @@ from starlette_idempotency import (
     StoredResponse,
     idempotent,
 )
-from starlette_idempotency._protection import SEALED_HEADER, never_stored
+from starlette_idempotency._kept_response import SEALED_HEADER, never_stored
 from tests.support.guarded import make_client
 
 KEY = {"Idempotency-Key": "k"}
