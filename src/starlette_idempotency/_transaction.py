@@ -51,12 +51,22 @@ class _Connection(Protocol):
     async def fetchval(self, sql: str, args: tuple[Any, ...]) -> Any: ...
 
 
-class _Asyncpg:
-    """An asyncpg ``Connection``."""
+class _Opened:
+    """A driver's connection, and the transaction opened on it (when one was)."""
 
     def __init__(self, connection: Any) -> None:
         self._connection = connection
         self._transaction: Any = None
+
+    async def commit(self) -> None:
+        await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        await self._transaction.rollback()
+
+
+class _Asyncpg(_Opened):
+    """An asyncpg ``Connection``."""
 
     def in_transaction(self) -> bool:
         return bool(self._connection.is_in_transaction())
@@ -65,35 +75,19 @@ class _Asyncpg:
         self._transaction = self._connection.transaction()
         await self._transaction.start()
 
-    async def commit(self) -> None:
-        await self._transaction.commit()
-
-    async def rollback(self) -> None:
-        await self._transaction.rollback()
-
     async def fetchval(self, sql: str, args: tuple[Any, ...]) -> Any:
         return await self._connection.fetchval(sql, *args)
 
 
-class _SQLAlchemy:
+class _SQLAlchemy(_Opened):
     """A SQLAlchemy ``AsyncConnection`` or ``AsyncSession`` (asyncpg driver): statements go
     through SQLAlchemy, so that they run in the transaction it began."""
-
-    def __init__(self, connection: Any) -> None:
-        self._connection = connection
-        self._transaction: Any = None
 
     def in_transaction(self) -> bool:
         return bool(self._connection.in_transaction())
 
     async def begin(self) -> None:
         self._transaction = await self._connection.begin()
-
-    async def commit(self) -> None:
-        await self._transaction.commit()
-
-    async def rollback(self) -> None:
-        await self._transaction.rollback()
 
     async def fetchval(self, sql: str, args: tuple[Any, ...]) -> Any:
         connection = self._connection

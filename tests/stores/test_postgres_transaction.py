@@ -224,39 +224,14 @@ async def test_a_takeover_waits_for_the_transaction_then_replays(
     assert await payments(sql, tables, "k") == ["1"]
 
 
-async def test_it_needs_postgres_store_on_the_apps_database(postgres_dsn: str) -> None:
+async def refusal(store: IdempotencyStore, dsn: str) -> str:
+    """What entering ``idempotency_transaction`` on a connection to ``dsn`` refuses, in a
+    request guarded with ``store``."""
     seen: list[str] = []
 
     @idempotent()
     async def pay(request: Request) -> Response:
-        connection = await asyncpg.connect(postgres_dsn)
-        try:
-            async with idempotency_transaction(request, connection):
-                pass
-        except ConfigurationError as exc:
-            seen.append(str(exc))
-        finally:
-            await connection.close()
-        return JSONResponse({})
-
-    async with make_client(guarded_by(MemoryStore(), pay)) as client:
-        await client.post("/pay", headers={"Idempotency-Key": "k"})
-    [message] = seen
-    assert "needs PostgresStore" in message
-    assert "MemoryStore" in message
-
-
-async def test_a_connection_to_another_database_is_refused(
-    postgres_dsn: str, postgres_admin_dsn: str, tables: str, sql: Any
-) -> None:
-    """The record lives in the store's database: a connection elsewhere cannot fence it."""
-    seen: list[str] = []
-    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
-    other = postgres_admin_dsn.rsplit("/", 1)[0] + "/postgres"
-
-    @idempotent()
-    async def pay(request: Request) -> Response:
-        connection = await asyncpg.connect(other)
+        connection = await asyncpg.connect(dsn)
         try:
             async with idempotency_transaction(request, connection):
                 pass
@@ -268,8 +243,24 @@ async def test_a_connection_to_another_database_is_refused(
 
     async with make_client(guarded_by(store, pay)) as client:
         await client.post("/pay", headers={"Idempotency-Key": "k"})
-    await store.aclose()
     [message] = seen
+    return message
+
+
+async def test_it_needs_postgres_store_on_the_apps_database(postgres_dsn: str) -> None:
+    message = await refusal(MemoryStore(), postgres_dsn)
+    assert "needs PostgresStore" in message
+    assert "MemoryStore" in message
+
+
+async def test_a_connection_to_another_database_is_refused(
+    postgres_dsn: str, postgres_admin_dsn: str, tables: str
+) -> None:
+    """The record lives in the store's database: a connection elsewhere cannot fence it."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    other = postgres_admin_dsn.rsplit("/", 1)[0] + "/postgres"
+    message = await refusal(store, other)
+    await store.aclose()
     assert "not on the database of the store" in message
 
 
