@@ -6,6 +6,7 @@ app runs as uvicorn pods in ``test_transaction_pods``."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -352,3 +353,65 @@ async def test_a_rolled_back_recovery_point_is_never_written_later(
     assert await payments(sql, tables, "k") == ["1"]
     record = await record_of(sql, tables, "k")
     assert "payment_written" in record["checkpoints"]  # the committed one, with the outcome
+
+
+ROUNDS = 25
+
+
+async def test_a_lapsed_lease_racing_its_takeover_commits_one_payment(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """Over many rounds, a first attempt's lease lapses at a random moment (before, during or
+    after its transaction) while a retry races it: one payment row per key, and the clients
+    that got an answer got the same one."""
+    rng = random.Random(29)
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    database = Database(postgres_dsn, tables, "asyncpg")
+    pauses: dict[str, list[float]] = {}
+    runs: list[int] = []  # how many attempts ran the handler, per round
+
+    @idempotent(lock_ttl_seconds=30, renew_lock=False)
+    async def pay(request: Request) -> Response:
+        key = request.headers["idempotency-key"]
+        before, inside = pauses[key].pop(0), pauses[key].pop(0)
+        await asyncio.sleep(before)
+
+        async def work(connection: Any, fetchval: Any) -> Response:
+            async with idempotency_transaction(request, connection) as tx:
+                payment = await fetchval(
+                    f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                    "VALUES ($1, '1', '') RETURNING id",
+                    key,
+                )
+                await asyncio.sleep(inside)
+                return await tx.respond(JSONResponse({"payment": payment}, status_code=201))
+
+        response: Response = await database.in_transaction("read_committed", work)
+        return response
+
+    async with make_client(guarded_by(store, pay)) as client:
+        for round_ in range(ROUNDS):
+            key = f"race-{round_}"
+            pauses[key] = [rng.uniform(0, 0.02) for _ in range(4)]
+            headers = {"Idempotency-Key": key}
+            first = asyncio.create_task(client.post("/pay", json={}, headers=headers))
+            await asyncio.sleep(rng.uniform(0, 0.03))
+            # The lease lapses on the database's clock, unless the record is finished by now
+            # (an UPDATE waits for the transaction's row lock, then sees the row it left).
+            await sql.execute(
+                f"UPDATE {tables} SET expires_at = now() - interval '1 second'"
+                " WHERE idempotency_key = $1 AND status = 'InProgress'",
+                key,
+            )
+            retry = await client.post("/pay", json={}, headers=headers)
+            answers = [await first, retry]
+            assert await payments(sql, tables, key) == ["1"], round_
+            bodies = {a.content for a in answers if a.status_code == 201}
+            assert len(bodies) == 1, (round_, [(a.status_code, a.text) for a in answers])
+            assert {a.status_code for a in answers} <= {201, 409}, round_
+            runs.append(2 - len(pauses[key]) // 2)
+    await database.aclose()
+    await store.aclose()
+    # The race was run both ways: rounds where the retry took the key over and ran too.
+    assert 1 in runs, runs
+    assert 2 in runs, runs
