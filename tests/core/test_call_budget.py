@@ -1,5 +1,7 @@
-"""The request path stays lean: a warm guarded POST on MemoryStore makes few calls into the
-package, through few of its files (a profile hook counts the calls whose code lives in it).
+"""The request path stays lean: a warm guarded POST makes few calls into the package, through
+few of its files (a profile hook counts the calls whose code lives in it, a coroutine resumed
+after an await counted again). On MemoryStore, and on RedisStore with a real Redis: the path
+production takes, where every round trip resumes the coroutines awaiting it.
 
 This counts calls, never time: it is exact, and the same on a busy machine.
 """
@@ -20,7 +22,13 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 import starlette_idempotency
-from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency import (
+    IdempotencyMiddleware,
+    IdempotencyStore,
+    MemoryStore,
+    RedisStore,
+    idempotent,
+)
 from tests.support.guarded import make_client
 
 PACKAGE = Path(starlette_idempotency.__file__).parent
@@ -32,6 +40,13 @@ MAX_CALLS = 44
 #: and the endpoint's wrapper; and the loop's timers, which lock renewal calls rather than
 #: reaching into (#29 took renewal back into the loop: the timers also see a blocked loop).
 MAX_FILES = 14
+#: On RedisStore, today's count as a ratchet: issue #30's budget is 50 calls through 12 files,
+#: which takes fewer coroutine layers between the middleware and each round trip (and #33). The
+#: count varies with how often a reply is not there yet when it is read (each wait resumes every
+#: coroutine above it): 98 to 111 for a new key and 63 to 68 for a replay were measured, and the
+#: ratchet leaves room for one more wait of each round trip.
+MAX_REDIS_CALLS = (124, 75)
+MAX_REDIS_FILES = 16
 
 
 class Payment(BaseModel):
@@ -44,7 +59,7 @@ class Payment(BaseModel):
 PAYMENT = {"accountId": "a_1", "amount": "9.99", "currency": "EUR", "merchantReference": "r_1"}
 
 
-def payments_app() -> FastAPI:
+def payments_app(store: IdempotencyStore | None = None) -> FastAPI:
     app = FastAPI()
 
     @app.post("/payments", status_code=201)
@@ -52,7 +67,7 @@ def payments_app() -> FastAPI:
     async def pay(payment: Payment) -> dict[str, str]:
         return {"paymentId": "p_1", "amount": payment.amount}
 
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=lambda r: "t")
+    app.add_middleware(IdempotencyMiddleware, store=store or MemoryStore(), key_scope=lambda r: "t")
     return app
 
 
@@ -73,9 +88,10 @@ def package_calls() -> Iterator[Counter[tuple[str, str]]]:
         sys.setprofile(None)
 
 
-@pytest.mark.parametrize("replay", [False, True], ids=["new key", "replay"])
-async def test_a_warm_guarded_post_stays_within_the_budget(replay: bool) -> None:
-    client = make_client(payments_app())
+async def warm_post(app: FastAPI, *, replay: bool) -> tuple[int, int, str]:
+    """Calls and files of one warm guarded POST (a replay of the one before, or a new key),
+    and the calls as a listing for the failure message."""
+    client = make_client(app)
     for _ in range(3):  # warm: routes resolved, media types and header verdicts known
         await client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": uuid.uuid4().hex})
     headers = {"Idempotency-Key": uuid.uuid4().hex}
@@ -85,10 +101,26 @@ async def test_a_warm_guarded_post_stays_within_the_budget(replay: bool) -> None
         answer = await client.post("/payments", json=PAYMENT, headers=headers)
     assert answer.status_code == 201
     assert (answer.headers.get("x-idempotent-replay") == "true") is replay
-    calls = sum(counted.values())
-    files = {file for file, _ in counted}
     shown = "\n".join(
         f"{n:3d} {Path(file).relative_to(PACKAGE)}:{name}" for (file, name), n in counted.items()
     )
+    return sum(counted.values()), len({file for file, _ in counted}), shown
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["new key", "replay"])
+async def test_a_warm_guarded_post_stays_within_the_budget(replay: bool) -> None:
+    calls, files, shown = await warm_post(payments_app(), replay=replay)
     assert calls <= MAX_CALLS, f"{calls} calls into the package:\n{shown}"
-    assert len(files) <= MAX_FILES, f"{len(files)} files:\n{shown}"
+    assert files <= MAX_FILES, f"{files} files:\n{shown}"
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("replay", [False, True], ids=["new key", "replay"])
+async def test_a_warm_guarded_post_on_redis_stays_within_todays_count(
+    replay: bool, redis_url: str, redis_key_prefix: str
+) -> None:
+    store = RedisStore.from_url(redis_url, key_prefix=redis_key_prefix)
+    calls, files, shown = await warm_post(payments_app(store), replay=replay)
+    await store.aclose()
+    assert calls <= MAX_REDIS_CALLS[replay], f"{calls} calls into the package:\n{shown}"
+    assert files <= MAX_REDIS_FILES, f"{files} files:\n{shown}"
