@@ -400,10 +400,9 @@ class Run(ReplayingReceive):
     def __init__(
         self, lease: Lease, policy: IdempotencyPolicy, body: Body, receive: Receive, send: Send
     ) -> None:
+        super().__init__(body, receive)
         self._lease = lease
         self._policy = policy
-        self._body = body  # as ReplayingReceive keeps it (no call to its __init__ per request)
-        self._receive = receive
         self._client_send = send
         self._renewal: LockRenewal | None = None
         self.status = 0
