@@ -37,6 +37,7 @@ from starlette_idempotency import (
 )
 from starlette_idempotency.errors import UnguardedRequestError
 from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
+from tests.support.decorators import counting_wraps
 from tests.support.guarded import make_client
 from tests.support.routing import Rewriting
 
@@ -216,24 +217,7 @@ async def test_methods_the_middleware_does_not_guard_run_as_before() -> None:
 # -- decorators stacked above @idempotent ----------------------------------------------------
 
 
-def rate_limited(func: Any) -> Any:
-    """A decorator as rate limiters and caches write them: ``functools.wraps``, which copies
-    the name, the attributes and ``__wrapped__`` to its own wrapper."""
-    if inspect.iscoroutinefunction(func):
-
-        @functools.wraps(func)
-        async def limited(*args: Any, **kwargs: Any) -> Any:
-            runs["limiter"] += 1
-            return await func(*args, **kwargs)
-
-        return limited
-
-    @functools.wraps(func)
-    def limited_sync(*args: Any, **kwargs: Any) -> Any:
-        runs["limiter"] += 1
-        return func(*args, **kwargs)
-
-    return limited_sync
+rate_limited = counting_wraps(runs)
 
 
 def stacked_fastapi() -> FastAPI:

@@ -19,12 +19,10 @@ whose handler version 2 renamed and moved.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel
@@ -37,6 +35,7 @@ from starlette.routing import BaseRoute, Host, Mount, Route, Router
 from starlette.types import Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, IdempotencyStore, MemoryStore, idempotent
+from tests.support.decorators import counting_wraps
 from tests.support.routing import Rewriting
 
 runs: Counter[str] = Counter()
@@ -173,23 +172,7 @@ def create_service() -> Starlette:
     )
 
 
-def rate_limited(func: Any) -> Any:
-    """A decorator as rate limiters and caches write them, with ``functools.wraps``."""
-    if inspect.iscoroutinefunction(func):
-
-        @functools.wraps(func)
-        async def limited(*args: Any, **kwargs: Any) -> Any:
-            runs["limiter"] += 1
-            return await func(*args, **kwargs)
-
-        return limited
-
-    @functools.wraps(func)
-    def limited_sync(*args: Any, **kwargs: Any) -> Any:
-        runs["limiter"] += 1
-        return func(*args, **kwargs)
-
-    return limited_sync
+rate_limited = counting_wraps(runs)
 
 
 class Payment(BaseModel):
