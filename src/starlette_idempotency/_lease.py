@@ -425,13 +425,7 @@ class Run(ReplayingReceive):
         scope[REQUEST_SCOPE_KEY] = lease
         policy = self._policy
         if policy.renew_lock:
-            lock = HeldLock(
-                lease.store_key,
-                lease.record.owner_token,
-                policy.lock_ttl_seconds,
-                events.endpoint,
-                policy.max_processing_seconds,
-            )
+            lock = HeldLock(policy.lock_ttl_seconds, events.endpoint, policy.max_processing_seconds)
             self._renewal = LockRenewal(lease.renew, events, lock, renewals)
         try:
             await app(scope, self.receive, self.send)

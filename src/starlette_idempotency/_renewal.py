@@ -45,10 +45,8 @@ MAX_PROCESSING_REASON = "max_processing_seconds"
 
 @dataclass(frozen=True, slots=True)
 class HeldLock:
-    """A lock as the store knows it, and the route it guards (for warnings and metrics)."""
+    """A held lock's durations, and the route it guards (for warnings and metrics)."""
 
-    store_key: str
-    owner_token: str
     lock_ttl: float
     endpoint: str
     #: How long the lock is renewed for at most (``max_processing_seconds``).
