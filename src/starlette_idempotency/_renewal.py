@@ -184,4 +184,4 @@ class LockRenewals:
     def __init__(self, observer: Observer) -> None:
         self.observer = observer
         #: Where running handlers wait for their first lock renewal (one timer per loop).
-        self.timers = PerLoop(RENEWAL_RESOLUTION, on_gap=_report_gap)
+        self.timers = PerLoop(lambda loop: LoopTimer(loop, RENEWAL_RESOLUTION, _report_gap))

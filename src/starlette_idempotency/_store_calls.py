@@ -14,14 +14,15 @@ they were, with a ``DeprecationWarning``.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import replace
 from typing import TypeVar
 
 from starlette_idempotency._deprecation import deprecated
 from starlette_idempotency._record import IdempotencyRecord
-from starlette_idempotency._timers import CallDeadlines
+from starlette_idempotency._timers import CallsInFlight, PerLoop
 from starlette_idempotency._types import Clock, system_clock
 from starlette_idempotency.errors import StoreError, StoreTimeoutError
 from starlette_idempotency.observability import MetricsSink, StoreCallTracer
@@ -49,34 +50,19 @@ OBSERVED_OPERATIONS = (
 
 
 class BoundedStore:
-    """The store's primitives, each bounded to ``timeout`` seconds, timed and traced.
-
-    Where there is nothing to bound, time, trace or translate (a store that never waits on
-    I/O, with no metrics sink and no tracing), :attr:`try_acquire`, :attr:`finish` and
-    :attr:`release` are the store's own methods: the calls of every request cost nothing here.
-    """
+    """The store's primitives, each bounded to ``timeout`` seconds, timed and traced."""
 
     __slots__ = (
         "_clock",
-        "_deadlines",
         "_finishers",
+        "_in_flight",
         "_legacy_leases",
         "_metrics",
-        "_never_blocks",
         "_tracer",
-        "finish",
         "name",
-        "release",
         "store",
-        "try_acquire",
+        "timeout",
     )
-
-    #: ``try_acquire(key, pending, lock_ttl, *, recover=True)``, bounded.
-    try_acquire: Callable[..., Awaitable[AcquireResult]]
-    #: ``finish(key, record, ttl)``, bounded, and named for the outcome it writes.
-    finish: Callable[[str, IdempotencyRecord, float], Awaitable[FencedWrite]]
-    #: ``release(key, owner_token)``, bounded.
-    release: Callable[[str, str], Awaitable[bool]]
 
     def __init__(
         self,
@@ -101,9 +87,9 @@ class BoundedStore:
             )
         #: The store's name for metrics labels and spans.
         self.name = store.name
-        self._deadlines = CallDeadlines(timeout)
-        # A store that never waits on I/O costs less than the cheapest deadline would.
-        self._never_blocks = store.never_blocks
+        #: How long a call may take, in seconds (``store_timeout_seconds``).
+        self.timeout = timeout
+        self._in_flight = PerLoop(lambda loop: CallsInFlight(loop, timeout))
         self._metrics = metrics
         self._tracer = tracer
         # A store written for the protocol's first spelling overrides complete() or fail()
@@ -113,16 +99,6 @@ class BoundedStore:
             for status, spelling in FINISH_SPELLINGS.items()
             if getattr(type(store), spelling, None) not in (None, getattr(StoreBase, spelling))
         }
-        direct = (
-            self._never_blocks
-            and metrics is None
-            and tracer is None
-            and not self._legacy_leases
-            and not self._finishers
-        )
-        self.try_acquire = store.try_acquire if direct else self._try_acquire
-        self.finish = store.finish if direct else self._finish
-        self.release = store.release if direct else self._release
         if self._finishers:
             overridden = " and ".join(f"{FINISH_SPELLINGS[s]}()" for s in self._finishers)
             deprecated(
@@ -131,7 +107,7 @@ class BoundedStore:
                 stacklevel=4,
             )
 
-    def _try_acquire(
+    def try_acquire(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> Awaitable[AcquireResult]:
         call = self.store.try_acquire(key, pending, lock_ttl, recover=recover)
@@ -146,7 +122,8 @@ class BoundedStore:
             return result
         return replace(result, lease_expired=result.record.lease_expired(self._clock()))
 
-    def _finish(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[FencedWrite]:
+    def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[FencedWrite]:
+        """``finish``, named for the outcome it writes."""
         finish = self._finishers.get(record.status, self.store.finish)
         # Metrics and spans name the outcome, as dashboards built on them expect.
         return self._call(FINISH_SPELLINGS[record.status], finish(key, record, ttl))
@@ -159,7 +136,7 @@ class BoundedStore:
             return self._call("save_progress", self.store.save_progress(key, dated, ttl))  # type: ignore[call-arg]
         return self._call("save_progress", self.store.save_progress(key, record, ttl, lease))
 
-    def _release(self, key: str, owner_token: str) -> Awaitable[bool]:
+    def release(self, key: str, owner_token: str) -> Awaitable[bool]:
         return self._call("release", self.store.release(key, owner_token))
 
     def renew(
@@ -199,16 +176,36 @@ class BoundedStore:
                 )
 
     async def _bounded(self, call: Awaitable[_T]) -> _T:
+        """``call``'s result, its failures as ``StoreError``, and ``StoreTimeoutError`` once it
+        is late (see ``CallsInFlight``: nothing is made per call)."""
+        task = asyncio.current_task()
+        assert task is not None, "a coroutine awaited under asyncio runs in a task"
+        loop = task.get_loop()
+        in_flight = self._in_flight.last
+        if in_flight is None or in_flight.loop is not loop:
+            in_flight = self._in_flight.get(loop)
+        cancelling = task.cancelling()
+        in_flight.due[task] = loop.time() + self.timeout
+        if in_flight.handle is None:
+            in_flight.arm()
         try:
-            if self._never_blocks:
-                return await call
-            with self._deadlines.bound():
-                return await call
+            return await call
         except StoreError:
             raise
-        except TimeoutError as exc:
-            raise StoreTimeoutError(
-                f"idempotency store call took longer than {self._deadlines.timeout}s"
-            ) from exc
         except Exception as exc:
             raise StoreError(f"idempotency store call failed: {exc!r}") from exc
+        except asyncio.CancelledError as exc:
+            late = in_flight.late
+            if task in late:
+                late.discard(task)
+                # Ours to take back; a cancellation beyond ours (someone else's) stays one.
+                if task.uncancel() <= cancelling:
+                    raise StoreTimeoutError(
+                        f"idempotency store call took longer than {self.timeout}s"
+                    ) from exc
+            raise
+        finally:
+            del in_flight.due[task]
+            if task in in_flight.late:  # cancelled when late, but the call swallowed it
+                in_flight.late.discard(task)
+                task.uncancel()

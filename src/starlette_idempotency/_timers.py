@@ -6,10 +6,11 @@ A request that schedules and cancels a timer of its own pays for it twice: ``cal
 only enters and leaves a set; one timer per event loop (:class:`LoopTimer`), armed only while
 entries wait, fires those whose time has come.
 
-Store-call deadlines (:class:`CallDeadlines`) bound a call with such an entry instead of
-``asyncio.timeout``; their cancellation protocol is the one ``asyncio.timeout`` uses
-(``Task.cancel``, then ``Task.uncancel`` to tell our cancellation from anyone else's), so a
-request cancelled from outside during a store call stays cancelled.
+Store-call deadlines (:class:`CallsInFlight`) cost less still: a call's task enters a dict
+and leaves it, and one timer per loop cancels a call that is late. Their cancellation protocol
+is the one ``asyncio.timeout`` uses (``Task.cancel``, then ``Task.uncancel`` to tell our
+cancellation from anyone else's), so a request cancelled from outside during a store call stays
+cancelled.
 
 Lock renewals wait on timers of their own (``_renewal``), which also report a loop that was
 blocked: a check that comes much later than its resolution says the loop ran nothing between.
@@ -21,8 +22,7 @@ import asyncio
 import time
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 
 class Timed(Protocol):
@@ -33,6 +33,8 @@ class Timed(Protocol):
 
     def fire(self) -> None: ...
 
+
+_PerLoopT = TypeVar("_PerLoopT")
 
 #: Told, in the loop, that its timer's check came ``gap`` seconds after the previous one.
 GapHook = Callable[["LoopTimer", float], None]
@@ -87,76 +89,58 @@ class LoopTimer:
             entry.fire()
 
 
-class PerLoop:
-    """One :class:`LoopTimer` per event loop; the last one used is found without a lookup."""
+class PerLoop(Generic[_PerLoopT]):
+    """One ``made(loop)`` per event loop; the last one used is found without a lookup."""
 
-    def __init__(self, resolution: float, on_gap: GapHook | None = None) -> None:
-        self.resolution = resolution
-        self._on_gap = on_gap
-        self._timers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopTimer] = (
+    def __init__(self, made: Callable[[asyncio.AbstractEventLoop], _PerLoopT]) -> None:
+        self._made = made
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _PerLoopT] = (
             weakref.WeakKeyDictionary()
         )
-        self.last: LoopTimer | None = None
+        self.last: _PerLoopT | None = None
 
-    def get(self, loop: asyncio.AbstractEventLoop) -> LoopTimer:
-        timer = self.last
-        if timer is None or timer.loop is not loop:
-            timer = self._timers.get(loop)
-            if timer is None:
-                timer = self._timers[loop] = LoopTimer(loop, self.resolution, self._on_gap)
-            self.last = timer
-        return timer
+    def get(self, loop: asyncio.AbstractEventLoop) -> _PerLoopT:
+        found = self._by_loop.get(loop)
+        if found is None:
+            found = self._by_loop[loop] = self._made(loop)
+        self.last = found
+        return found
 
 
 _MAX_RESOLUTION = 0.05
-_UNBOUNDED: AbstractContextManager[None] = nullcontext()
 
 
-class _Bound:
-    """One bounded call: ``with deadlines.bound(): await ...`` (a plain context manager, so
-    bounding a call adds no coroutine frame)."""
+class CallsInFlight:
+    """The store calls in flight on one event loop, and the timer that cancels the late ones.
 
-    __slots__ = ("cancelling", "due", "fired", "task", "timer")
-
-    def __init__(self, task: asyncio.Task[Any], timer: LoopTimer, timeout: float) -> None:
-        self.task = task
-        self.timer = timer
-        self.fired = False
-        self.due = timer.loop.time() + timeout
-        self.cancelling = task.cancelling()
-
-    def fire(self) -> None:
-        self.task.cancel()
-
-    def __enter__(self) -> None:
-        self.timer.add(self)
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: object
-    ) -> None:
-        self.timer.discard(self)
-        if not self.fired:
-            return
-        # Ours to take back; a CancelledError beyond ours (someone else's) stays one.
-        if self.task.uncancel() <= self.cancelling and kind is asyncio.CancelledError:
-            raise TimeoutError from exc
-
-
-class CallDeadlines:
-    """Bounds calls to ``timeout`` seconds: ``with deadlines.bound(): await call()`` raises
-    ``TimeoutError`` once the call is late.
-
-    A call is cancelled between ``timeout`` and ``timeout + resolution`` seconds after it
-    started, where ``resolution`` is a twentieth of ``timeout``, at most 50 ms.
+    A call costs two dict writes: its task enters :attr:`due` with the loop time it must
+    answer by, and leaves it when it ends (no object, timer handle or ``asyncio.timeout`` per
+    call; see ``BoundedStore``). While calls are in
+    flight a check runs every :attr:`resolution` seconds; the task of a late call is
+    cancelled and enters :attr:`late`, so the call can tell its deadline's cancellation from
+    anyone else's (``Task.uncancel``, as ``asyncio.timeout`` does). A call is cancelled between
+    ``timeout`` and ``timeout + resolution`` seconds after it started.
     """
 
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self.timers = PerLoop(min(_MAX_RESOLUTION, timeout / 20))
+    __slots__ = ("due", "handle", "late", "loop", "resolution")
 
-    def bound(self) -> AbstractContextManager[None]:
-        """A context manager bounding the awaits inside it (none outside a task)."""
-        task = asyncio.current_task()
-        if task is None:
-            return _UNBOUNDED
-        return _Bound(task, self.timers.get(task.get_loop()), self.timeout)
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        self.loop = loop
+        self.resolution = min(_MAX_RESOLUTION, timeout / 20)
+        #: The tasks in a store call, and the loop time each must be answered by.
+        self.due: dict[asyncio.Task[Any], float] = {}
+        #: The tasks whose call this timer cancelled, until the call has seen it.
+        self.late: set[asyncio.Task[Any]] = set()
+        self.handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        """Schedule the next check (a call began while none was scheduled)."""
+        self.handle = self.loop.call_later(self.resolution, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        for task, due in self.due.items():
+            if due <= now and task not in self.late:
+                self.late.add(task)
+                task.cancel()
+        self.handle = self.loop.call_later(self.resolution, self._check) if self.due else None

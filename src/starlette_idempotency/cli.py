@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette_idempotency import __version__
 from starlette_idempotency._cli_keys import (
@@ -209,7 +209,13 @@ async def _store_for(args: argparse.Namespace) -> RedisStore | PostgresStore:
         # The key commands list keys with SCAN, which only the redis-py driver sends.
         driver: DriverName = getattr(args, "driver", "redis-py")
         try:
-            return RedisStore.from_url(args.redis, key_prefix=args.key_prefix, driver=driver)
+            # No middleware bounds the CLI's calls: redis-py's socket timeout does.
+            options: dict[str, Any] = {}
+            if driver == "redis-py":
+                options["socket_timeout"] = DEFAULT_OPERATION_TIMEOUT
+            return RedisStore.from_url(
+                args.redis, key_prefix=args.key_prefix, driver=driver, **options
+            )
         except ValueError as exc:  # redis-py refusing the URL (no password in its message)
             raise ConfigurationError(f"--redis: {exc}") from exc
     # min_size=0: the first connection is the first operation's, so an unreachable database

@@ -209,7 +209,7 @@ def _mounted_problems(routes: Sequence[Any]) -> list[str]:
     return problems
 
 
-_CAPABILITIES = ("name", "supports_recovery", "never_blocks")
+_CAPABILITIES = ("name", "supports_recovery")
 
 
 def _check_store_object(store: object) -> None:

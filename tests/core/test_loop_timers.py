@@ -56,7 +56,7 @@ async def test_an_entry_that_fails_to_fire_does_not_stop_the_others() -> None:
 
 
 def test_per_loop_makes_one_timer_per_event_loop() -> None:
-    timers = PerLoop(0.05)
+    timers = PerLoop(lambda loop: LoopTimer(loop, 0.05))
 
     async def timer_of_this_loop() -> tuple[LoopTimer, LoopTimer]:
         loop = asyncio.get_running_loop()

@@ -31,29 +31,6 @@ async def test_fail_closed_answers_503_without_running(kind: str, hang: bool) ->
     assert harness.ledger.executions["payments"] == 0
 
 
-def test_a_memory_store_subclass_that_overrides_an_operation_is_bounded() -> None:
-    """MemoryStore never waits, so the middleware skips the deadline; a subclass that overrides
-    an operation may wait in it (as BrokenStore above does), so it is bounded unless it says
-    it never blocks."""
-
-    class Slow(MemoryStore):
-        async def release(self, key: str, owner_token: str) -> bool:
-            return await super().release(key, owner_token)
-
-    class DeclaredFast(Slow):
-        never_blocks = True
-
-    class Described(MemoryStore):
-        def describe(self) -> str:
-            return "memory, described"
-
-    assert MemoryStore.never_blocks is True
-    assert Slow.never_blocks is False
-    assert DeclaredFast.never_blocks is True
-    assert Described.never_blocks is True
-    assert BrokenStore.never_blocks is False
-
-
 async def test_fail_open_runs_the_handler_unprotected(
     kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:

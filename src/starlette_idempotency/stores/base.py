@@ -99,9 +99,6 @@ class IdempotencyStore(Protocol):
     #: lease has run out on the store's clock, atomically, even though the record itself lives
     #: on.
     supports_recovery: bool
-    #: Whether no call ever waits on I/O (MemoryStore): the middleware then skips the timer
-    #: that bounds each call, which would cost more than the call.
-    never_blocks: bool
 
     async def try_acquire(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
@@ -205,11 +202,8 @@ def leases_on_store_clock(store: IdempotencyStore) -> bool:
 class StoreBase(IdempotencyStore):
     """What every store builds on the protocol's primitives; subclass it to write a store.
 
-    Subclasses implement the primitives and set ``name`` and ``supports_recovery``; a store
-    that never waits on I/O also sets ``never_blocks = True``.
+    Subclasses implement the primitives and set ``name`` and ``supports_recovery``.
     """
-
-    never_blocks = False
 
     async def resolve(
         self, key: str, response: StoredResponse, ttl: float = DEFAULT_RESOLVED_TTL

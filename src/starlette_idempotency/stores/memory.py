@@ -31,8 +31,6 @@ from starlette_idempotency._record import (
 from starlette_idempotency._types import Clock, monotonic_for, system_clock
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
-    FINISH_SPELLINGS,
-    STORE_OPERATIONS,
     AcquireResult,
     FencedWrite,
     StoreBase,
@@ -113,16 +111,6 @@ class MemoryStore(StoreBase):
 
     name = "memory"
     supports_recovery = True
-    #: Its calls never wait on I/O, so the middleware bounds them with no timer. A subclass
-    #: that overrides an operation may wait in it (a slow or failing store for tests): it is
-    #: bounded by ``store_timeout_seconds`` unless it sets ``never_blocks = True`` itself.
-    never_blocks = True
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        overridden = {*STORE_OPERATIONS, *FINISH_SPELLINGS.values()}.intersection(cls.__dict__)
-        if overridden and "never_blocks" not in cls.__dict__:
-            cls.never_blocks = False
 
     def __init__(
         self,

@@ -86,9 +86,6 @@ class FaultyStore(StoreBase):
     of each operation.
     """
 
-    #: A stalled call waits: the middleware must bound every call with its store timeout
-    #: (``MemoryStore`` says it never blocks, which would switch that timer off).
-    never_blocks = False
     #: The wrapped store is whoever made it's to close, never the middleware's.
     owns_connections = False
 
