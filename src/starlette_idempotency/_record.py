@@ -159,8 +159,8 @@ def _parse_time(text: str) -> float:
     return datetime.fromisoformat(text).timestamp()
 
 
-def record_to_dict(record: IdempotencyRecord) -> dict[str, Any]:
-    """The record's wire form as a dict (JSON-ready)."""
+def dump_record(record: IdempotencyRecord) -> bytes:
+    """The record's wire form as JSON bytes."""
     response = record.response
     body: str | None = None
     encoding: str | None = None
@@ -177,7 +177,7 @@ def record_to_dict(record: IdempotencyRecord) -> dict[str, Any]:
         "responseStatusCode": response.status_code if response else None,
         "responseBody": body,
         "responseBodyEncoding": encoding,
-        "responseHeaders": [list(pair) for pair in response.headers] if response else None,
+        "responseHeaders": response.headers if response else None,  # pairs as arrays
         "responseContentType": response.content_type if response else None,
         "createdAt": _format_time(record.created_at),
         "expiresAt": _format_time(record.expires_at),
@@ -191,6 +191,12 @@ def record_to_dict(record: IdempotencyRecord) -> dict[str, Any]:
             None if record.locked_until is None else round(record.locked_until * 1000)
         )
         wire["checkpoints"] = checkpoints_to_wire(record.checkpoints)
+    return orjson.dumps(wire)
+
+
+def record_to_dict(record: IdempotencyRecord) -> dict[str, Any]:
+    """The record's wire form as a dict (what :func:`dump_record` writes, as JSON reads it)."""
+    wire: dict[str, Any] = orjson.loads(dump_record(record))
     return wire
 
 
@@ -244,11 +250,6 @@ def record_from_dict(data: dict[str, Any]) -> IdempotencyRecord:
         )
     except (KeyError, TypeError, binascii.Error) as exc:
         raise ValueError(f"malformed idempotency record: {exc!r}") from exc
-
-
-def dump_record(record: IdempotencyRecord) -> bytes:
-    """The record's wire form as JSON bytes."""
-    return orjson.dumps(record_to_dict(record))
 
 
 def load_record(raw: bytes | str) -> IdempotencyRecord:

@@ -87,7 +87,9 @@ class LockRenewal:
         self.lock = lock
         self.interval = interval = lock.lock_ttl / 3
         loop = asyncio.get_running_loop()
-        timer = renewals.timers.get(loop)
+        timer = renewals.timers.last
+        if timer is None or timer.loop is not loop:
+            timer = renewals.timers.get(loop)
         self.timer = timer
         if interval / 10 < timer.resolution:  # a short lock TTL needs a finer check
             timer.resolution = interval / 10
@@ -101,7 +103,9 @@ class LockRenewal:
         self.fired = False
         #: Whether this lock's loop has been reported as blocked.
         self.lag_reported = False
-        timer.add(self)
+        timer.entries.add(self)
+        if timer.handle is None:
+            timer.arm()
 
     def fire(self) -> None:
         self._task = self.timer.loop.create_task(self._loop(), context=self._context)
@@ -162,7 +166,7 @@ class LockRenewal:
 
     def stop(self) -> None:
         timer = self.timer
-        timer.discard(self)
+        timer.entries.discard(self)
         if self._task is not None:
             self._task.cancel()
         # A handler that blocked the loop until it ended stops before the timer's next check.

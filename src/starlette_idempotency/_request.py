@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from starlette.exceptions import HTTPException
 
@@ -59,15 +59,56 @@ logger = logging.getLogger(__name__)
 _INVALID_LENGTH = -1
 
 
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    """What one pass over a guarded request's headers found, for every step that reads them."""
+
+    #: The values of the header the key comes in (one, unless the client sent it twice).
+    raw_keys: tuple[bytes, ...]
+    #: ``None`` without a Content-Length; ``_INVALID_LENGTH`` for one that is not one number.
+    content_length: int | None
+    content_type: str
+    #: Whether a Content-Encoding other than ``identity`` was sent.
+    content_encoded: bool
+    #: The route's ``fingerprint_headers``, as sent.
+    chosen_headers: tuple[tuple[str, str], ...]
+
+
+def read_head(
+    headers: list[tuple[bytes, bytes]], key_header: bytes | None, wanted: frozenset[bytes]
+) -> RequestHead:
+    """The head of a request with ``headers``, whose key comes in ``key_header``."""
+    raw_keys: list[bytes] = []
+    content_length: int | None = None
+    content_type = ""
+    content_encoded = False
+    chosen: list[tuple[str, str]] = []
+    for name, value in headers:
+        if name == key_header:
+            raw_keys.append(value)
+        elif name == b"content-length":
+            # Digits only, and few enough to be a length (int() refuses 4,300 and more).
+            length = int(value) if value.isdigit() and len(value) <= 18 else _INVALID_LENGTH
+            if content_length not in (None, length):
+                length = _INVALID_LENGTH  # two Content-Length headers that disagree
+            content_length = length
+        elif name == b"content-type" and not content_type:
+            content_type = value.decode("latin-1")
+        elif name == b"content-encoding":
+            content_encoded |= value.strip().lower() != b"identity"
+        if name in wanted:
+            chosen.append((name.decode("latin-1"), value.decode("latin-1")))
+    return RequestHead(
+        tuple(raw_keys), content_length, content_type, content_encoded, tuple(chosen)
+    )
+
+
 class GuardedRequest:
     """One request to a guarded route, from its headers to the key's owner or an answer."""
 
     __slots__ = (
-        "_chosen_headers",
-        "_content_encoded",
-        "_content_length",
-        "_content_type",
         "_events",
+        "_head",
         "_key_name",
         "_key_template",
         "_policy",
@@ -76,7 +117,6 @@ class GuardedRequest:
         "_scope",
         "_send",
         "_services",
-        "_store_key",
     )
 
     def __init__(
@@ -98,14 +138,11 @@ class GuardedRequest:
         self._receive = receive
         self._send = send
         self._events = RequestEvents(services.observer, scope["method"], route.template)
-        self._content_length: int | None = None
-        self._content_type = ""
-        self._content_encoded = False
-        self._chosen_headers: list[tuple[str, str]] = []
-        self._store_key = ""
         source = route.policy.key_source
         #: How error titles name the key: ``None`` for the middleware's header.
         self._key_name = None if source is None else source.label
+        key_header = services.limits.header_bytes if source is None else source.header_bytes or None
+        self._head = read_head(scope["headers"], key_header, route.policy.fingerprint_header_names)
 
     async def _reject(
         self,
@@ -130,35 +167,16 @@ class GuardedRequest:
             first=first,
         )
 
-    async def run(self) -> None:
-        limits = self._services.limits
+    def start(self) -> Awaitable[None]:
+        """What answers the request: its run as the key's owner, or a refusal."""
         source = self._policy.key_source
-        key_header = limits.header_bytes if source is None else source.header_bytes or None
-        # One pass over the headers for everything the request needs from them.
-        raw_keys: list[bytes] = []
-        wanted = self._policy.fingerprint_header_names
-        for name, value in self._scope["headers"]:
-            if name == key_header:
-                raw_keys.append(value)
-            elif name == b"content-length":
-                # Digits only, and few enough to be a length (int() refuses 4,300 and more).
-                length = int(value) if value.isdigit() and len(value) <= 18 else _INVALID_LENGTH
-                if self._content_length not in (None, length):
-                    length = _INVALID_LENGTH  # two Content-Length headers that disagree
-                self._content_length = length
-            elif name == b"content-type" and not self._content_type:
-                self._content_type = value.decode("latin-1")
-            elif name == b"content-encoding":
-                self._content_encoded |= value.strip().lower() != b"identity"
-            if name in wanted:
-                self._chosen_headers.append((name.decode("latin-1"), value.decode("latin-1")))
-        if source is not None and key_header is None:
-            await self._run_with_key_in_body(source)
-            return
+        if source is not None and not source.header_bytes:  # the key is in the body
+            return self._run_with_key_in_body(source)
+        limits = self._services.limits
         header_name = limits.header_name if source is None else source.name
+        raw_keys = self._head.raw_keys
         if not raw_keys:
-            await self._without_key(f"{header_name} header is required", None)
-            return
+            return self._without_key(f"{header_name} header is required", None)
         key = (
             parse_key(
                 raw_keys[0],
@@ -170,13 +188,9 @@ class GuardedRequest:
             else InvalidKey(sent_once_message(header_name))
         )
         if isinstance(key, InvalidKey):
-            await self._refuse_key(key)
-            return
+            return self._refuse_key(key)
         self._events.key = key
-        body = await self._read_body()
-        if body is None:
-            return
-        await self._acquire_and_run(key, body)
+        return self._acquire_and_run(key)
 
     async def _run_with_key_in_body(self, source: KeySource) -> None:
         """The request of a route whose key is read from the body (a JSON field, or a
@@ -232,14 +246,14 @@ class GuardedRequest:
         which the fingerprint reads in place and the app gets back in chunks (see
         :class:`~starlette_idempotency._lease.ReplayingReceive`)."""
         limit = self._services.limits.max_body_bytes
-        if self._content_length == _INVALID_LENGTH:
+        if self._head.content_length == _INVALID_LENGTH:
             await self._reject(
                 Problem.INVALID_REQUEST,
                 "Content-Length must be one decimal number",
                 CheckResult.INVALID_REQUEST,
             )
             return None
-        if self._content_length is not None and self._content_length > limit:
+        if self._head.content_length is not None and self._head.content_length > limit:
             await self._body_too_large()
             return None
         gathered: bytearray | None = None  # the chunks of a body sent in several messages
@@ -275,17 +289,17 @@ class GuardedRequest:
         """The request's fingerprint; ``None`` when ``fingerprint="validated"`` finds the body
         is not a valid command. An encoded body (``Content-Encoding: gzip``, which a custom
         route class may decode) is no command the middleware can read: it takes the raw form."""
-        scope = self._scope
+        scope, head = self._scope, self._head
         command = self._route.command
-        if command is None or self._content_encoded:
+        if command is None or head.content_encoded:
             kind, canonical = raw_body_form(
                 body,
-                content_type=self._content_type,
+                content_type=head.content_type,
                 excluded=self._policy.excluded_field_names,
                 parsed=parsed,
             )
         else:
-            form = command.canonical(body, self._content_type)
+            form = command.canonical(body, head.content_type)
             if form is None:
                 return None
             kind, canonical = form
@@ -294,14 +308,20 @@ class GuardedRequest:
             method=scope["method"],
             path=scope["path"],
             query_string=scope.get("query_string", b""),
-            headers=self._chosen_headers,
+            headers=head.chosen_headers,
             body_kind=kind,
             body=canonical,
         )
 
     async def _acquire_and_run(
-        self, key: str, body: Body, parsed: ParsedJson | None = None
+        self, key: str, body: Body | None = None, parsed: ParsedJson | None = None
     ) -> None:
+        """Read the body (unless the key came in it), fingerprint it, acquire the key and run
+        the app as its owner; or answer the request as the key's state says."""
+        if body is None:
+            body = await self._read_body()
+            if body is None:
+                return
         services, policy = self._services, self._policy
         fingerprint = self._fingerprint(body, parsed)
         if fingerprint is None:
@@ -312,7 +332,7 @@ class GuardedRequest:
         except HTTPException as exc:  # the app's own refusal (a bad token, say): its answer
             await self._send_refusal(exc, body, CheckResult.SCOPE_REFUSED)
             return
-        self._store_key = storage_key(owner, self._scope["method"], self._key_template, key)
+        store_key = storage_key(owner, self._scope["method"], self._key_template, key)
         now = services.clock()
         pending = IdempotencyRecord(
             key=key,
@@ -324,25 +344,25 @@ class GuardedRequest:
             fingerprint_version=self._route.fingerprint_version,
         )
         try:
-            acquired = await self._try_acquire(pending)
+            acquired = await self._try_acquire(store_key, pending)
         except StoreError as exc:
             await self._on_store_down(exc, body)
             return
         if not acquired.acquired:
             if self._is_waitable(acquired, fingerprint):
-                after_wait = await self._wait_for_first(pending)
+                after_wait = await self._wait_for_first(store_key, pending)
                 if after_wait is None:
                     return
                 acquired = after_wait
             if not acquired.acquired:
-                await self._answer_existing(acquired, fingerprint)
+                await self._answer_existing(store_key, acquired, fingerprint)
                 return
         lease = Lease(
             store=services.store,
             clock=services.clock,
             events=self._events,
             route=self._route,
-            store_key=self._store_key,
+            store_key=store_key,
             record=pending
             if acquired.record is None
             else self._owned_record(pending, acquired.record),
@@ -357,20 +377,22 @@ class GuardedRequest:
         except LockLostError:
             if run.status:  # the response had begun: nothing else can be sent
                 raise
-            await self._answer_after_takeover(fingerprint)
+            await self._answer_after_takeover(store_key, fingerprint)
 
-    async def _answer_after_takeover(self, fingerprint: str) -> None:
+    async def _answer_after_takeover(self, store_key: str, fingerprint: str) -> None:
         """This attempt's lease lapsed and another took its key over, so its transaction
         refused to commit (``idempotency_transaction`` raised ``LockLostError``): answer it
         as the duplicate it now is, with the other attempt's outcome once there is one."""
         try:
-            record = await self._services.store.get(self._store_key)
+            record = await self._services.store.get(store_key)
         except StoreError:
             record = None
         if record is None or record.status is RecordStatus.IN_PROGRESS:
             await self._reject_in_progress(record, note="lock_lost")
             return
-        await self._answer_existing(AcquireResult(acquired=False, record=record), fingerprint)
+        await self._answer_existing(
+            store_key, AcquireResult(acquired=False, record=record), fingerprint
+        )
 
     async def _send_refusal(
         self, exc: HTTPException, body: Body, result: CheckResult, note: str | None = None
@@ -400,9 +422,9 @@ class GuardedRequest:
             expires_at=self._services.clock() + self._policy.ttl_seconds,
         )
 
-    def _try_acquire(self, pending: IdempotencyRecord) -> Awaitable[AcquireResult]:
+    def _try_acquire(self, store_key: str, pending: IdempotencyRecord) -> Awaitable[AcquireResult]:
         return self._services.store.try_acquire(
-            self._store_key,
+            store_key,
             pending,
             self._policy.lock_ttl_seconds,
             recover=self._policy.on_recovery != "hold",
@@ -426,7 +448,9 @@ class GuardedRequest:
             and self._same_request(record, fingerprint)[0]
         )
 
-    async def _wait_for_first(self, pending: IdempotencyRecord) -> AcquireResult | None:
+    async def _wait_for_first(
+        self, store_key: str, pending: IdempotencyRecord
+    ) -> AcquireResult | None:
         """Wait for the request holding the key to finish, then try again.
 
         Returns the final acquire result, or ``None`` once this request has been answered
@@ -434,7 +458,7 @@ class GuardedRequest:
         """
         deadline = time.monotonic() + self._policy.wait_timeout_seconds
         result: AcquireResult | None = None
-        async with self._services.waiters.waiting(self._store_key) as watch:
+        async with self._services.waiters.waiting(store_key) as watch:
             if watch is None:
                 await self._reject_in_progress(None, note="too_many_waiters")
                 return None
@@ -447,7 +471,7 @@ class GuardedRequest:
                         return AcquireResult(acquired=False, record=record)
                     continue  # another request took the key over: wait for it instead
                 try:
-                    result = await self._try_acquire(pending)  # the key is free: take it
+                    result = await self._try_acquire(store_key, pending)  # free: take it
                 except StoreError:
                     continue  # the store hiccupped: keep waiting until the deadline
                 if result.acquired or result.record is None:
@@ -501,17 +525,17 @@ class GuardedRequest:
             note=note,
         )
 
-    def _first_request(self, record: IdempotencyRecord) -> FirstRequest | None:
+    def _first_request(self, store_key: str, record: IdempotencyRecord) -> FirstRequest | None:
         """What a 422 tells of the request that first used the key: its status, and its
         ``Location`` unless a sealed copy cannot be opened; ``None`` while it runs."""
         stored = record.response
         if stored is None:
             return None
-        response = self._services.responses.read(stored, self._store_key)
+        response = self._services.responses.read(stored, store_key)
         location = None if response is None else response.header("location")
         return FirstRequest(stored.status_code, location)
 
-    async def _answer_existing(self, held: AcquireResult, fingerprint: str) -> None:
+    async def _answer_existing(self, store_key: str, held: AcquireResult, fingerprint: str) -> None:
         record = held.record
         assert record is not None
         same_request, note = self._same_request(record, fingerprint)
@@ -521,7 +545,7 @@ class GuardedRequest:
                 MISMATCH_MESSAGE,
                 CheckResult.MISMATCH,
                 note=note,
-                first=self._first_request(record),
+                first=self._first_request(store_key, record),
             )
         elif held.lease_expired:  # on the store's clock
             # on_recovery="hold": a handler checkpointed and died; nobody may run it again
@@ -530,7 +554,7 @@ class GuardedRequest:
             await send_requires_recovery(self._send, record.checkpoints[-1].name)
         elif record.status is RecordStatus.IN_PROGRESS or record.response is None:
             await self._reject_in_progress(record, note)
-        elif (response := self._services.responses.read(record.response, self._store_key)) is None:
+        elif (response := self._services.responses.read(record.response, store_key)) is None:
             # A sealed copy no configured key opens: the handler ran, so it must not run again,
             # and nothing unverified is sent.
             logger.error(

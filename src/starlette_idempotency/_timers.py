@@ -42,7 +42,11 @@ GapHook = Callable[["LoopTimer", float], None]
 
 class LoopTimer:
     """The entries waiting on one event loop, and the timer that checks them every
-    ``resolution`` seconds while there are any."""
+    ``resolution`` seconds while there are any.
+
+    An entry enters :attr:`entries` (calling :meth:`arm` when :attr:`handle` is ``None``) and
+    leaves it: set operations, so waiting costs a request no call.
+    """
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, resolution: float, on_gap: GapHook | None = None
@@ -61,18 +65,10 @@ class LoopTimer:
         """Whether the timer is scheduled (only while entries wait, and one check after)."""
         return self.handle is not None
 
-    def add(self, entry: Timed) -> None:
-        self.entries.add(entry)
-        if self.handle is None:
-            self.arm()
-
     def arm(self) -> None:
-        """Schedule the next check (entries were added while none was scheduled)."""
+        """Schedule the next check (an entry was added while none was scheduled)."""
         self.checked_at = time.monotonic()
         self.handle = self.loop.call_later(self.resolution, self._check)
-
-    def discard(self, entry: Timed) -> None:
-        self.entries.discard(entry)
 
     def _check(self) -> None:
         checked_at = time.monotonic()

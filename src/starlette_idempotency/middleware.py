@@ -386,7 +386,7 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
                 return
             route, key_template = resolved
             scope[GUARD_SCOPE_KEY] = route.handler
-            await GuardedRequest(self._services, route, key_template, scope, receive, send).run()
+            await GuardedRequest(self._services, route, key_template, scope, receive, send).start()
         finally:
             GUARDED_SCOPE.reset(token)
 

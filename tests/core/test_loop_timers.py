@@ -22,18 +22,24 @@ class Entry:
             raise RuntimeError("this entry's fire() fails")
 
 
+def add(timer: LoopTimer, entry: Entry) -> None:
+    timer.entries.add(entry)
+    if timer.handle is None:
+        timer.arm()
+
+
 async def test_entries_fire_once_after_their_time_and_the_timer_disarms() -> None:
     loop = asyncio.get_running_loop()
     timer = LoopTimer(loop, 0.01)
     soon, later = Entry(loop, 0.02), Entry(loop, 0.2)
-    timer.add(soon)
-    timer.add(later)
+    add(timer, soon)
+    add(timer, later)
 
     await eventually(lambda: soon.fires == 1, message="the first entry to fire")
     assert later.fires == 0
     await eventually(lambda: later.fires == 1, message="the second entry to fire")
-    timer.discard(soon)
-    timer.discard(later)
+    timer.entries.discard(soon)
+    timer.entries.discard(later)
     await eventually(lambda: not timer.armed, message="the timer to disarm")
     assert (soon.fires, later.fires) == (1, 1)
 
@@ -45,8 +51,8 @@ async def test_an_entry_that_fails_to_fire_does_not_stop_the_others() -> None:
     try:
         timer = LoopTimer(loop, 0.01)
         failing, fine = Entry(loop, 0.0, fails=True), Entry(loop, 0.05)
-        timer.add(failing)
-        timer.add(fine)
+        add(timer, failing)
+        add(timer, fine)
 
         await eventually(lambda: fine.fires == 1, message="the other entry to fire")
         assert failing.fires == 1

@@ -135,7 +135,8 @@ class RedisPyDriver:
 
     def run_script(self, name: str, key: str, args: list[Arg]) -> Awaitable[Any]:
         # redis-py's AsyncScript sends EVALSHA and reloads the script on NoScriptError.
-        return self._script(name)(keys=[key], args=args)
+        script = self._scripts.get(name) or self._script(name)
+        return script(keys=[key], args=args)
 
     def _script(self, name: str) -> RedisScript:
         script = self._scripts.get(name)

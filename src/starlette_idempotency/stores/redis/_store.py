@@ -66,29 +66,11 @@ _GLOB_SPECIAL = re.compile(r"[*?\[\]\\]")
 _SCAN_COUNT = 500
 
 
-class _DriverErrors:
-    """Turns the driver's errors inside ``with`` into StoreError (a class: on the hot path a
-    generator-based context manager costs several times more)."""
-
-    __slots__ = ("_driver", "_key", "_operation")
-
-    def __init__(self, driver: RedisDriver, operation: str, key: str) -> None:
-        self._driver = driver
-        self._operation = operation
-        self._key = key
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
-        if isinstance(exc, self._driver.timeouts):
-            raise StoreTimeoutError(
-                f"redis {self._operation} timed out for key {self._key!r}"
-            ) from exc
-        if isinstance(exc, self._driver.errors):
-            raise StoreError(
-                f"redis {self._operation} failed for key {self._key!r}: {exc}"
-            ) from exc
+def _store_error(driver: RedisDriver, operation: str, key: str, exc: BaseException) -> StoreError:
+    """The driver's failure ``exc`` as the store's."""
+    if isinstance(exc, driver.timeouts):
+        return StoreTimeoutError(f"redis {operation} timed out for key {key!r}")
+    return StoreError(f"redis {operation} failed for key {key!r}: {exc}")
 
 
 def _driver_for(client: object) -> RedisDriver:
@@ -206,6 +188,8 @@ class RedisStore(StoreBase):
         self._nx_get = True  # cleared for good once the server rejects SET NX GET
         self._changes = RedisChangeListener(driver.subscription)
         self._undoing: set[asyncio.Task[None]] = set()
+        #: What the driver raises, turned into StoreError (timeouts into StoreTimeoutError).
+        self._failures = (*driver.errors, *driver.timeouts)
         # What abandons a write that Redis may still run (see _undo_abandoned).
         self._abandoning_errors: tuple[type[BaseException], ...] = (
             asyncio.CancelledError,
@@ -346,8 +330,8 @@ class RedisStore(StoreBase):
         """
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        skey, value, px = self.storage_key(key), dump_record(pending), _ms(lock_ttl)
-        with _DriverErrors(self._driver, "try_acquire", key):
+        skey, value, px = self._prefix + key, dump_record(pending), _ms(lock_ttl)
+        try:
             for _ in range(3):  # the key can vanish between the acquire and the recovery step
                 try:
                     try:
@@ -389,6 +373,8 @@ class RedisStore(StoreBase):
                 return AcquireResult(
                     acquired=False, record=self._load(key, holder), lease_expired=bool(expired)
                 )
+        except self._failures as exc:
+            raise _store_error(self._driver, "try_acquire", key, exc) from exc
         raise StoreError(f"key {key!r} kept vanishing between its acquire and its recovery")
 
     def _undo_abandoned(self, key: str, owner_token: str, lock_ttl: float) -> None:
@@ -403,7 +389,7 @@ class RedisStore(StoreBase):
         (deleting the key, or ending the lease of a record with recovery points), and changes
         nothing when the write did not land; see :meth:`_undo_twice`.
         """
-        args: list[Arg] = [owner_token, self.storage_key(key)]
+        args: list[Arg] = [owner_token, self._prefix + key]
         task = asyncio.get_running_loop().create_task(self._undo_twice(key, args, lock_ttl))
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
@@ -416,15 +402,17 @@ class RedisStore(StoreBase):
         # write Redis had received; glide may resend a write after a reconnect up to its
         # late_command_window later still. Sent whole (EVAL): a NOSCRIPT answer would have
         # the client resend it behind later commands.
-        skey = self.storage_key(key)
+        skey = self._prefix + key
         failure: StoreError | None = None
 
         async def undo() -> None:
             nonlocal failure
             while True:
                 try:
-                    with _DriverErrors(self._driver, "undo (abandon)", key):
+                    try:
                         await self._driver.eval_script("abandon", skey, args)
+                    except self._failures as exc:
+                        raise _store_error(self._driver, "undo (abandon)", key, exc) from exc
                     return
                 except StoreError as exc:  # a stall longer than the client's own timeout
                     failure = exc
@@ -546,9 +534,9 @@ class RedisStore(StoreBase):
         which is logged)."""
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        skey = self.storage_key(key)
+        skey = self._prefix + key
         args: list[Arg] = [dump_record(record), record.owner_token, str(_ms(ttl)), skey]
-        with _DriverErrors(self._driver, "finish", key):
+        try:
             if self._waiting is None:
                 written = await self._driver.run_script("finish", skey, args)
             else:
@@ -561,6 +549,8 @@ class RedisStore(StoreBase):
                 )
                 if written:
                     self._check_replicas(skey, acknowledged, "the response")
+        except self._failures as exc:
+            raise _store_error(self._driver, "finish", key, exc) from exc
         return FencedWrite(int(written))
 
     async def save_progress(
@@ -575,17 +565,21 @@ class RedisStore(StoreBase):
             await self._enter_loop()
         value = dump_record(replace(record, locked_until=0.0))  # the script sets the lease
         args: list[Arg] = [value, record.owner_token, str(_ms(ttl)), str(round(lease * 1000))]
-        with _DriverErrors(self._driver, "save_progress", key):
-            saved = await self._driver.run_script("progress", self.storage_key(key), args)
+        try:
+            saved = await self._driver.run_script("progress", self._prefix + key, args)
+        except self._failures as exc:
+            raise _store_error(self._driver, "save_progress", key, exc) from exc
         return bool(saved)
 
     async def release(self, key: str, owner_token: str) -> bool:
         """Delete the key if ``owner_token`` holds it; false when another owner does."""
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        skey = self.storage_key(key)
-        with _DriverErrors(self._driver, "release", key):
+        skey = self._prefix + key
+        try:
             released = await self._driver.run_script("release", skey, [owner_token, skey])
+        except self._failures as exc:
+            raise _store_error(self._driver, "release", key, exc) from exc
         return bool(released)
 
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
@@ -593,10 +587,12 @@ class RedisStore(StoreBase):
         TTL, or for a record with recovery points its lease, on the server's clock."""
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        with _DriverErrors(self._driver, "renew", key):
+        try:
             renewed = await self._driver.run_script(
-                "renew", self.storage_key(key), [owner_token, str(_ms(lock_ttl))]
+                "renew", self._prefix + key, [owner_token, str(_ms(lock_ttl))]
             )
+        except self._failures as exc:
+            raise _store_error(self._driver, "renew", key, exc) from exc
         return bool(renewed)
 
     async def wait_for_change(self, key: str) -> None:
@@ -604,15 +600,19 @@ class RedisStore(StoreBase):
         (bounded by the caller): a pub/sub notice on the channel named after the key."""
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        with _DriverErrors(self._driver, "wait_for_change", key):
-            await self._changes.wait(self.storage_key(key))
+        try:
+            await self._changes.wait(self._prefix + key)
+        except self._failures as exc:
+            raise _store_error(self._driver, "wait_for_change", key, exc) from exc
 
     async def get(self, key: str) -> IdempotencyRecord | None:
         """The live record under ``key``, if any."""
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        with _DriverErrors(self._driver, "get", key):
-            raw = await self._driver.get(self.storage_key(key))
+        try:
+            raw = await self._driver.get(self._prefix + key)
+        except self._failures as exc:
+            raise _store_error(self._driver, "get", key, exc) from exc
         return None if raw is None else self._load(key, raw)
 
     async def in_progress(self, *, stuck: bool = False, limit: int = 1000) -> list[HeldRecord]:
@@ -630,7 +630,7 @@ class RedisStore(StoreBase):
             raise ConfigurationError("listing records needs a redis-py client")
         match = _GLOB_SPECIAL.sub(r"\\\g<0>", self._prefix) + "*"
         found: list[HeldRecord] = []
-        with _DriverErrors(driver, "in_progress", match):
+        try:
             async for now, page in driver.scan_values(match, _SCAN_COUNT):
                 for skey, raw in page:
                     if raw is None:
@@ -642,6 +642,8 @@ class RedisStore(StoreBase):
                     expired = record.lease_expired(now)
                     if expired or not stuck:
                         found.append(HeldRecord(key, record, expired))
+        except self._failures as exc:
+            raise _store_error(driver, "in_progress", match, exc) from exc
         found.sort(key=lambda held: held.record.created_at)
         return found[:limit]
 
