@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette_idempotency._deprecation import deprecated
 from starlette_idempotency._record import IdempotencyRecord
@@ -53,6 +53,7 @@ class BoundedStore:
     """The store's primitives, each bounded to ``timeout`` seconds, timed and traced."""
 
     __slots__ = (
+        "_call",
         "_clock",
         "_finishers",
         "_in_flight",
@@ -63,6 +64,9 @@ class BoundedStore:
         "store",
         "timeout",
     )
+
+    #: A call of the store, bounded (and, with a metrics sink or tracing, observed).
+    _call: Callable[[str, Awaitable[Any]], Awaitable[Any]]
 
     def __init__(
         self,
@@ -92,6 +96,8 @@ class BoundedStore:
         self._in_flight = PerLoop(lambda loop: CallsInFlight(loop, timeout))
         self._metrics = metrics
         self._tracer = tracer
+        # Bounded, and where there is a sink or tracing, observed: chosen once, not per call.
+        self._call = self._bounded if metrics is None and tracer is None else self._observed
         # A store written for the protocol's first spelling overrides complete() or fail()
         # rather than finish(): it gets those calls, as it did, until 0.3.0.
         self._finishers = {
@@ -151,22 +157,16 @@ class BoundedStore:
     def get(self, key: str) -> Awaitable[IdempotencyRecord | None]:
         return self._call("get", self.store.get(key))
 
-    def _call(self, operation: str, call: Awaitable[_T]) -> Awaitable[_T]:
-        # The awaitable itself, not a coroutine awaiting it: one frame fewer per store call.
-        if self._tracer is None and self._metrics is None:
-            return self._bounded(call)
-        return self._observed(operation, call)
-
     async def _observed(self, operation: str, call: Awaitable[_T]) -> _T:
         """:meth:`_bounded`, timed for the metrics sink and traced as a span."""
         started = time.perf_counter()
         ok = False
         try:
             if self._tracer is None:
-                result = await self._bounded(call)
+                result = await self._bounded(operation, call)
             else:
                 with self._tracer.span(self.name, operation):
-                    result = await self._bounded(call)
+                    result = await self._bounded(operation, call)
             ok = True
             return result
         finally:
@@ -175,7 +175,7 @@ class BoundedStore:
                     self.name, operation, time.perf_counter() - started, ok
                 )
 
-    async def _bounded(self, call: Awaitable[_T]) -> _T:
+    async def _bounded(self, operation: str, call: Awaitable[_T]) -> _T:
         """``call``'s result, its failures as ``StoreError``, and ``StoreTimeoutError`` once it
         is late (see ``CallsInFlight``: nothing is made per call)."""
         task = asyncio.current_task()
@@ -193,7 +193,7 @@ class BoundedStore:
         except StoreError:
             raise
         except Exception as exc:
-            raise StoreError(f"idempotency store call failed: {exc!r}") from exc
+            raise StoreError(f"idempotency store call {operation} failed: {exc!r}") from exc
         except asyncio.CancelledError as exc:
             late = in_flight.late
             if task in late:
@@ -201,7 +201,7 @@ class BoundedStore:
                 # Ours to take back; a cancellation beyond ours (someone else's) stays one.
                 if task.uncancel() <= cancelling:
                     raise StoreTimeoutError(
-                        f"idempotency store call took longer than {self.timeout}s"
+                        f"idempotency store call {operation} took longer than {self.timeout}s"
                     ) from exc
             raise
         finally:
