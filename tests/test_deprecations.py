@@ -38,9 +38,7 @@ def test_the_removal_release_is_a_later_one() -> None:
         (starlette_idempotency, "RecordStatus", starlette_idempotency.stores),
         (starlette_idempotency, "IdempotencyPolicy", starlette_idempotency.middleware),
         (starlette_idempotency.stores, "IdempotencyPolicy", starlette_idempotency.middleware),
-        (starlette_idempotency.stores, "IdempotencyStore", starlette_idempotency),
         (starlette_idempotency.stores, "MemoryStore", starlette_idempotency),
-        (starlette_idempotency.stores, "StoredResponse", starlette_idempotency),
     ],
     ids=lambda value: getattr(value, "__name__", value),
 )

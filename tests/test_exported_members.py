@@ -43,10 +43,34 @@ def test_all_is_exactly_what_the_package_offers(package: ModuleType) -> None:
     assert sorted(package.__all__) == public_names(package)
 
 
-def test_the_root_and_the_stores_export_no_name_twice() -> None:
+#: The names the root re-exports from ``stores``, their home: a store implementer's, which an
+#: application needs too, to annotate the store it builds and to resolve a key by hand.
+ROOT_FROM_STORES = {"IdempotencyStore", "StoredResponse"}
+#: The names ``stores`` re-exports from ``errors`` (documented at the root, as every error):
+#: what a store raises, so that a store module imports from ``stores`` alone.
+STORES_FROM_ERRORS = {"StoreError", "StoreTimeoutError"}
+
+
+def test_the_root_and_the_stores_share_only_the_declared_names() -> None:
     root, stores, testing = (set(p.__all__) for p in PACKAGES[:3])
-    assert root & stores == set()
+    assert root & stores == ROOT_FROM_STORES | STORES_FROM_ERRORS
+    for name in root & stores:
+        assert getattr(starlette_idempotency, name) is getattr(starlette_idempotency.stores, name)
     assert (root | stores) & testing == set()
+
+
+def test_each_shared_name_is_loaded_from_its_home() -> None:
+    """The root loads what it re-exports from ``stores`` from there, and ``stores`` adds no
+    error beyond the declared ones."""
+    homes = starlette_idempotency._HOMES
+    stores = starlette_idempotency.stores.__name__
+    assert {name for name, home in homes.items() if home == stores} == ROOT_FROM_STORES
+    errors = {
+        name
+        for name in starlette_idempotency.stores.__all__
+        if getattr(starlette_idempotency.stores, name).__module__ == "starlette_idempotency.errors"
+    }
+    assert errors == STORES_FROM_ERRORS
 
 
 def test_the_root_declares_each_name_for_type_checkers_where_it_loads_it_from() -> None:

@@ -26,7 +26,6 @@ if _typing.TYPE_CHECKING:
     from starlette_idempotency._kept_response import ResponseEncryption
     from starlette_idempotency._keys import KeySource, storage_key
     from starlette_idempotency._openapi.install import install_openapi
-    from starlette_idempotency._record import StoredResponse
     from starlette_idempotency._responses import IdempotencyProblem
     from starlette_idempotency._transaction import IdempotencyTransaction, idempotency_transaction
     from starlette_idempotency.client import AsyncIdempotentTransport, IdempotentTransport
@@ -53,14 +52,15 @@ if _typing.TYPE_CHECKING:
         readiness_route,
         store_ready,
     )
-    from starlette_idempotency.stores.base import IdempotencyStore
+    from starlette_idempotency.stores import IdempotencyStore, StoredResponse
     from starlette_idempotency.stores.memory import MemoryStore
     from starlette_idempotency.stores.postgres import PostgresStore
     from starlette_idempotency.stores.redis import RedisStore
 
 __version__ = "0.2.0"
 
-# Where each name of __all__ is defined.
+# Where each name of __all__ is loaded from: the module that defines it, or for the two names
+# an application shares with store implementers, starlette_idempotency.stores, their home.
 _HOMES = {
     "AsyncIdempotentTransport": "starlette_idempotency.client",
     "CheckResult": "starlette_idempotency.observability",
@@ -71,7 +71,7 @@ _HOMES = {
     "IdempotencyEvent": "starlette_idempotency.observability",
     "IdempotencyMiddleware": "starlette_idempotency.middleware",
     "IdempotencyProblem": "starlette_idempotency._responses",
-    "IdempotencyStore": "starlette_idempotency.stores.base",
+    "IdempotencyStore": "starlette_idempotency.stores",
     "IdempotencyTransaction": "starlette_idempotency._transaction",
     "IdempotentTransport": "starlette_idempotency.client",
     "KeyScope": "starlette_idempotency.middleware",
@@ -87,7 +87,7 @@ _HOMES = {
     "StoreError": "starlette_idempotency.errors",
     "StoreReadiness": "starlette_idempotency.readiness",
     "StoreTimeoutError": "starlette_idempotency.errors",
-    "StoredResponse": "starlette_idempotency._record",
+    "StoredResponse": "starlette_idempotency.stores",
     "UnguardedRequestError": "starlette_idempotency.errors",
     "checkpoint": "starlette_idempotency._endpoint",
     "idempotency_context": "starlette_idempotency._endpoint",

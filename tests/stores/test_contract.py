@@ -24,7 +24,7 @@ from starlette_idempotency.stores.base import (
     IdempotencyStore,
 )
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished
-from tests.support.stores import ClockedStore
+from tests.support.stores import ClockedStore, require_recovery
 
 #: A lock or retention TTL short enough to wait out on a real server.
 SHORT_TTL = 0.3
@@ -370,11 +370,6 @@ def assert_same_but_lease(actual: IdempotencyRecord | None, expected: Idempotenc
     """Equal as stored, but for the lease, which the store sets on its own clock."""
     assert actual is not None
     assert_same(replace(actual, locked_until=None), replace(expected, locked_until=None))
-
-
-def require_recovery(store: IdempotencyStore) -> None:
-    if not getattr(store, "supports_recovery", False):
-        pytest.skip(f"{type(store).__name__} keeps no recovery points")
 
 
 async def test_save_progress_by_the_owner(

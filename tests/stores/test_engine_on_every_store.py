@@ -17,7 +17,7 @@ from starlette_idempotency import (
 )
 from starlette_idempotency.stores import RecordStatus
 from tests.support.guarded import make_client
-from tests.support.stores import ClockedStore
+from tests.support.stores import ClockedStore, require_recovery
 
 HEADERS = {"Idempotency-Key": "order-1"}
 
@@ -29,6 +29,7 @@ async def test_a_checkpoint_after_the_response_is_refused_and_reopens_nothing(
     after the response: the outcome is decided, so the checkpoint raises, and the stored
     response stays what a retry gets (it was turned back to InProgress: 409, then a second
     run once the lock expired)."""
+    require_recovery(harness.store)
     refused: list[IdempotencyError] = []
     runs = 0
 

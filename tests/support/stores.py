@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from examples.custom_store import DictStore
 
 from starlette_idempotency.errors import StoreError
 from starlette_idempotency.stores import IdempotencyRecord
@@ -72,17 +73,22 @@ def real_time_store(store: IdempotencyStore) -> ClockedStore:
     return ClockedStore(store=store, expire=expire, now=time.time)
 
 
-@contextlib.asynccontextmanager
-async def memory_backend(request: pytest.FixtureRequest) -> AsyncIterator[ClockedStore]:
-    clock = FakeClock()
-    store = MemoryStore(clock=clock)
+def fake_clock_backend(build: Callable[[FakeClock], IdempotencyStore]) -> Factory:
+    """A backend of the store ``build`` makes on a fake clock, whose TTLs pass at once."""
 
-    async def expire(key: str, ttl: float) -> None:
-        clock.advance(ttl)
-        assert await store.get(key) is None
+    @contextlib.asynccontextmanager
+    async def factory(request: pytest.FixtureRequest) -> AsyncIterator[ClockedStore]:
+        clock = FakeClock()
+        store = build(clock)
 
-    yield ClockedStore(store=store, expire=expire, now=clock)
-    await store.aclose()
+        async def expire(key: str, ttl: float) -> None:
+            clock.advance(ttl)
+            assert await store.get(key) is None
+
+        yield ClockedStore(store=store, expire=expire, now=clock)
+        await store.aclose()
+
+    return factory
 
 
 async def glide_client(url: str, cluster_ports: list[int] | None = None) -> Any:
@@ -147,8 +153,16 @@ async def postgres_backend(request: pytest.FixtureRequest) -> AsyncIterator[Cloc
         await store.aclose()
 
 
+def require_recovery(store: IdempotencyStore) -> None:
+    """Skip a test of recovery points on a store that keeps none."""
+    if not getattr(store, "supports_recovery", False):
+        pytest.skip(f"{type(store).__name__} keeps no recovery points")
+
+
 STORE_FACTORIES: list[Any] = [
-    pytest.param(memory_backend, id="memory"),
+    pytest.param(fake_clock_backend(lambda clock: MemoryStore(clock=clock)), id="memory"),
+    # The store of your own that docs/how-to/choose-a-store.md shows.
+    pytest.param(fake_clock_backend(lambda clock: DictStore(clock=clock)), id="custom-example"),
     pytest.param(redis_backend("setnx"), id="redis-setnx", marks=pytest.mark.redis),
     pytest.param(redis_backend("lua"), id="redis-lua", marks=pytest.mark.redis),
     pytest.param(

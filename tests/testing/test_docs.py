@@ -5,34 +5,23 @@ from __future__ import annotations
 
 import importlib
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.shown_files import ROOT, drifted, shown_files
+
 GUIDE = ROOT / "docs" / "how-to" / "testing.md"
-EXAMPLE = re.compile(
-    r"^<!-- example: (?P<path>\S+) -->\n```python\n(?P<code>.*?)^```$", re.M | re.S
-)
-
-
-def shown_examples(text: str) -> dict[str, str]:
-    return {match["path"]: match["code"] for match in EXAMPLE.finditer(text)}
 
 
 def test_the_guide_shows_the_example_files_verbatim() -> None:
-    shown = shown_examples(GUIDE.read_text(encoding="utf-8"))
+    shown = shown_files(GUIDE.read_text(encoding="utf-8"))
     assert sorted(shown) == ["tests/testing/guide_app.py", "tests/testing/test_guide.py"]
-    for path, code in shown.items():
-        assert code == (ROOT / path).read_text(encoding="utf-8"), (
-            f"{GUIDE.relative_to(ROOT)} no longer shows {path} as it is: copy the file into "
-            "the block after its marker"
-        )
+    assert drifted(GUIDE, shown) == []
 
 
 def test_a_changed_file_is_noticed() -> None:
     before, found, after = GUIDE.read_text(encoding="utf-8").rpartition("assert_ran_once(")
     assert found  # the last one is in the example's tests
-    shown = shown_examples(f"{before}assert_ran_twice({after}")
-    assert any(code != (ROOT / path).read_text(encoding="utf-8") for path, code in shown.items())
+    shown = shown_files(f"{before}assert_ran_twice({after}")
+    assert drifted(GUIDE, shown) != []
 
 
 def test_the_guide_loads_the_plugin_that_exists() -> None:

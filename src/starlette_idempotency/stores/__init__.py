@@ -1,9 +1,13 @@
-"""What a store implementer needs: the protocol's base, its types and its capabilities.
+"""What a store implementer needs, all of it: the protocol and its base, the record and its
+types, the results of the primitives, the capabilities a store may offer, and the errors a
+store raises. A store module imports from here alone.
 
-The stores an application uses are exported from the package root (``MemoryStore``,
-``RedisStore``, ``PostgresStore``), with the protocol ``IdempotencyStore`` and
-``StoredResponse``; ``RedisStore`` lives in :mod:`.redis` and ``PostgresStore`` in
-:mod:`.postgres` (each needs its extra).
+An application needs two of these names too, and the package root re-exports them:
+``IdempotencyStore`` (to annotate the store it builds) and ``StoredResponse`` (to resolve a
+key by hand). The errors live in :mod:`starlette_idempotency.errors` and the root; they are
+here for the stores that raise them. The stores an application uses are exported from the
+root (``MemoryStore``, ``RedisStore``, ``PostgresStore``); ``RedisStore`` lives in
+:mod:`.redis` and ``PostgresStore`` in :mod:`.postgres` (each needs its extra).
 """
 
 from __future__ import annotations
@@ -11,7 +15,13 @@ from __future__ import annotations
 import typing as _typing
 
 from starlette_idempotency._deprecation import moved as _moved
-from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
+from starlette_idempotency._record import (
+    Checkpoint,
+    IdempotencyRecord,
+    RecordStatus,
+    StoredResponse,
+)
+from starlette_idempotency.errors import StoreError, StoreTimeoutError
 from starlette_idempotency.stores.base import (
     AcquireResult,
     ChangeNotifyingStore,
@@ -19,6 +29,7 @@ from starlette_idempotency.stores.base import (
     ConnectionOwningStore,
     FencedWrite,
     HeldRecord,
+    IdempotencyStore,
     StoreBase,
     StoreFinding,
 )
@@ -26,9 +37,7 @@ from starlette_idempotency.stores.base import (
 # Each of these has one home elsewhere; the names exported here before still resolve.
 _MOVED = {
     "IdempotencyPolicy": "starlette_idempotency.middleware",
-    "IdempotencyStore": "starlette_idempotency",
     "MemoryStore": "starlette_idempotency",
-    "StoredResponse": "starlette_idempotency",
 }
 
 
@@ -47,7 +56,11 @@ __all__ = [
     "FencedWrite",
     "HeldRecord",
     "IdempotencyRecord",
+    "IdempotencyStore",
     "RecordStatus",
     "StoreBase",
+    "StoreError",
     "StoreFinding",
+    "StoreTimeoutError",
+    "StoredResponse",
 ]
