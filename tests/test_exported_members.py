@@ -100,6 +100,73 @@ def loaded_by(statement: str) -> set[str]:
     return set(done.stdout.split())
 
 
+def loaded_by_app(app: str, redis_url: str = "") -> set[str]:
+    """The modules a FastAPI app of :mod:`bench.startup` loaded in a fresh interpreter, by the
+    time it had started (the middleware's startup checks run then) and replayed a POST."""
+    command = [sys.executable, "-m", "bench.startup", "--modules", app]
+    done = subprocess.run(
+        [*command, *(["--redis-url", redis_url] if redis_url else [])],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    return set(done.stdout.split())
+
+
+#: What the request path never needs, which an app must not load by starting and answering:
+#: the optional halves (the command line, the client, the test helpers, the integrations, the
+#: other stores) and their libraries.
+OFF_THE_REQUEST_PATH = {
+    "starlette_idempotency.cli",
+    "starlette_idempotency._cli_keys",
+    "starlette_idempotency.client",
+    "starlette_idempotency.testing",
+    "starlette_idempotency.prometheus",
+    "starlette_idempotency.readiness",
+    "starlette_idempotency._transaction",
+    "starlette_idempotency.stores.postgres",
+    "starlette_idempotency.stores.redis._glide",
+    "httpx",
+    "sqlalchemy",
+    "asyncpg",
+    "prometheus_client",
+    "glide",
+}
+
+
+def test_the_root_loads_no_module_of_its_names() -> None:
+    """``import starlette_idempotency`` costs two small modules: every name loads on first use,
+    so an app (or the client, or the command line) loads only what it uses."""
+    modules = loaded_by("import starlette_idempotency") - loaded_by("pass")
+    ours = {m for m in modules if m.startswith("starlette_idempotency")}
+    assert ours == {"starlette_idempotency", "starlette_idempotency._deprecation"}
+    assert {m.split(".")[0] for m in modules - ours} <= set(sys.stdlib_module_names)
+
+
+def test_every_name_of_all_resolves_in_a_fresh_interpreter() -> None:
+    loaded_by(
+        "import starlette_idempotency as s; missing = set(s.__all__) - set(dir(s)); "
+        "assert not missing, missing; [getattr(s, name) for name in s.__all__]"
+    )
+
+
+def test_an_app_on_memory_loads_only_the_request_path() -> None:
+    modules = loaded_by_app("memory")
+    assert OFF_THE_REQUEST_PATH & modules == set()
+    assert "starlette_idempotency.stores.redis" not in modules
+    assert "redis" not in modules
+    assert "starlette_idempotency._store_check" in modules  # the startup checks ran
+    assert "starlette_idempotency._request" in modules  # and a guarded request
+
+
+@pytest.mark.redis
+def test_an_app_on_redis_loads_only_the_request_path(redis_url: str) -> None:
+    modules = loaded_by_app("redis", redis_url)
+    assert OFF_THE_REQUEST_PATH & modules == set()
+    assert {"starlette_idempotency.stores.redis._redis_py", "redis"} <= modules
+
+
 def test_the_client_loads_httpx_and_never_starlette() -> None:
     modules = loaded_by("import starlette_idempotency.client")
     assert "httpx" in modules
