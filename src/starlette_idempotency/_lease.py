@@ -23,8 +23,11 @@ nor sees a truncated body as whole.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import sys
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -34,9 +37,10 @@ from starlette_idempotency._endpoint import GUARDED_SCOPE, REQUEST_SCOPE_KEY, Ke
 from starlette_idempotency._kept_response import ResponseKeeper
 from starlette_idempotency._options import IdempotencyPolicy
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, RecordStatus
-from starlette_idempotency._renewal import HeldLock, LockRenewal, LockRenewals
+from starlette_idempotency._renewal import HeldLock, LockRenewal, LockRenewals, report_blocked
 from starlette_idempotency._routing import GuardedRoute
 from starlette_idempotency._store_calls import BoundedStore
+from starlette_idempotency._timers import LoopTimer
 from starlette_idempotency._types import ASGIApp, Body, Clock, Message, Receive, Scope, Send
 from starlette_idempotency.errors import (
     ConfigurationError,
@@ -386,11 +390,19 @@ class Run(ReplayingReceive):
 
     __slots__ = (
         "_client_send",
+        "_context",
+        "_events",
+        "_lag_reported",
         "_lease",
         "_policy",
         "_renewal",
+        "_renewals",
+        "_started",
+        "_timer",
         "chunks",
+        "due",
         "ended",
+        "fired",
         "raw_headers",
         "settled",
         "size",
@@ -404,7 +416,8 @@ class Run(ReplayingReceive):
         self._lease = lease
         self._policy = policy
         self._client_send = send
-        self._renewal: LockRenewal | None = None
+        self._timer: LoopTimer | None = None  # while waiting for the lock's first third
+        self._renewal: LockRenewal | None = None  # once the handler outlived it
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] | None = []  # None once the body outgrew max_response_bytes
@@ -423,14 +436,13 @@ class Run(ReplayingReceive):
             scope = {**scope, "extensions": kept}
             GUARDED_SCOPE.set(scope)  # the guard's own resets it
         scope[REQUEST_SCOPE_KEY] = lease
-        policy = self._policy
-        if policy.renew_lock:
-            lock = HeldLock(policy.lock_ttl_seconds, events.endpoint, policy.max_processing_seconds)
-            self._renewal = LockRenewal(lease.renew, events, lock, renewals)
+        self._events = events
+        if self._policy.renew_lock:
+            self._await_renewal(renewals)
         try:
             await app(scope, self.receive, self.send)
         finally:
-            if self._renewal is not None:
+            if self._timer is not None:
                 self._stop_renewal()
             if not self.settled:
                 # Shielded, so a cancelled request still settles or frees its key.
@@ -453,7 +465,7 @@ class Run(ReplayingReceive):
                 self.chunks.append(chunk)
             if not message.get("more_body", False):
                 self.ended = True
-                if self._renewal is not None:  # a renewal now would find the record final
+                if self._timer is not None:  # a renewal now would find the record final
                     self._stop_renewal()
                 chunks = self.chunks
                 body = None if chunks is None else b"".join(chunks)
@@ -461,10 +473,67 @@ class Run(ReplayingReceive):
                 self.settled = True
         await self._client_send(message)
 
+    # Waiting in the loop's renewal timer (see _renewal): the run is the timer's entry, so a
+    # handler shorter than a third of its lock's TTL makes nothing for its renewal.
+
+    def _await_renewal(self, renewals: LockRenewals) -> None:
+        """Wait in the loop's renewal timer for the lock's first third."""
+        loop = asyncio.get_running_loop()
+        timer = renewals.timers.last
+        if timer is None or timer.loop is not loop:
+            timer = renewals.timers.get(loop)
+        interval = self._policy.lock_ttl_seconds / 3
+        if interval / 10 < timer.resolution:  # a short lock TTL needs a finer check
+            timer.resolution = interval / 10
+        self._renewals = renewals
+        self._timer = timer
+        # The renewal starts from the timer's callback: give it this request's context
+        # (tracing spans, log correlation), not the one that armed the timer.
+        self._context = contextvars.copy_context()
+        self._started = loop.time()
+        self.due = self._started + interval
+        self.fired = False
+        self._lag_reported = False
+        timer.entries.add(self)
+        if timer.handle is None:
+            timer.arm()
+
+    def _held_lock(self) -> HeldLock:
+        policy = self._policy
+        return HeldLock(
+            policy.lock_ttl_seconds, self._events.endpoint, policy.max_processing_seconds
+        )
+
+    def fire(self) -> None:
+        """The handler outlived its lock's first third: renew it from now on."""
+        self._renewal = LockRenewal(
+            self._lease.renew,
+            self._events,
+            self._held_lock(),
+            self._renewals.observer,
+            started=self._started,
+            context=self._context,
+        )
+
+    def blocked(self, gap: float) -> None:
+        """The loop ran nothing for ``gap`` seconds (its timer saw it late): reported once,
+        when that is half the lock's TTL or more."""
+        if self._lag_reported or gap < self._policy.lock_ttl_seconds / 2:
+            return
+        self._lag_reported = True
+        report_blocked(self._held_lock(), self._events, self._renewals.observer, gap)
+
     def _stop_renewal(self) -> None:
-        assert self._renewal is not None
-        self._renewal.stop()
-        self._renewal = None
+        timer = self._timer
+        assert timer is not None
+        self._timer = None
+        timer.entries.discard(self)
+        if self._renewal is not None:
+            self._renewal.stop()
+        # A handler that blocked the loop until it ended stops before the timer's next check.
+        gap = time.monotonic() - timer.checked_at
+        if gap >= self._policy.lock_ttl_seconds / 2:
+            self.blocked(gap)
 
     async def _settle_unfinished(self, failure: BaseException | None) -> None:
         """Settle a request whose response did not run to its end (see the module docs)."""

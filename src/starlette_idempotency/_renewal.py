@@ -1,9 +1,11 @@
 """Keeping a running handler's lock: renewed from its own event loop every third of its TTL,
 for at most ``max_processing_seconds``.
 
-A :class:`LockRenewal` waits in its event loop's timer (``_timers.LoopTimer``) until the first
-third of the lock's TTL has passed, so a short handler costs no store round trip and no timer
-of its own; then a task renews the lock every third. A failed renewal never aborts the handler.
+The run of a request (``_lease.Run``) waits in its event loop's timer (``_timers.LoopTimer``)
+until the first third of the lock's TTL has passed, so a short handler costs no store round
+trip, no timer and no object of its own; a handler that outlives it gets a
+:class:`LockRenewal`, whose task renews the lock every third. A failed renewal never aborts
+the handler.
 
 The lease is honest: nothing outside the request's loop keeps it. A handler that blocks its
 loop (an ``async def`` that computes without awaiting, a blocking call), a frozen process or a
@@ -24,11 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
-from starlette_idempotency._timers import LoopTimer, PerLoop
+from starlette_idempotency._timers import LoopTimer, PerLoop, Timed
 from starlette_idempotency.errors import StoreError
 from starlette_idempotency.observability import Observer, RequestEvents
 
@@ -53,65 +55,44 @@ class HeldLock:
     max_processing: float
 
 
-class LockRenewal:
-    """Extends the lock every third of its TTL while the handler runs, until :meth:`stop` or
-    ``max_processing_seconds``."""
+@runtime_checkable
+class AwaitingRenewal(Timed, Protocol):
+    """What waits in the loop's renewal timer for its lock's first third (the run of a
+    request whose route renews its lock): fired then, and told of a blocked loop."""
 
-    __slots__ = (
-        "_context",
-        "_events",
-        "_observer",
-        "_renew",
-        "_task",
-        "due",
-        "fired",
-        "give_up_at",
-        "interval",
-        "lag_reported",
-        "lock",
-        "timer",
-    )
+    def blocked(self, gap: float) -> None: ...
+
+
+class LockRenewal:
+    """Extends the lock every third of its TTL, from the first third on (when a handler
+    outlives it), until :meth:`stop` or ``max_processing_seconds``."""
+
+    __slots__ = ("_events", "_observer", "_renew", "_task", "give_up_at", "interval", "lock")
 
     def __init__(
         self,
         renew: Callable[[], Awaitable[bool]],
         events: RequestEvents,
         lock: HeldLock,
-        renewals: LockRenewals,
+        observer: Observer,
+        *,
+        started: float,
+        context: contextvars.Context,
     ) -> None:
-        """Call ``renew`` every third of ``lock.lock_ttl`` until it answers false (the key is
-        held by someone else) or :meth:`stop`; ``events`` shows the key in warnings."""
+        """Call ``renew`` now and every third of ``lock.lock_ttl`` until it answers false (the
+        key is held by someone else) or :meth:`stop`, in the request's ``context`` (tracing
+        spans, log correlation); ``started`` is when the lock was taken (loop time)."""
         self._renew = renew
         self._events = events
-        self._observer = renewals.observer
+        self._observer = observer
         self.lock = lock
-        self.interval = interval = lock.lock_ttl / 3
+        self.interval = lock.lock_ttl / 3
+        self.give_up_at = started + lock.max_processing
         loop = asyncio.get_running_loop()
-        timer = renewals.timers.last
-        if timer is None or timer.loop is not loop:
-            timer = renewals.timers.get(loop)
-        self.timer = timer
-        if interval / 10 < timer.resolution:  # a short lock TTL needs a finer check
-            timer.resolution = interval / 10
-        self._task: asyncio.Task[None] | None = None
-        # The renewal task starts from the loop timer's callback: give it this request's
-        # context (tracing spans, log correlation), not the one that armed the timer.
-        self._context = contextvars.copy_context()
-        now = loop.time()
-        self.due = now + interval
-        self.give_up_at = now + lock.max_processing
-        self.fired = False
-        #: Whether this lock's loop has been reported as blocked.
-        self.lag_reported = False
-        timer.entries.add(self)
-        if timer.handle is None:
-            timer.arm()
-
-    def fire(self) -> None:
-        self._task = self.timer.loop.create_task(self._loop(), context=self._context)
+        self._task = loop.create_task(self._loop(), context=context)
 
     async def _loop(self) -> None:
-        loop = self.timer.loop
+        loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
             if started >= self.give_up_at:
@@ -144,46 +125,37 @@ class LockRenewal:
         )
         self._observer.processing_timeout(lock.endpoint, MAX_PROCESSING_REASON)
 
-    def blocked(self, gap: float) -> None:
-        """The loop ran nothing for ``gap`` seconds (its timer saw it late): report it once
-        when that is half this lock's TTL or more."""
-        lock = self.lock
-        if self.lag_reported or gap < lock.lock_ttl / 2:
-            return
-        self.lag_reported = True
-        logger.warning(
-            "the event loop was blocked for %.1f s while %s held a lock of "
-            "lock_ttl_seconds=%g: no renewal could run, and a retry after %g s may have taken "
-            "the key over and run the handler again. Await in async handlers, or move blocking "
-            "work to a thread (a sync def route, or anyio.to_thread.run_sync); commit effects "
-            "with idempotency_transaction or send them with a derived_key, so that they stay once",
-            gap,
-            lock.endpoint,
-            lock.lock_ttl,
-            lock.lock_ttl,
-        )
-        self._observer.processing_timeout(lock.endpoint, BLOCKED_REASON)
-
     def stop(self) -> None:
-        timer = self.timer
-        timer.entries.discard(self)
-        if self._task is not None:
-            self._task.cancel()
-        # A handler that blocked the loop until it ended stops before the timer's next check.
-        gap = time.monotonic() - timer.checked_at
-        if gap >= self.lock.lock_ttl / 2:
-            self.blocked(gap)
+        self._task.cancel()
+
+
+def report_blocked(lock: HeldLock, events: RequestEvents, observer: Observer, gap: float) -> None:
+    """The loop ran nothing for ``gap`` seconds while ``lock`` was held (half its TTL or
+    more): no renewal could run, and another pod may have taken the key over."""
+    logger.warning(
+        "the event loop was blocked for %.1f s while %s held a lock of "
+        "lock_ttl_seconds=%g: no renewal could run, and a retry after %g s may have taken "
+        "the key over and run the handler again. Await in async handlers, or move blocking "
+        "work to a thread (a sync def route, or anyio.to_thread.run_sync); commit effects "
+        "with idempotency_transaction or send them with a derived_key, so that they stay once",
+        gap,
+        lock.endpoint,
+        lock.lock_ttl,
+        lock.lock_ttl,
+    )
+    observer.processing_timeout(lock.endpoint, BLOCKED_REASON)
 
 
 def _report_gap(timer: LoopTimer, gap: float) -> None:
-    for renewal in list(timer.entries):
-        assert isinstance(renewal, LockRenewal)
-        renewal.blocked(gap)
+    for waiting in list(timer.entries):
+        assert isinstance(waiting, AwaitingRenewal)
+        waiting.blocked(gap)
 
 
 class LockRenewals:
-    """One middleware's lock renewals: the timers they wait on (one per event loop, each
-    reporting the gaps of a blocked loop) and the observer their warnings count in."""
+    """One middleware's lock renewals: the timers runs wait on for their lock's first third
+    (one per event loop, each reporting the gaps of a blocked loop) and the observer their
+    warnings count in."""
 
     def __init__(self, observer: Observer) -> None:
         self.observer = observer
