@@ -26,7 +26,10 @@ keys and replays, with the pools warmed at ``in_flight`` first, and counts per r
   resets the counter, whose decrements stop at zero, so ``missed``, the collections' share of
   the counter less ``left``, estimates the frees it did not count: objects that were alive at
   a collection, freed before the count rose again. They set off the collections that the
-  objects left do not explain.
+  objects left do not explain. ``replayed``: the collections that the counter's readings at
+  the start and the end of every step (taken in the run with the collector off), replayed in
+  order under the collector's rules, set off: how much of the count the swings of all the
+  requests' objects between their suspensions explain, leaving out what moves inside a step.
 
 The harness's own objects (the scope, ``receive`` and ``send``: :mod:`bench.asgi`) count alike
 for every configuration.
@@ -38,6 +41,7 @@ import argparse
 import asyncio
 import functools
 import gc
+import itertools
 import statistics
 import types
 from collections import Counter
@@ -101,6 +105,7 @@ class CollectorResult:
     suspensions: float = 0.0
     collections: list[float] = field(default_factory=list)
     threshold: int = 700
+    replayed: float = 0.0
 
     @property
     def missed(self) -> float:
@@ -117,6 +122,7 @@ class _Tally:
     last: int = 0
     suspended: int = 0
     suspensions: int = 0
+    counts: list[int] = field(default_factory=list)  # the counter as each step starts and ends
 
 
 @types.coroutine
@@ -127,9 +133,11 @@ def _counted(request: Request, tally: _Tally) -> Generator[Any, Any, Reply]:
     thrown: BaseException | None = None
     while True:
         before = gc.get_count()[0]
+        tally.counts.append(before)
         try:
             signal = request.send(sent) if thrown is None else request.throw(thrown)
         except StopIteration as done:
+            tally.counts.append(gc.get_count()[0])
             if suspensions:
                 tally.first += first
                 tally.last += held
@@ -137,13 +145,26 @@ def _counted(request: Request, tally: _Tally) -> Generator[Any, Any, Reply]:
                 tally.suspensions += suspensions
             reply: Reply = done.value
             return reply
-        held += gc.get_count()[0] - before
+        after = gc.get_count()[0]
+        tally.counts.append(after)
+        held += after - before
         first = held if not suspensions else first
         suspensions += 1
         try:
             sent, thrown = (yield signal), None
         except BaseException as exc:
             sent, thrown = None, exc
+
+
+def _replayed(counts: list[int], threshold: int) -> int:
+    """The collections ``counts`` sets off under the collector's rules: a collection once the
+    counter passes ``threshold`` resets it, and it never drops below zero."""
+    counter = collections = 0
+    for before, after in itertools.pairwise(counts):
+        counter = max(0, counter + after - before)
+        if counter > threshold:
+            counter, collections = 0, collections + 1
+    return collections
 
 
 def _kind(obj: object) -> str:
@@ -201,6 +222,7 @@ async def _left(app: Any, result: CollectorResult, keys: list[str]) -> None:
     if tally.suspended:
         result.held = [tally.first / tally.suspended, tally.last / tally.suspended]
     result.suspensions = tally.suspensions / len(keys)
+    result.replayed = _replayed(tally.counts, result.threshold) * 1000 / len(keys)
 
 
 async def _collections(app: Any, keys: list[str], in_flight: int) -> list[int]:
@@ -256,6 +278,7 @@ def tables(results: list[CollectorResult]) -> str:
         " the collector's count left after the request, of it `garbage` in cycles; `held`: its"
         " count of what the request holds at its first and its last suspension (on Redis: the"
         " first and the last store call); collections by generation per 1,000 requests;"
+        " `replayed`: those the counter's readings at the requests' steps set off alone;"
         " `missed`: frees the count lost at zero after a collection.",
     ]
     columns = [
@@ -266,6 +289,7 @@ def tables(results: list[CollectorResult]) -> str:
         "suspensions",
         "held first / last",
         "gen 0 / 1 / 2",
+        "replayed",
         "missed",
         "of other",
     ]
@@ -286,6 +310,7 @@ def tables(results: list[CollectorResult]) -> str:
                 f"{result.suspensions:.1f}",
                 " / ".join(f"{held:.0f}" for held in result.held) or "none",
                 " / ".join(f"{n:.0f}" for n in result.collections),
+                f"{result.replayed:.0f}",
                 f"{result.missed:.0f}",
                 ", ".join(f"{name} {n:.0f}" for name, n in result.other.items()),
             ]
