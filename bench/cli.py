@@ -25,7 +25,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import ablation, micro, sampling
+from bench import ablation, collector, micro, sampling
 from bench.app import AppSettings
 from bench.configs import BY_NAME, CONFIGS, Config, floor_of, installed, select
 from bench.load import MODES, LoadSettings, Mode, RunResult, measure, wrk_binary
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="in-process requests at a time (32 to match wrk's connections)",
     )
-    for section in ("load", "sampling", "micro", "ablation"):
+    for section in ("load", "sampling", "micro", "collector", "ablation"):
         parser.add_argument(f"--skip-{section}", action="store_true", help=f"no {section} section")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 3 s runs")
     parser.add_argument(
@@ -264,6 +264,20 @@ def main(argv: list[str] | None = None) -> int:
             )
             lines += ["## In-process", "", micro.table(found_micro, args.micro_in_flight), ""]
             raw["micro"] = [dataclasses.asdict(m) for m in found_micro]
+        if not args.skip_collector:
+            runnable = micro.micro_configs(configs, services.redis_url is not None)
+            counted = tuple(name for name in collector.CONFIGS if name in runnable)
+            found_objects = micro.run_async(
+                lambda: collector.measure(
+                    counted,
+                    args.micro_requests,
+                    args.micro_trials,
+                    services.redis_url,
+                    args.micro_in_flight,
+                )
+            )
+            lines += ["## What the collector sees", "", collector.tables(found_objects), ""]
+            raw["collector"] = [dataclasses.asdict(c) for c in found_objects]
     if not args.skip_ablation:
         with private_services(redis=True, postgres=False) as services:
             url = services.redis_url

@@ -19,12 +19,12 @@ import gc
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from bench.app import AppSettings, build_app
-from bench.asgi import call, running
+from bench.asgi import Reply, call, running
 from bench.configs import Config
 from bench.load import MODES, Mode
 
@@ -59,19 +59,30 @@ class MicroResult:
     collections: list[int] = field(default_factory=list)
 
 
+@dataclass
+class CollectorTime:
+    """Seconds spent in the cyclic garbage collector, and its collections by generation."""
+
+    seconds: float = 0.0
+    by_generation: list[int] = field(default_factory=lambda: [0, 0, 0])
+
+    @property
+    def collections(self) -> int:
+        return sum(self.by_generation)
+
+
 @contextlib.contextmanager
-def gc_stopwatch() -> Iterator[list[float]]:
-    """Seconds spent in the cyclic garbage collector inside the block, and how many collections
-    ran (``[seconds, collections]``)."""
-    spent = [0.0, 0.0]
+def gc_stopwatch() -> Iterator[CollectorTime]:
+    """The collector's time and collections inside the block."""
+    spent = CollectorTime()
     started = [0.0]
 
     def watch(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
+            spent.by_generation[info["generation"]] += 1
         else:
-            spent[0] += time.perf_counter() - started[0]
-            spent[1] += 1
+            spent.seconds += time.perf_counter() - started[0]
 
     gc.callbacks.append(watch)
     try:
@@ -80,13 +91,26 @@ def gc_stopwatch() -> Iterator[list[float]]:
         gc.callbacks.remove(watch)
 
 
-async def timed(app: Any, keys: list[str], in_flight: int = 1) -> tuple[float, float]:
-    """Wall and CPU µs per request over ``keys``, ``in_flight`` requests at a time."""
+Request = Coroutine[Any, Any, Reply]
+
+
+def _as_is(request: Request) -> Awaitable[Reply]:
+    return request
+
+
+async def timed(
+    app: Any,
+    keys: list[str],
+    in_flight: int = 1,
+    through: Callable[[Request], Awaitable[Reply]] = _as_is,
+) -> tuple[float, float]:
+    """Wall and CPU µs per request over ``keys``, ``in_flight`` requests at a time, each awaited
+    ``through`` a wrapper (by default none; :mod:`bench.collector` counts with one)."""
     waiting = iter(keys)
 
     async def one_after_another() -> None:
         for key in waiting:
-            reply = await call(app, key=key)
+            reply = await through(call(app, key=key))
             if reply.status != 201:
                 raise RuntimeError(f"micro request answered {reply.status}: {reply.body[:200]!r}")
 
@@ -103,11 +127,12 @@ def keys_for(mode: Mode, label: str, requests: int) -> list[str]:
     return ["replayed"] * requests
 
 
-async def microbench(
-    configs: tuple[str, ...], requests: int, trials: int, redis_url: str | None, in_flight: int
-) -> list[MicroResult]:
-    """Trials interleaved across configurations and modes; the apps stay up between them."""
-    results = {(c, m): MicroResult(c, m) for c in configs for m in MODES}
+@contextlib.asynccontextmanager
+async def warm_apps(
+    configs: tuple[str, ...], redis_url: str | None
+) -> AsyncIterator[dict[str, Any]]:
+    """Each configuration's app, running and warm: the ``replayed`` key completed and 200 new
+    keys sent; each app stores under a prefix of its own."""
     tag = uuid.uuid4().hex[:6]
     async with contextlib.AsyncExitStack() as stack:
         apps = {}
@@ -117,6 +142,15 @@ async def microbench(
             await call(app, key="replayed")
             await timed(app, keys_for("unique", f"warm-{config}", 200))
             apps[config] = app
+        yield apps
+
+
+async def microbench(
+    configs: tuple[str, ...], requests: int, trials: int, redis_url: str | None, in_flight: int
+) -> list[MicroResult]:
+    """Trials interleaved across configurations and modes; the apps stay up between them."""
+    results = {(c, m): MicroResult(c, m) for c in configs for m in MODES}
+    async with warm_apps(configs, redis_url) as apps:
         for trial in range(trials):
             for (config, mode), result in results.items():
                 keys = keys_for(mode, f"{config}-{trial}", requests)
@@ -129,8 +163,8 @@ async def microbench(
                 gc.unfreeze()
                 result.wall_us.append(wall)
                 result.cpu_us.append(cpu)
-                result.gc_us.append(spent[0] * 1e6 / requests)
-                result.collections.append(int(spent[1]))
+                result.gc_us.append(spent.seconds * 1e6 / requests)
+                result.collections.append(spent.collections)
     return list(results.values())
 
 
