@@ -198,7 +198,8 @@ async def test_fallback_acquires_with_set_nx_then_get(
     admin: aioredis.Redis, private_client: aioredis.Redis
 ) -> None:
     store = RedisStore(private_client, key_prefix="p")
-    store._nx_get = False  # what a Redis < 7 leaves behind after rejecting SET NX GET
+    # What a Redis < 7 leaves behind after rejecting SET NX GET:
+    assert store._fall_back_from_nx_get(ResponseError("ERR syntax error"))
     first = pending("k", "owner-a")
 
     acquired = await commands_sent(admin, lambda: store.try_acquire("k", first, 30))
@@ -493,7 +494,7 @@ async def test_wait_with_the_fallback(
     admin: aioredis.Redis, private_client: aioredis.Redis
 ) -> None:
     store = RedisStore(private_client, key_prefix="p", wait_replicas=1, wait_timeout_ms=10)
-    store._nx_get = False
+    assert store._fall_back_from_nx_get(ResponseError("ERR syntax error"))  # a Redis < 7
     first = pending("k", "owner-a")
 
     assert (await store.try_acquire("k", first, 30)).acquired

@@ -25,7 +25,7 @@ import asyncio
 import functools
 import logging
 import re
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -186,6 +186,7 @@ class RedisStore(StoreBase):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_end: AsyncGenerator[None, None] | None = None
         self._nx_get = True  # cleared for good once the server rejects SET NX GET
+        self._acquire = self._acquire_command()
         self._changes = RedisChangeListener(driver.subscription)
         self._undoing: set[asyncio.Task[None]] = set()
         #: What the driver raises, turned into StoreError (timeouts into StoreTimeoutError).
@@ -430,20 +431,24 @@ class RedisStore(StoreBase):
                 failure,
             )
 
-    def _acquire(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
-        """Resolves to ``None`` when ``value`` was written, else to the value holding ``skey``.
+    def _acquire_command(self) -> Callable[[str, bytes, int], Awaitable[Any]]:
+        """What :meth:`try_acquire` sends, ``(skey, value, px)``: it resolves to ``None`` when
+        ``value`` was written, else to the value holding ``skey``.
 
-        Returns the driver's own awaitable where it can, so no frame of ours waits on it; a
-        server that rejects ``SET NX GET`` raises, and ``try_acquire`` hands the error to
-        :meth:`_fall_back_from_nx_get`.
+        Chosen with the strategy, not per call: the driver's own call where it can be, so no
+        frame of ours waits on it. A server that rejects ``SET NX GET`` raises, and
+        ``try_acquire`` hands the error to :meth:`_fall_back_from_nx_get`.
         """
         if self._waiting is not None:
-            return self._acquire_and_wait(self._waiting, skey, value, px)
+            return functools.partial(self._acquire_and_wait, self._waiting)
         if self._acquire_strategy == "lua":
-            return self._driver.run_script("acquire", skey, [value, str(px)])
+            return self._acquire_by_script
         if self._nx_get:
-            return self._driver.set_nx_get(skey, value, px)
-        return self._acquire_set_then_get(skey, value, px)
+            return self._driver.set_nx_get
+        return self._acquire_set_then_get
+
+    def _acquire_by_script(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
+        return self._driver.run_script("acquire", skey, [value, str(px)])
 
     def _fall_back_from_nx_get(self, exc: BaseException) -> bool:
         """True (once, for good) when ``exc`` is the server rejecting ``SET NX GET``."""
@@ -452,6 +457,7 @@ class RedisStore(StoreBase):
         if not self._driver.rejects_nx_get(exc):
             return False
         self._nx_get = False
+        self._acquire = self._acquire_command()
         logger.info("Redis rejected SET NX GET (%s); acquiring with SET NX, then GET", exc)
         return True
 
