@@ -451,11 +451,13 @@ class RedisStore(StoreBase):
         return self._driver.run_script("acquire", skey, [value, str(px)])
 
     def _fall_back_from_nx_get(self, exc: BaseException) -> bool:
-        """True (once, for good) when ``exc`` is the server rejecting ``SET NX GET``."""
-        if self._acquire_strategy != "setnx" or not self._nx_get:
+        """True when ``exc`` is the server rejecting ``SET NX GET``: from then on, for good,
+        the store acquires with ``SET NX`` then ``GET`` (a call sent before that, answered
+        after it, falls back too)."""
+        if self._acquire_strategy != "setnx" or not self._driver.rejects_nx_get(exc):
             return False
-        if not self._driver.rejects_nx_get(exc):
-            return False
+        if not self._nx_get:
+            return True
         self._nx_get = False
         self._acquire = self._acquire_command()
         logger.info("Redis rejected SET NX GET (%s); acquiring with SET NX, then GET", exc)
