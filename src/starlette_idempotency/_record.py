@@ -42,7 +42,10 @@ class StoredResponse:
 
     def header(self, name: str) -> str | None:
         """The first stored header called ``name`` (lower case), if any."""
-        return next((value for key, value in self.headers if key == name), None)
+        for key, value in self.headers:  # a loop: every replay asks, a generator costs more
+            if key == name:
+                return value
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,35 +221,36 @@ _STATUSES = {status.value: status for status in RecordStatus}
 
 def record_from_dict(data: dict[str, Any]) -> IdempotencyRecord:
     """Parse a record's wire form; raises ``ValueError`` on a malformed one."""
+    # Every replay parses one: the dataclasses are built with positional arguments (keywords
+    # cost a frozen dataclass's __init__ a third more), in their fields' order.
+    get = data.get
     try:
         response = None
-        if data.get("responseStatusCode") is not None:
-            raw_body = data.get("responseBody") or ""
-            if data.get("responseBodyEncoding") == "base64":
+        if (status_code := get("responseStatusCode")) is not None:
+            raw_body = get("responseBody") or ""
+            if get("responseBodyEncoding") == "base64":
                 body = base64.b64decode(raw_body, validate=True)
             else:
                 body = raw_body.encode("utf-8")
+            headers = []
+            for name, value in get("responseHeaders") or ():
+                headers.append((str(name), str(value)))
             response = StoredResponse(
-                status_code=int(data["responseStatusCode"]),
-                headers=tuple([(str(k), str(v)) for k, v in data.get("responseHeaders") or ()]),
-                body=body,
-                content_type=data.get("responseContentType"),
+                int(status_code), tuple(headers), body, get("responseContentType")
             )
+        locked_until = get("lockedUntil")
+        points = get("checkpoints")
         return IdempotencyRecord(
-            key=data["key"],
-            status=_STATUSES[data["status"]],
-            request_fingerprint=data["requestFingerprint"],
-            fingerprint_version=str(data.get("fingerprintVersion", "1")),
-            owner_token=data["ownerToken"],
-            created_at=_parse_time(data["createdAt"]),
-            expires_at=_parse_time(data["expiresAt"]),
-            response=response,
-            locked_until=(
-                None if data.get("lockedUntil") is None else int(data["lockedUntil"]) / 1000
-            ),
-            checkpoints=checkpoints_from_wire(points)
-            if (points := data.get("checkpoints"))
-            else (),
+            data["key"],
+            _STATUSES[data["status"]],
+            data["requestFingerprint"],
+            data["ownerToken"],
+            _parse_time(data["createdAt"]),
+            _parse_time(data["expiresAt"]),
+            str(get("fingerprintVersion", "1")),
+            response,
+            None if locked_until is None else int(locked_until) / 1000,
+            checkpoints_from_wire(points) if points else (),
         )
     except (KeyError, TypeError, binascii.Error) as exc:
         raise ValueError(f"malformed idempotency record: {exc!r}") from exc

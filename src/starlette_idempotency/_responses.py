@@ -285,9 +285,9 @@ class ErrorResponder:
 async def send_replay(send: Send, response: StoredResponse, replay_header: bytes) -> None:
     """Replay a stored response byte for byte, marked with ``replay_header: true`` (the
     lower-case name of the middleware's ``replay_header_name``)."""
-    headers = [
-        (name.encode("latin-1"), value.encode("latin-1")) for name, value in response.headers
-    ]
+    headers = []
+    for name, value in response.headers:  # a loop: a comprehension is a call of its own
+        headers.append((name.encode("latin-1"), value.encode("latin-1")))
     headers.append((replay_header, b"true"))
     await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": response.body})
