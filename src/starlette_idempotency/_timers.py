@@ -86,7 +86,8 @@ class LoopTimer:
 
 
 class PerLoop(Generic[_PerLoopT]):
-    """One ``made(loop)`` per event loop; the last one used is found without a lookup."""
+    """One ``made(loop)`` per event loop. :attr:`last` is the one :meth:`get` gave last: a
+    caller on the same loop takes it without a lookup (or a call)."""
 
     def __init__(self, made: Callable[[asyncio.AbstractEventLoop], _PerLoopT]) -> None:
         self._made = made
