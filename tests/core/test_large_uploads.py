@@ -19,6 +19,7 @@ from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from starlette_idempotency._lease import REPLAY_CHUNK_BYTES
 from starlette_idempotency._types import ASGIApp, Message, Receive, Scope, Send
 from tests.core.test_fingerprint_multipart import content_type, encode
+from tests.support.asgi import post_scope
 
 SIZE = 50 * 1024 * 1024
 SERVER_CHUNK = 64 * 1024  # what uvicorn hands on at a time
@@ -59,25 +60,14 @@ def upload_app(received: list[int]) -> Starlette:
 
 
 def upload_scope(media_type: str, length: int, key: str) -> Scope:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/uploads",
-        "raw_path": b"/uploads",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"t"),
+    return post_scope(
+        "/uploads",
+        [
             (b"content-type", media_type.encode()),
             (b"content-length", str(length).encode()),
             (b"idempotency-key", key.encode()),
         ],
-        "server": ("t", 80),
-        "client": ("c", 1),
-    }
+    )
 
 
 async def call(app: Starlette, scope: Scope, pieces: Iterator[bytes]) -> list[Message]:

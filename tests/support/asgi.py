@@ -5,19 +5,24 @@ from __future__ import annotations
 from starlette_idempotency._types import Scope
 
 
-def payments_scope(*headers: tuple[bytes, bytes]) -> Scope:
-    """A JSON POST to /payments as a server hands it to the app, with ``headers`` added."""
+def post_scope(path: str, headers: list[tuple[bytes, bytes]]) -> Scope:
+    """A POST to ``path`` as a server hands it to the app, with ``headers`` after its Host."""
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": "/payments",
-        "raw_path": b"/payments",
+        "path": path,
+        "raw_path": path.encode(),
         "root_path": "",
         "query_string": b"",
-        "headers": [(b"host", b"t"), (b"content-type", b"application/json"), *headers],
+        "headers": [(b"host", b"t"), *headers],
         "server": ("t", 80),
         "client": ("c", 1),
     }
+
+
+def payments_scope(*headers: tuple[bytes, bytes]) -> Scope:
+    """A JSON POST to /payments, with ``headers`` added."""
+    return post_scope("/payments", [(b"content-type", b"application/json"), *headers])
