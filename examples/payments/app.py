@@ -396,11 +396,9 @@ def build_api(settings: Settings) -> FastAPI:
     async def livez() -> dict[str, str]:
         return {"status": "alive", "pod": pod}
 
-    async def write_payment(
-        ledger: Ledger, connection: Any, body: PaymentIn, provider_ref: str
-    ) -> JSONResponse:
-        """The payment row and its outbox event, on ``connection`` (in its transaction)."""
-        row = await ledger.insert_payment(
+    async def insert_payment(ledger: Ledger, body: PaymentIn, connection: Any = None) -> Row:
+        """The payment ``body`` asks for, by this pod (on ``connection``, in its transaction)."""
+        return await ledger.insert_payment(
             account_id=body.account_id,
             amount=body.amount,
             currency=body.currency,
@@ -408,6 +406,12 @@ def build_api(settings: Settings) -> FastAPI:
             pod=pod,
             connection=connection,
         )
+
+    async def write_payment(
+        ledger: Ledger, connection: Any, body: PaymentIn, provider_ref: str
+    ) -> JSONResponse:
+        """The payment row and its outbox event, on ``connection`` (in its transaction)."""
+        row = await insert_payment(ledger, body, connection)
         payment = _payment(row).model_dump(mode="json", by_alias=True)
         event = {**payment, "providerRef": provider_ref}
         await ledger.add_outbox_event(connection, "payment.created", event)
@@ -476,13 +480,7 @@ def build_api(settings: Settings) -> FastAPI:
             )
         if x_demo_delay_after_provider_ms:
             await demo_delay(body.merchant_reference, x_demo_delay_after_provider_ms)
-        row = await ledger.insert_payment(
-            account_id=body.account_id,
-            amount=body.amount,
-            currency=body.currency,
-            merchant_reference=body.merchant_reference,
-            pod=pod,
-        )
+        row = await insert_payment(ledger, body)
         await checkpoint(
             request, "ledger_written", {"providerRef": provider_ref, "paymentId": str(row["id"])}
         )
