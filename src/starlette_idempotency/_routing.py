@@ -145,6 +145,12 @@ def decoration(handler: object) -> tuple[Any, dict[str, Any] | None]:
     return wrapper, overrides
 
 
+def operation_of(handler: object) -> str | None:
+    """The ``operation=`` a route's handler names itself by (``None`` when it names none)."""
+    operation: str | None = getattr(decoration(handler)[0], OPERATION_ATTRIBUTE, None)
+    return operation
+
+
 @dataclass(frozen=True, slots=True)
 class _Routes:
     """The routes an app dispatches to, and the ``root_path`` it sets before matching them
@@ -417,7 +423,7 @@ class RouteResolver:
             wrapper, overrides = decoration(entry.handler)
             if overrides is None:
                 continue
-            operation: str = getattr(wrapper, OPERATION_ATTRIBUTE, None) or ""
+            operation = operation_of(entry.handler) or ""
             for method in sorted(entry.methods & methods) if operation else ():
                 other = named.setdefault((method, operation), entry.template)
                 if other != entry.template:

@@ -1,5 +1,5 @@
 """The store around the app's lifespan: checked when the app starts (and by ``doctor`` from a
-shell), closed when it stops.
+shell), the app's operations claimed in it while it runs, closed when it stops.
 
 A store that implements :class:`~starlette_idempotency.stores.base.CheckableStore` is reached
 once at startup: unreachable is logged as one error naming the store and its address, and what
@@ -11,20 +11,26 @@ connections on first use, the check is what opens them, in the server's event lo
 A store that opened its connections itself
 (:class:`~starlette_idempotency.stores.base.ConnectionOwningStore`) is closed when the
 lifespan ends, before the server hears of it; a client or pool the app passed in stays open.
+
+The operations the app guards are claimed last, once nothing else can refuse the startup, and
+released when the lifespan ends (see :mod:`~starlette_idempotency._claims`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
+from starlette_idempotency._claims import OperationClaims, ServedOperation
 from starlette_idempotency._types import ASGIApp, Message, Receive, Scope, Send
 from starlette_idempotency.errors import ConfigurationError, IdempotencyError, StoreError
 from starlette_idempotency.stores.base import (
     CheckableStore,
     ConnectionOwningStore,
+    IdempotencyStore,
+    OperationClaimingStore,
     StoreFinding,
 )
 
@@ -109,16 +115,21 @@ class StartupCheck:
     place. Closes the store's own connections when the lifespan ends.
 
     ``check_routes`` raises :class:`ConfigurationError` for routes that would not work as
-    written; that refuses the startup whatever ``policy`` says about the store.
+    written; that refuses the startup whatever ``policy`` says about the store. Else it returns
+    the operations to claim, each store call of which takes at most ``timeout`` seconds.
     """
 
     def __init__(
         self,
-        store: object,
+        store: IdempotencyStore,
         policy: StoreCheckPolicy,
-        check_routes: Callable[[Scope], None] = lambda scope: None,
+        check_routes: Callable[[Scope], Sequence[ServedOperation]] = lambda scope: (),
+        *,
+        timeout: float = CHECK_TIMEOUT_SECONDS,
     ) -> None:
         self._store = store
+        self._timeout = timeout
+        self._claims: OperationClaims | None = None
         #: The store, when it opened its connections itself: closed when the app stops.
         self._own = (
             store if isinstance(store, ConnectionOwningStore) and store.owns_connections else None
@@ -151,8 +162,10 @@ class StartupCheck:
                 except IdempotencyError as exc:
                     refusal = exc
                     message = startup_failed(exc)
-            if message["type"] in _LIFESPAN_ENDS and self._own is not None:
-                await close_own_connections(self._own)
+            if message["type"] in _LIFESPAN_ENDS:
+                await self._release_claims()
+                if self._own is not None:
+                    await close_own_connections(self._own)
             await send(message)
 
         async def receive_after_refusal() -> Message:
@@ -161,6 +174,10 @@ class StartupCheck:
             message = await receive()
             if message["type"] == "lifespan.startup" and self._own is not None:
                 self._own.reopen()  # closed when the app last stopped, in this event loop
+            elif message["type"] == "lifespan.shutdown":
+                # The server serves no more requests: released before the app's own shutdown,
+                # which may close the store's pool.
+                await self._release_claims()
             return message
 
         await app(scope, receive_after_refusal, send_after_check)
@@ -177,17 +194,28 @@ class StartupCheck:
         return None
 
     async def _check(self, scope: Scope) -> None:
-        """Raise what refuses the startup: a route that would not work as written, or an
-        unreachable store with ``check_store="fail"``."""
-        refusal = self.route_problems(scope)
-        if refusal is not None:
-            raise refusal
-        if self.policy == "off":
-            return
-        findings = await check_store(self._store)
-        log_findings(findings)
-        errors = [finding.message for finding in findings if finding.level == "error"]
-        if errors and self.policy == "fail":
-            raise StoreError(
-                "idempotency store check failed (check_store='fail'): " + "; ".join(errors)
+        """Raise what refuses the startup: a route that would not work as written, an
+        unreachable store with ``check_store="fail"``, or an operation that live code of
+        another name guards in the same store."""
+        served = self._check_routes(scope)
+        if self.policy != "off":
+            findings = await check_store(self._store)
+            log_findings(findings)
+            errors = [finding.message for finding in findings if finding.level == "error"]
+            if errors and self.policy == "fail":
+                raise StoreError(
+                    "idempotency store check failed (check_store='fail'): " + "; ".join(errors)
+                )
+        store = self._store
+        if served and isinstance(store, OperationClaimingStore):
+            where = store.describe() if isinstance(store, CheckableStore) else None
+            claims = OperationClaims(
+                store, served, timeout=self._timeout, where=where or f"the {self._store.name} store"
             )
+            await claims.start()
+            self._claims = claims
+
+    async def _release_claims(self) -> None:
+        claims, self._claims = self._claims, None
+        if claims is not None:
+            await claims.stop()

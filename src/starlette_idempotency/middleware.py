@@ -15,6 +15,7 @@ from typing import Any, TypeVar, Unpack, cast
 
 from starlette.middleware.exceptions import ExceptionMiddleware
 
+from starlette_idempotency._claims import ServedOperation, claimable, code_name
 from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, GUARDED_SCOPE, METHOD_NOT_GUARDED
 from starlette_idempotency._kept_response import ResponseEncryption, ResponseKeeper
 from starlette_idempotency._keys import KeyScope, KeyScopeResolver
@@ -29,7 +30,13 @@ from starlette_idempotency._options import (
 from starlette_idempotency._renewal import LockRenewals
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder
-from starlette_idempotency._routing import RouteResolver, iter_routes, mounted_apps, routes_for
+from starlette_idempotency._routing import (
+    RouteResolver,
+    iter_routes,
+    mounted_apps,
+    operation_of,
+    routes_for,
+)
 from starlette_idempotency._services import RequestLimits, RequestServices
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency._store_check import StartupCheck, StoreCheckPolicy, refuse_startup
@@ -343,7 +350,12 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
             waiters=self.waiters,
             renewals=self.renewals,
         )
-        self._startup_check = StartupCheck(store, check_store, self._check_routes)
+        self._startup_check = StartupCheck(
+            store,
+            check_store,
+            self._check_routes,
+            timeout=store_timeout_seconds,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._refusal is not None:
@@ -398,18 +410,26 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
         problems = None if routes is None else self._resolver.unguarded(routes, self._methods)
         return None if problems is None else ConfigurationError(problems)
 
-    def _check_routes(self, scope: Scope) -> None:
+    def _check_routes(self, scope: Scope) -> list[ServedOperation]:
+        """Refuse routes that would not work as written; the operations the app guards."""
         routes = routes_for(scope, self.app)
-        if routes is not None:
-            self._resolver.check(routes, self._methods)
-            mounted = _mounted_problems(routes)
-            if mounted:
-                raise ConfigurationError("\n".join(mounted))
-            # The guarded endpoints, as events name them: metrics can exist at zero from now.
-            endpoints = {
-                f"{method} {entry.template}"
-                for entry in iter_routes(routes)
-                if self._resolver.policy_for(entry.handler) is not None
-                for method in (entry.methods or self._methods) & self._methods
-            }
-            self.observer.declare(sorted(endpoints), self._services.store.name)
+        if routes is None:
+            return []
+        self._resolver.check(routes, self._methods)
+        mounted = _mounted_problems(routes)
+        if mounted:
+            raise ConfigurationError("\n".join(mounted))
+        guarded = [
+            (method, entry)
+            for entry in iter_routes(routes)
+            if self._resolver.policy_for(entry.handler) is not None
+            for method in (entry.methods or self._methods) & self._methods
+        ]
+        # The guarded endpoints, as events name them: metrics can exist at zero from now.
+        endpoints = {f"{method} {entry.template}" for method, entry in guarded}
+        self.observer.declare(sorted(endpoints), self._services.store.name)
+        return claimable(
+            ServedOperation(method, entry.template, code_name(entry.handler))
+            for method, entry in guarded
+            if operation_of(entry.handler) is None  # a name given is the identity: shared
+        )

@@ -130,13 +130,13 @@ def test_a_wraps_decorator_above_idempotent_is_guarded_and_runs_once(
             assert client.get("/runs").json()[counter] == 1
 
 
-def refused_boot(app: str) -> str:
+def refused_boot(app: str, env: dict[str, str] | None = None) -> str:
     """What uvicorn prints when the app ``app`` refuses to start (it must exit, never serve)."""
     command = [sys.executable, "-m", "uvicorn", f"tests.e2e.apps.wiring:{app}", "--factory"]
     finished = subprocess.run(
         [*command, "--port", str(free_port())],
         cwd=REPO_ROOT,
-        env=dict(os.environ),
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=60,
@@ -207,6 +207,32 @@ def test_two_services_on_one_store_each_run_their_own_requests(
             ]
         assert answers[0].headers.get("x-idempotent-replay") == "true"
         assert answers[1].headers.get("x-idempotent-replay") == "true"
+
+
+@pytest.mark.parametrize("first", ["ledger", "notifications"])
+def test_two_services_on_one_store_with_default_settings_refuse_the_second(
+    store_env: dict[str, str], first: str
+) -> None:
+    """Neither names its operation: the second to start refuses, naming both handlers and
+    what to set, and the first runs its own requests."""
+    on_a_shared_store(store_env)
+    if store_env["IDEM_TEST_STORE"] == "postgres":
+        pytest.skip("PostgresStore keeps no operation claims (guarantees.md, Operation claims)")
+    second = "notifications" if first == "ledger" else "ledger"
+    defaults = {**store_env, "IDEM_TEST_DEFAULTS": "1"}
+    with (
+        serve("create_service", {**defaults, "IDEM_TEST_SERVICE": first}) as one,
+        httpx.Client(base_url=one.url, timeout=10) as client,
+    ):
+        output = refused_boot("create_service", {**defaults, "IDEM_TEST_SERVICE": second})
+        assert f"POST /v1/events is guarded on {store_env['IDEM_TEST_STORE']}" in output, output
+        assert (
+            f"by tests.e2e.apps.wiring:{second} here and by tests.e2e.apps.wiring:{first} in a "
+            "process that is running" in output
+        ), output
+        assert "their own key_prefix, or their own names" in output
+        answer = client.post("/v1/events", json={}, headers={"Idempotency-Key": uuid.uuid4().hex})
+        assert answer.json() == {"service": first, "run": 1}
 
 
 def test_a_retry_across_a_renamed_handler_is_replayed(store_env: dict[str, str]) -> None:

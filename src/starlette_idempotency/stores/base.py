@@ -166,6 +166,31 @@ class IdempotencyStore(Protocol):
         ...
 
 
+@runtime_checkable
+class OperationClaimingStore(Protocol):
+    """A store shared by several processes that keeps their claims on the operations they
+    guard, apart from the records: so that two services whose routes share a method and
+    template never share records (see ``IdempotencyMiddleware``'s startup).
+
+    An operation is claimed by a holder (one app, from its startup to its shutdown) as served
+    by ``code`` (its handler's name). Claims of one code coexist, as the pods of one version;
+    a claim lives ``ttl`` seconds on the store's clock from its last renewal.
+    """
+
+    async def claim_operation(
+        self, operation: str, code: str, holder: str, ttl: float
+    ) -> str | None:
+        """Claim (or renew the claim on) ``operation`` for ``holder``, in one atomic step.
+
+        Returns ``None`` once claimed. When a live claim of another holder names other code,
+        claims nothing and returns that code."""
+        ...
+
+    async def release_operation(self, operation: str, holder: str) -> None:
+        """End ``holder``'s claim on ``operation`` (nothing when it has none)."""
+        ...
+
+
 #: The operations of :class:`IdempotencyStore`, as the middleware calls them.
 STORE_OPERATIONS = (
     "try_acquire",

@@ -146,25 +146,26 @@ def create_unguarded_app() -> Starlette:
     return Starlette(routes=_routes())
 
 
-@idempotent(operation="ledger.events")
-async def ledger_events(request: Request) -> Response:
+async def ledger(request: Request) -> Response:
     runs["ledger"] += 1
     return JSONResponse({"service": "ledger", "run": runs["ledger"]}, status_code=201)
 
 
-@idempotent(operation="notifications.events")
-async def notifications_events(request: Request) -> Response:
+async def notifications(request: Request) -> Response:
     runs["notifications"] += 1
     return JSONResponse({"service": "notifications", "run": runs["notifications"]}, status_code=201)
 
 
 def create_service() -> Starlette:
-    """One of two services (``$IDEM_TEST_SERVICE``) sharing the store, each its own app."""
-    events = {"ledger": ledger_events, "notifications": notifications_events}
+    """One of two services (``$IDEM_TEST_SERVICE``) sharing the store, each its own app, each
+    naming its operation; with ``$IDEM_TEST_DEFAULTS``, neither does."""
+    service = os.environ["IDEM_TEST_SERVICE"]
+    handler = {"ledger": ledger, "notifications": notifications}[service]
+    operation = None if os.environ.get("IDEM_TEST_DEFAULTS") else f"{service}.events"
     store, lifespan = _store()
     return Starlette(
         routes=[
-            Route("/v1/events", events[os.environ["IDEM_TEST_SERVICE"]], methods=["POST"]),
+            Route("/v1/events", idempotent(operation=operation)(handler), methods=["POST"]),
             Route("/runs", counts),
         ],
         middleware=[Middleware(IdempotencyMiddleware, store=store)],

@@ -95,6 +95,10 @@ def _driver_for(client: object) -> RedisDriver:
     )
 
 
+def _text(reply: bytes | str) -> str:
+    return reply.decode() if isinstance(reply, bytes) else reply
+
+
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
@@ -177,6 +181,8 @@ class RedisStore(StoreBase):
             self._waiting = driver
         self._driver = driver
         self._prefix = f"{key_prefix}:"
+        # Apart from the records (a scan of the prefix finds records only).
+        self._claims_prefix = f"{key_prefix}-operations:"
         self._acquire_strategy = acquire
         self._wait_replicas = wait_replicas
         self._wait_timeout_ms = wait_timeout_ms
@@ -602,6 +608,31 @@ class RedisStore(StoreBase):
         except self._failures as exc:
             raise _store_error(self._driver, "renew", key, exc) from exc
         return bool(renewed)
+
+    async def claim_operation(
+        self, operation: str, code: str, holder: str, ttl: float
+    ) -> str | None:
+        """Claim ``operation`` for ``holder`` (see ``OperationClaimingStore``): a hash of
+        holders under ``<key_prefix>-operations:<operation>``, each claim's expiry on the
+        server's clock."""
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
+        skey = self._claims_prefix + operation
+        try:
+            other = await self._driver.run_script("claim", skey, [holder, code, str(_ms(ttl))])
+        except self._failures as exc:
+            raise _store_error(self._driver, "claim_operation", operation, exc) from exc
+        return None if other is None else _text(other)
+
+    async def release_operation(self, operation: str, holder: str) -> None:
+        """End ``holder``'s claim on ``operation``."""
+        if asyncio.get_running_loop() is not self._loop:
+            await self._enter_loop()
+        skey = self._claims_prefix + operation
+        try:
+            await self._driver.run_script("unclaim", skey, [holder])
+        except self._failures as exc:
+            raise _store_error(self._driver, "release_operation", operation, exc) from exc
 
     async def wait_for_change(self, key: str) -> None:
         """Return once ``key`` is completed, failed, released or resolved by any process
