@@ -30,6 +30,7 @@ from starlette_idempotency.stores.base import (
     FencedWrite,
     HeldRecord,
     IdempotencyStore,
+    OperationClaimingStore,
     StoreBase,
     StoreFinding,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "HeldRecord",
     "IdempotencyRecord",
     "IdempotencyStore",
+    "OperationClaimingStore",
     "RecordStatus",
     "StoreBase",
     "StoreError",
