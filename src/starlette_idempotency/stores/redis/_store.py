@@ -64,6 +64,8 @@ _UNDO_RETRY_SECONDS = 0.1
 # page (a hint to the server).
 _GLOB_SPECIAL = re.compile(r"[*?\[\]\\]")
 _SCAN_COUNT = 500
+# TTLs go to Redis in whole milliseconds, at least 1 (it refuses PX 0): written
+# max(1, round(seconds * 1000)) where they are sent, the acquire and the finish on every request.
 
 
 def _store_error(driver: RedisDriver, operation: str, key: str, exc: BaseException) -> StoreError:
@@ -97,10 +99,6 @@ def _driver_for(client: object) -> RedisDriver:
 
 def _text(reply: bytes | str) -> str:
     return reply.decode() if isinstance(reply, bytes) else reply
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
 
 
 class RedisStore(StoreBase):
@@ -337,7 +335,8 @@ class RedisStore(StoreBase):
         """
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        skey, value, px = self._prefix + key, dump_record(pending), _ms(lock_ttl)
+        skey, value = self._prefix + key, dump_record(pending)
+        px = max(1, round(lock_ttl * 1000))
         try:
             for _ in range(3):  # the key can vanish between the acquire and the recovery step
                 try:
@@ -367,7 +366,7 @@ class RedisStore(StoreBase):
                     # A final record, or a lock its TTL holds: no lease for the server to judge.
                     return AcquireResult(acquired=False, record=current, lease_expired=False)
                 try:
-                    reply = await self._recover(skey, pending, lock_ttl, recover)
+                    reply = await self._recover(skey, pending, px, recover)
                 except self._abandoning_errors:
                     # Its lease ended rather than the key freed: that keeps the checkpoints.
                     self._undo_abandoned(key, pending.owner_token, lock_ttl)
@@ -512,13 +511,11 @@ class RedisStore(StoreBase):
             return reply
         raise StoreError(f"key {skey!r} kept expiring between SET NX and GET")
 
-    async def _recover(
-        self, skey: str, pending: IdempotencyRecord, lock_ttl: float, recover: bool
-    ) -> Any:
+    async def _recover(self, skey: str, pending: IdempotencyRecord, px: int, recover: bool) -> Any:
         """``recover.lua``'s reply: ``[]`` when the key is absent, else ``[taken, value,
         lease_expired]`` (the lease judged, and the record taken over, on the server)."""
         args: list[Arg] = [pending.request_fingerprint, pending.fingerprint_version]
-        args += [pending.owner_token, str(_ms(lock_ttl)), "1" if recover else "0"]
+        args += [pending.owner_token, str(px), "1" if recover else "0"]
         if self._waiting is None:
             return await self._driver.run_script("recover", skey, args)
         reply, acknowledged = await self._waiting.run_script_and_wait(
@@ -549,7 +546,8 @@ class RedisStore(StoreBase):
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
         skey = self._prefix + key
-        args: list[Arg] = [dump_record(record), record.owner_token, str(_ms(ttl)), skey]
+        px = max(1, round(ttl * 1000))
+        args: list[Arg] = [dump_record(record), record.owner_token, str(px), skey]
         try:
             if self._waiting is None:
                 written = await self._driver.run_script("finish", skey, args)
@@ -578,7 +576,8 @@ class RedisStore(StoreBase):
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
         value = dump_record(replace(record, locked_until=0.0))  # the script sets the lease
-        args: list[Arg] = [value, record.owner_token, str(_ms(ttl)), str(round(lease * 1000))]
+        px = max(1, round(ttl * 1000))
+        args: list[Arg] = [value, record.owner_token, str(px), str(round(lease * 1000))]
         try:
             saved = await self._driver.run_script("progress", self._prefix + key, args)
         except self._failures as exc:
@@ -601,9 +600,10 @@ class RedisStore(StoreBase):
         TTL, or for a record with recovery points its lease, on the server's clock."""
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
+        px = max(1, round(lock_ttl * 1000))
         try:
             renewed = await self._driver.run_script(
-                "renew", self._prefix + key, [owner_token, str(_ms(lock_ttl))]
+                "renew", self._prefix + key, [owner_token, str(px)]
             )
         except self._failures as exc:
             raise _store_error(self._driver, "renew", key, exc) from exc
@@ -618,8 +618,9 @@ class RedisStore(StoreBase):
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
         skey = self._claims_prefix + operation
+        px = max(1, round(ttl * 1000))
         try:
-            other = await self._driver.run_script("claim", skey, [holder, code, str(_ms(ttl))])
+            other = await self._driver.run_script("claim", skey, [holder, code, str(px)])
         except self._failures as exc:
             raise _store_error(self._driver, "claim_operation", operation, exc) from exc
         return None if other is None else _text(other)
