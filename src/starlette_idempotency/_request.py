@@ -328,7 +328,9 @@ class GuardedRequest:
             await self._pass_invalid_command(body)
             return
         try:
-            owner = await services.key_scope(self._scope)
+            owner = services.key_scope.owner(self._scope)
+            if not isinstance(owner, str):  # an async key_scope's
+                owner = await owner
         except HTTPException as exc:  # the app's own refusal (a bad token, say): its answer
             await self._send_refusal(exc, body, CheckResult.SCOPE_REFUSED)
             return
