@@ -179,6 +179,9 @@ class IdempotencyPolicy:
     key_check: KeyFormat | None = field(init=False, repr=False, compare=False)
     #: ``release_statuses`` as a decision: whether a response of this status frees the key.
     releases: Callable[[int], bool] = field(init=False, repr=False, compare=False)
+    #: ``on_recovery`` as the store's ``recover``: whether an acquire takes over a record whose
+    #: lease ran out (``"handler"``), or leaves it to an operator (``"hold"``).
+    recover: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, declared in _declared_types().items():
@@ -219,6 +222,7 @@ class IdempotencyPolicy:
         statuses = _release_statuses(self.release_statuses)
         object.__setattr__(self, "release_statuses", statuses)
         object.__setattr__(self, "releases", _release_check(statuses))
+        object.__setattr__(self, "recover", self.on_recovery != "hold")
 
     def merged(self, overrides: Mapping[str, Any]) -> IdempotencyPolicy:
         """This policy with a route's overrides applied."""

@@ -346,7 +346,9 @@ class GuardedRequest:
             fingerprint_version=self._route.fingerprint_version,
         )
         try:
-            acquired = await self._try_acquire(store_key, pending)
+            acquired = await services.store.try_acquire(
+                store_key, pending, policy.lock_ttl_seconds, recover=policy.recover
+            )
         except StoreError as exc:
             await self._on_store_down(exc, body)
             return
@@ -424,14 +426,6 @@ class GuardedRequest:
             expires_at=self._services.clock() + self._policy.ttl_seconds,
         )
 
-    def _try_acquire(self, store_key: str, pending: IdempotencyRecord) -> Awaitable[AcquireResult]:
-        return self._services.store.try_acquire(
-            store_key,
-            pending,
-            self._policy.lock_ttl_seconds,
-            recover=self._policy.on_recovery != "hold",
-        )
-
     def _same_request(self, record: IdempotencyRecord, fingerprint: str) -> tuple[bool, str | None]:
         """Whether ``record`` was made by this same request, and a note for the event."""
         if record.fingerprint_version != self._route.fingerprint_version:
@@ -458,7 +452,8 @@ class GuardedRequest:
         Returns the final acquire result, or ``None`` once this request has been answered
         (409 when the wait timed out or too many requests already wait).
         """
-        deadline = time.monotonic() + self._policy.wait_timeout_seconds
+        policy = self._policy
+        deadline = time.monotonic() + policy.wait_timeout_seconds
         result: AcquireResult | None = None
         async with self._services.waiters.waiting(store_key) as watch:
             if watch is None:
@@ -472,8 +467,10 @@ class GuardedRequest:
                     if record.status is not RecordStatus.IN_PROGRESS:
                         return AcquireResult(acquired=False, record=record)
                     continue  # another request took the key over: wait for it instead
-                try:
-                    result = await self._try_acquire(store_key, pending)  # free: take it
+                try:  # free: take it
+                    result = await self._services.store.try_acquire(
+                        store_key, pending, policy.lock_ttl_seconds, recover=policy.recover
+                    )
                 except StoreError:
                     continue  # the store hiccupped: keep waiting until the deadline
                 if result.acquired or result.record is None:

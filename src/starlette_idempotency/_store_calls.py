@@ -15,10 +15,11 @@ they were, with a ``DeprecationWarning``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import ParamSpec, Protocol, TypeVar
 
 from starlette_idempotency._deprecation import deprecated
 from starlette_idempotency._record import IdempotencyRecord
@@ -36,6 +37,28 @@ from starlette_idempotency.stores.base import (
 )
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
+
+
+class _StoreCall(Protocol):
+    """A store call made, bounded and observed: ``method(*args, **kwargs)`` as ``operation``."""
+
+    def __call__(
+        self,
+        operation: str,
+        method: Callable[_P, Awaitable[_T]],
+        /,
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> Awaitable[_T]: ...
+
+
+class TryAcquire(Protocol):
+    """:meth:`IdempotencyStore.try_acquire`'s signature, bounded."""
+
+    def __call__(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
+    ) -> Awaitable[AcquireResult]: ...
 
 
 #: The operations store calls are timed and traced as (``finish`` as the outcome it writes).
@@ -63,10 +86,11 @@ class BoundedStore:
         "name",
         "store",
         "timeout",
+        "try_acquire",
     )
 
     #: A call of the store, bounded (and, with a metrics sink or tracing, observed).
-    _call: Callable[[str, Awaitable[Any]], Awaitable[Any]]
+    _call: _StoreCall
 
     def __init__(
         self,
@@ -98,6 +122,14 @@ class BoundedStore:
         self._tracer = tracer
         # Bounded, and where there is a sink or tracing, observed: chosen once, not per call.
         self._call = self._bounded if metrics is None and tracer is None else self._observed
+        #: The store's ``try_acquire``, bounded, with no frame of ours around the bounding one
+        #: (the partial's arguments are those of ``_call``, which mypy cannot apply in part).
+        acquire: Callable[..., Awaitable[AcquireResult]] = self._call
+        self.try_acquire: TryAcquire = functools.partial(
+            acquire,
+            "try_acquire",
+            self._lease_judged_here if self._legacy_leases else store.try_acquire,
+        )
         # A store written for the protocol's first spelling overrides complete() or fail()
         # rather than finish(): it gets those calls, as it did, until 0.3.0.
         self._finishers = {
@@ -113,17 +145,11 @@ class BoundedStore:
                 stacklevel=4,
             )
 
-    def try_acquire(
+    async def _lease_judged_here(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
-    ) -> Awaitable[AcquireResult]:
-        call = self.store.try_acquire(key, pending, lock_ttl, recover=recover)
-        if self._legacy_leases:
-            call = self._lease_judged_here(call)
-        return self._call("try_acquire", call)
-
-    async def _lease_judged_here(self, call: Awaitable[AcquireResult]) -> AcquireResult:
+    ) -> AcquireResult:
         """A 0.1 store's answer, with ``lease_expired`` judged on this pod's clock."""
-        result = await call
+        result = await self.store.try_acquire(key, pending, lock_ttl, recover=recover)
         if result.acquired or result.record is None or result.lease_expired is not None:
             return result
         return replace(result, lease_expired=result.record.lease_expired(self._clock()))
@@ -132,18 +158,19 @@ class BoundedStore:
         """``finish``, named for the outcome it writes."""
         finish = self._finishers.get(record.status, self.store.finish)
         # Metrics and spans name the outcome, as dashboards built on them expect.
-        return self._call(FINISH_SPELLINGS[record.status], finish(key, record, ttl))
+        return self._call(FINISH_SPELLINGS[record.status], finish, key, record, ttl)
 
     def save_progress(
         self, key: str, record: IdempotencyRecord, ttl: float, lease: float
     ) -> Awaitable[bool]:
         if self._legacy_leases:
             dated = replace(record, locked_until=self._clock() + lease)
-            return self._call("save_progress", self.store.save_progress(key, dated, ttl))  # type: ignore[call-arg]
-        return self._call("save_progress", self.store.save_progress(key, record, ttl, lease))
+            legacy: Callable[..., Awaitable[bool]] = self.store.save_progress
+            return self._call("save_progress", legacy, key, dated, ttl)
+        return self._call("save_progress", self.store.save_progress, key, record, ttl, lease)
 
     def release(self, key: str, owner_token: str) -> Awaitable[bool]:
-        return self._call("release", self.store.release(key, owner_token))
+        return self._call("release", self.store.release, key, owner_token)
 
     def renew(
         self, key: str, record: IdempotencyRecord, lock_ttl: float, ttl: float
@@ -152,21 +179,28 @@ class BoundedStore:
         ``ttl``): a 0.1 store renews such a lease by saving the record again."""
         if self._legacy_leases and record.checkpoints:
             return self.save_progress(key, record, ttl, lock_ttl)
-        return self._call("renew", self.store.renew(key, record.owner_token, lock_ttl))
+        return self._call("renew", self.store.renew, key, record.owner_token, lock_ttl)
 
     def get(self, key: str) -> Awaitable[IdempotencyRecord | None]:
-        return self._call("get", self.store.get(key))
+        return self._call("get", self.store.get, key)
 
-    async def _observed(self, operation: str, call: Awaitable[_T]) -> _T:
+    async def _observed(
+        self,
+        operation: str,
+        method: Callable[_P, Awaitable[_T]],
+        /,
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _T:
         """:meth:`_bounded`, timed for the metrics sink and traced as a span."""
         started = time.perf_counter()
         ok = False
         try:
             if self._tracer is None:
-                result = await self._bounded(operation, call)
+                result = await self._bounded(operation, method, *args, **kwargs)
             else:
                 with self._tracer.span(self.name, operation):
-                    result = await self._bounded(operation, call)
+                    result = await self._bounded(operation, method, *args, **kwargs)
             ok = True
             return result
         finally:
@@ -175,9 +209,17 @@ class BoundedStore:
                     self.name, operation, time.perf_counter() - started, ok
                 )
 
-    async def _bounded(self, operation: str, call: Awaitable[_T]) -> _T:
-        """``call``'s result, its failures as ``StoreError``, and ``StoreTimeoutError`` once it
-        is late (see ``CallsInFlight``: nothing is made per call)."""
+    async def _bounded(
+        self,
+        operation: str,
+        method: Callable[_P, Awaitable[_T]],
+        /,
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _T:
+        """``method(*args, **kwargs)``'s result, its failures (raised as it is called, too) as
+        ``StoreError``, and ``StoreTimeoutError`` once it is late (see ``CallsInFlight``:
+        nothing is made per call)."""
         task = asyncio.current_task()
         assert task is not None, "a coroutine awaited under asyncio runs in a task"
         loop = task.get_loop()
@@ -189,7 +231,7 @@ class BoundedStore:
         if in_flight.handle is None:
             in_flight.arm()
         try:
-            return await call
+            return await method(*args, **kwargs)
         except StoreError:
             raise
         except Exception as exc:
