@@ -140,12 +140,11 @@ async def test_a_takeover_abandoned_while_redis_stalls_ends_its_lease(
     options: dict[str, Any] = GLIDE_OPTIONS if driver == "glide" else {}
     store = RedisStore.from_url(server.url, key_prefix="p", driver=driver, **options)
     admin = aioredis.from_url(server.url)
-    driver_run_script = store._driver.run_script
+    recover = store._driver.scripts["recover"]
 
-    def stalling_before_takeover(name: str, key: str, args: list[Arg]) -> Awaitable[Any]:
-        if name == "recover":
-            server.freeze()  # the acquire's reply came back; Redis stalls before the takeover
-        return driver_run_script(name, key, args)
+    def stalling_before_takeover(keys: list[str], args: list[Arg]) -> Awaitable[Any]:
+        server.freeze()  # the acquire's reply came back; Redis stalls before the takeover
+        return recover(keys, args)
 
     try:
         await admin.set("p:warm", dump_record(dead_handlers_record("warm")), px=60_000)
@@ -157,7 +156,7 @@ async def test_a_takeover_abandoned_while_redis_stalls_ends_its_lease(
             dead = dump_record(record)
             await admin.set(f"p:{key}", dead, px=60_000)
             evals = await calls(admin, "eval")
-            monkeypatch.setattr(store._driver, "run_script", stalling_before_takeover)
+            monkeypatch.setitem(store._driver.scripts, "recover", stalling_before_takeover)
             try:
                 with pytest.raises(TimeoutError):
                     async with asyncio.timeout(CALL_DEADLINE):

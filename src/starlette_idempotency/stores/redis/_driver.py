@@ -2,19 +2,24 @@
 
 The store holds the record logic (acquire, takeover, fenced writes); a driver sends its commands
 through one client library: redis-py (:mod:`.redis_py`) or valkey-glide (:mod:`.redis_glide`).
-Drivers return the library's own awaitable where they can, so no frame of theirs waits on the
-hot path.
+Drivers hand the store the library's own callables where they can (:attr:`RedisDriver.scripts`,
+:attr:`RedisDriver.set_command`), so no frame of theirs sits between the store and the library
+on the hot path.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.resources
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 #: A command argument: the store passes numbers as decimal strings.
 Arg = bytes | str
+#: A script run on the server, called ``(keys, args)``; it resolves to the script's reply.
+ScriptCall = Callable[[list[str], list[Arg]], Awaitable[Any]]
+#: The scripts a driver runs by name (``abandon``, sent whole, is not among them).
+SCRIPTS = ("acquire", "claim", "finish", "progress", "recover", "release", "renew", "unclaim")
 
 _NEEDS_RECORD_PRELUDE = frozenset({"abandon", "finish", "progress", "recover", "release", "renew"})
 
@@ -57,19 +62,19 @@ class RedisDriver(Protocol):
     #: Redis already received still runs, but no later than such an answer).
     late_command_window: float
 
-    def set_nx_get(self, key: str, value: bytes, px: int) -> Awaitable[bytes | str | None]:
-        """``SET key value NX PX px GET``: ``None`` when written, else the current value."""
-        ...
-
-    async def set_nx(self, key: str, value: bytes, px: int) -> bool:
-        """``SET key value NX PX px``: whether it wrote (Redis < 7, without ``GET``)."""
+    @property
+    def set_command(self) -> Callable[..., Awaitable[Any]]:
+        """Called ``(key, value, *words)``, it sends ``SET key value *words`` and resolves to
+        the reply as Redis sent it: with ``GET``, the value the key held (``None`` when it
+        wrote); without, ``OK`` or ``None``."""
         ...
 
     def get(self, key: str) -> Awaitable[bytes | str | None]: ...
 
-    def run_script(self, name: str, key: str, args: list[Arg]) -> Awaitable[Any]:
-        """Run the script :func:`lua_source` ``(name)`` on ``key``, loading it when the server
-        does not know it (first use, restart, ``SCRIPT FLUSH``)."""
+    @property
+    def scripts(self) -> Mapping[str, ScriptCall]:
+        """The scripts of :data:`SCRIPTS` by name (their source is :func:`lua_source`), each
+        loaded when the server does not know it (first use, restart, ``SCRIPT FLUSH``)."""
         ...
 
     def eval_script(self, name: str, key: str, args: list[Arg]) -> Awaitable[Any]:

@@ -18,20 +18,18 @@ on the event loop that serves requests (glide clients belong to the loop that cr
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, ParamSpec, TypeAlias, TypeGuard, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 from starlette_idempotency.errors import ConfigurationError
 from starlette_idempotency.stores._lazy_pool import retrieve_exception
-from starlette_idempotency.stores.redis._driver import Arg, lua_source
+from starlette_idempotency.stores.redis._driver import SCRIPTS, Arg, ScriptCall, lua_source
 
 try:
     from glide import (
         AllPrimaries,
-        ConditionalChange,
-        ExpirySet,
-        ExpiryType,
         GlideClient,
         GlideClientConfiguration,
         GlideClusterClient,
@@ -55,7 +53,6 @@ T = TypeVar("T")
 
 DEFAULT_REQUEST_TIMEOUT_MS = 5000
 GLIDE_REQUEST_TIMEOUT_MS = 250  # glide's own default
-_NX = ConditionalChange.ONLY_IF_DOES_NOT_EXIST
 _SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}
 
 
@@ -154,7 +151,10 @@ class GlideDriver:
             self._client, self._config, config = client, None, client.config
         self.late_command_window = (config.request_timeout or GLIDE_REQUEST_TIMEOUT_MS) / 1000
         self._connecting: asyncio.Task[TGlideClient] | None = None
-        self._scripts: dict[str, Script] = {}
+        self.scripts: dict[str, ScriptCall] = {
+            name: functools.partial(self._invoke_script, Script(lua_source(name)))  # type: ignore[no-untyped-call]
+            for name in SCRIPTS
+        }
 
     async def connected(self) -> TGlideClient:
         """The client, created on the first call when the driver was given a configuration.
@@ -186,27 +186,12 @@ class GlideDriver:
         await self.connected()
         return await command(*args, **kwargs)
 
-    def set_nx_get(self, key: str, value: bytes, px: int) -> Awaitable[bytes | str | None]:
+    def set_command(self, key: str, value: bytes, *words: str) -> Awaitable[Any]:
         client = self._client
         if client is None:
-            return self._after_connecting(self.set_nx_get, key, value, px)
-        return cast(
-            Awaitable[bytes | None],
-            client.set(
-                key,
-                value,
-                conditional_set=_NX,
-                expiry=ExpirySet(ExpiryType.MILLSEC, px),
-                return_old_value=True,
-            ),
-        )
-
-    async def set_nx(self, key: str, value: bytes, px: int) -> bool:
-        client = await self.connected()
-        written = await client.set(
-            key, value, conditional_set=_NX, expiry=ExpirySet(ExpiryType.MILLSEC, px)
-        )
-        return written is not None
+            return self._after_connecting(self.set_command, key, value, *words)
+        # Sent as it is: glide routes it by its key, and hands back the reply as it came.
+        return client.custom_command(["SET", key, value, *words])
 
     def get(self, key: str) -> Awaitable[bytes | str | None]:
         client = self._client
@@ -214,15 +199,12 @@ class GlideDriver:
             return self._after_connecting(self.get, key)
         return client.get(key)
 
-    def run_script(self, name: str, key: str, args: list[Arg]) -> Awaitable[Any]:
+    def _invoke_script(self, script: Script, keys: list[str], args: list[Arg]) -> Awaitable[Any]:
         # glide sends EVALSHA and loads the script itself when the server does not know it.
         client = self._client
         if client is None:
-            return self._after_connecting(self.run_script, name, key, args)
-        script = self._scripts.get(name)
-        if script is None:
-            script = self._scripts[name] = Script(lua_source(name))  # type: ignore[no-untyped-call]
-        return client.invoke_script(script, keys=[key], args=args)
+            return self._after_connecting(self._invoke_script, script, keys, args)
+        return client.invoke_script(script, keys=keys, args=args)
 
     async def eval_script(self, name: str, key: str, args: list[Arg]) -> Any:
         client = await self.connected()

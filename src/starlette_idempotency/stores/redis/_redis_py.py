@@ -10,11 +10,12 @@ still runs when it wakes (the store undoes an abandoned acquire).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeGuard
 
 from starlette_idempotency.errors import ConfigurationError
-from starlette_idempotency.stores.redis._driver import Arg, lua_source
+from starlette_idempotency.stores.redis._driver import SCRIPTS, Arg, lua_source
 
 try:
     import redis.asyncio as aioredis
@@ -118,31 +119,19 @@ class RedisPyDriver:
 
     def __init__(self, client: RedisClient) -> None:
         self._client = client
-        self._scripts: dict[str, RedisScript] = {}
-
-    # The command itself rather than client.set(): set() checks and assembles its options on
-    # every call (about 20 µs of a replay's CPU in redis-py 8). get=True tells the reply
-    # callback to return the old value rather than a bool.
-    def set_nx_get(self, key: str, value: bytes, px: int) -> Awaitable[bytes | str | None]:
-        command = self._client.execute_command("SET", key, value, "PX", px, "NX", "GET", get=True)
-        return command  # type: ignore[no-any-return]
-
-    async def set_nx(self, key: str, value: bytes, px: int) -> bool:
-        return bool(await self._client.execute_command("SET", key, value, "PX", px, "NX"))
+        # The command itself rather than client.set(): set() checks and assembles its options
+        # on every call (about 20 µs of a replay's CPU in redis-py 8). get=True has the reply
+        # callback hand back the reply as it came rather than a bool.
+        self.set_command: Callable[..., Awaitable[Any]] = functools.partial(
+            client.execute_command, "SET", get=True
+        )
+        # redis-py's AsyncScript sends EVALSHA and reloads the script on NoScriptError.
+        self.scripts: dict[str, RedisScript] = {
+            name: client.register_script(lua_source(name)) for name in SCRIPTS
+        }
 
     def get(self, key: str) -> Awaitable[bytes | str | None]:
         return self._client.get(key)  # type: ignore[no-any-return]
-
-    def run_script(self, name: str, key: str, args: list[Arg]) -> Awaitable[Any]:
-        # redis-py's AsyncScript sends EVALSHA and reloads the script on NoScriptError.
-        script = self._scripts.get(name) or self._script(name)
-        return script(keys=[key], args=args)
-
-    def _script(self, name: str) -> RedisScript:
-        script = self._scripts.get(name)
-        if script is None:
-            script = self._scripts[name] = self._client.register_script(lua_source(name))
-        return script
 
     def eval_script(self, name: str, key: str, args: list[Arg]) -> Awaitable[Any]:
         return self._client.eval(lua_source(name), 1, key, *args)  # type: ignore[no-any-return]
@@ -160,7 +149,7 @@ class RedisPyDriver:
     async def run_script_and_wait(
         self, name: str, key: str, args: list[Arg], *, replicas: int, timeout_ms: int
     ) -> tuple[Any, int]:
-        script = self._script(name)
+        script = self.scripts[name]
 
         def queue(pipe: Any) -> None:
             # EVALSHA by name: ClusterPipeline blocks only its evalsha() helper.

@@ -449,11 +449,14 @@ class RedisStore(StoreBase):
         if self._acquire_strategy == "lua":
             return self._acquire_by_script
         if self._nx_get:
-            return self._driver.set_nx_get
+            return self._set_nx_get
         return self._acquire_set_then_get
 
+    def _set_nx_get(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
+        return self._driver.set_command(skey, value, "PX", str(px), "NX", "GET")
+
     def _acquire_by_script(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
-        return self._driver.run_script("acquire", skey, [value, str(px)])
+        return self._driver.scripts["acquire"]([skey], [value, str(px)])
 
     def _fall_back_from_nx_get(self, exc: BaseException) -> bool:
         """True when ``exc`` is the server rejecting ``SET NX GET``: from then on, for good,
@@ -471,7 +474,7 @@ class RedisStore(StoreBase):
     async def _acquire_set_then_get(self, skey: str, value: bytes, px: int) -> Any:
         # Two round trips for Redis < 7. The key may expire between them: then try once more.
         for _ in range(2):
-            if await self._driver.set_nx(skey, value, px):
+            if await self._driver.set_command(skey, value, "PX", str(px), "NX") is not None:
                 return None
             existing = await self._driver.get(skey)
             if existing is not None:
@@ -517,7 +520,7 @@ class RedisStore(StoreBase):
         args: list[Arg] = [pending.request_fingerprint, pending.fingerprint_version]
         args += [pending.owner_token, str(px), "1" if recover else "0"]
         if self._waiting is None:
-            return await self._driver.run_script("recover", skey, args)
+            return await self._driver.scripts["recover"]([skey], args)
         reply, acknowledged = await self._waiting.run_script_and_wait(
             "recover", skey, args, replicas=self._wait_replicas, timeout_ms=self._wait_timeout_ms
         )
@@ -550,7 +553,7 @@ class RedisStore(StoreBase):
         args: list[Arg] = [dump_record(record), record.owner_token, str(px), skey]
         try:
             if self._waiting is None:
-                written = await self._driver.run_script("finish", skey, args)
+                written = await self._driver.scripts["finish"]([skey], args)
             else:
                 written, acknowledged = await self._waiting.run_script_and_wait(
                     "finish",
@@ -579,7 +582,7 @@ class RedisStore(StoreBase):
         px = max(1, round(ttl * 1000))
         args: list[Arg] = [value, record.owner_token, str(px), str(round(lease * 1000))]
         try:
-            saved = await self._driver.run_script("progress", self._prefix + key, args)
+            saved = await self._driver.scripts["progress"]([self._prefix + key], args)
         except self._failures as exc:
             raise _store_error(self._driver, "save_progress", key, exc) from exc
         return bool(saved)
@@ -590,7 +593,7 @@ class RedisStore(StoreBase):
             await self._enter_loop()
         skey = self._prefix + key
         try:
-            released = await self._driver.run_script("release", skey, [owner_token, skey])
+            released = await self._driver.scripts["release"]([skey], [owner_token, skey])
         except self._failures as exc:
             raise _store_error(self._driver, "release", key, exc) from exc
         return bool(released)
@@ -602,8 +605,8 @@ class RedisStore(StoreBase):
             await self._enter_loop()
         px = max(1, round(lock_ttl * 1000))
         try:
-            renewed = await self._driver.run_script(
-                "renew", self._prefix + key, [owner_token, str(px)]
+            renewed = await self._driver.scripts["renew"](
+                [self._prefix + key], [owner_token, str(px)]
             )
         except self._failures as exc:
             raise _store_error(self._driver, "renew", key, exc) from exc
@@ -620,7 +623,7 @@ class RedisStore(StoreBase):
         skey = self._claims_prefix + operation
         px = max(1, round(ttl * 1000))
         try:
-            other = await self._driver.run_script("claim", skey, [holder, code, str(px)])
+            other = await self._driver.scripts["claim"]([skey], [holder, code, str(px)])
         except self._failures as exc:
             raise _store_error(self._driver, "claim_operation", operation, exc) from exc
         return None if other is None else _text(other)
@@ -631,7 +634,7 @@ class RedisStore(StoreBase):
             await self._enter_loop()
         skey = self._claims_prefix + operation
         try:
-            await self._driver.run_script("unclaim", skey, [holder])
+            await self._driver.scripts["unclaim"]([skey], [holder])
         except self._failures as exc:
             raise _store_error(self._driver, "release_operation", operation, exc) from exc
 
