@@ -227,10 +227,11 @@ class Lease(KeyOwner):
         if self.recorded is not None:
             await self._sent_recorded(status, body)
             return
-        if self.frees_key(status):
+        outcome = self.outcome(status, raw_headers, body)
+        if outcome is None:
             await self.release(status)
             return
-        record, note = self.outcome(status, raw_headers, body)
+        record, note = outcome
         ttl = self._route.policy.ttl_seconds
         try:
             stored = await self._store.finish(self.store_key, record, ttl)
@@ -262,25 +263,23 @@ class Lease(KeyOwner):
             OutcomeResult.COMPLETED if status < 400 else OutcomeResult.FAILED, status, note
         )
 
-    def frees_key(self, status: int) -> bool:
-        """Whether a response of ``status`` frees the key for a retry instead of being stored:
-        a status ``release_statuses`` frees (by default 5xx, 408, 429), a retryable mark, a
-        status from before the endpoint."""
-        return (
-            self.retryable
-            or self._route.policy.releases(status)
-            or (
-                not self.endpoint_started
-                if self._route.marks_start
-                else status in _PRE_ENDPOINT_STATUSES
-            )
-        )
-
     def outcome(
         self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes | None
-    ) -> tuple[IdempotencyRecord, str | None]:
-        """The finished record of a response kept as the outcome, and the redactor's note."""
-        policy = self._route.policy
+    ) -> tuple[IdempotencyRecord, str | None] | None:
+        """The finished record of a response kept as the key's outcome, and the redactor's
+        note; ``None`` when a response of ``status`` frees the key for a retry instead: a status
+        ``release_statuses`` frees (by default 5xx, 408, 429), a retryable mark, a status from
+        before the endpoint."""
+        route = self._route
+        policy = route.policy
+        if (
+            self.retryable
+            or policy.releases(status)
+            or (
+                not self.endpoint_started if route.marks_start else status in _PRE_ENDPOINT_STATUSES
+            )
+        ):
+            return None
         kept, note = self._responses.keep(
             policy.stored_parts, self.store_key, status, raw_headers, body
         )

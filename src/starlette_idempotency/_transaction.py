@@ -175,14 +175,15 @@ class IdempotencyTransaction:
                 "written in the transaction"
             )
         status = response.status_code
-        if lease.frees_key(status):
+        kept = body if len(body) <= lease.policy.max_response_bytes else None
+        outcome = lease.outcome(status, list(response.raw_headers), kept)
+        if outcome is None:
             raise IdempotencyError(
                 f"tx.respond() got status {status}, which frees the key for a retry instead of "
                 "being stored: raise (the transaction rolls back), or return that response "
                 "outside the transaction"
             )
-        kept = body if len(body) <= lease.policy.max_response_bytes else None
-        record, _ = lease.outcome(status, list(response.raw_headers), kept)
+        record = outcome[0]
         if self._record is not None:  # with the recovery points written in the transaction
             record = replace(record, checkpoints=self._record.checkpoints)
         await self._run(self._queries.finish(lease.store_key, record, lease.policy.ttl_seconds))
