@@ -234,7 +234,7 @@ class Lease(KeyOwner):
         record, note = outcome
         ttl = self._route.policy.ttl_seconds
         try:
-            stored = await self._store.finish(self.store_key, record, ttl)
+            stored = await self._store.finish_for[record.status](self.store_key, record, ttl)
         except StoreError as exc:
             logger.error(
                 "could not store the response for idempotency key %r; a retry is answered 409 "

@@ -19,10 +19,10 @@ import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from starlette_idempotency._deprecation import deprecated
-from starlette_idempotency._record import IdempotencyRecord
+from starlette_idempotency._record import IdempotencyRecord, RecordStatus
 from starlette_idempotency._timers import CallsInFlight, PerLoop
 from starlette_idempotency._types import Clock, system_clock
 from starlette_idempotency.errors import StoreError, StoreTimeoutError
@@ -53,6 +53,10 @@ class _StoreCall(Protocol):
     ) -> Awaitable[_T]: ...
 
 
+#: :meth:`IdempotencyStore.finish`'s signature.
+Finish = Callable[[str, IdempotencyRecord, float], Awaitable[FencedWrite]]
+
+
 class TryAcquire(Protocol):
     """:meth:`IdempotencyStore.try_acquire`'s signature, bounded."""
 
@@ -78,11 +82,11 @@ class BoundedStore:
     __slots__ = (
         "_call",
         "_clock",
-        "_finishers",
         "_in_flight",
         "_legacy_leases",
         "_metrics",
         "_tracer",
+        "finish_for",
         "name",
         "store",
         "timeout",
@@ -122,28 +126,35 @@ class BoundedStore:
         self._tracer = tracer
         # Bounded, and where there is a sink or tracing, observed: chosen once, not per call.
         self._call = self._bounded if metrics is None and tracer is None else self._observed
-        #: The store's ``try_acquire``, bounded, with no frame of ours around the bounding one
-        #: (the partial's arguments are those of ``_call``, which mypy cannot apply in part).
-        acquire: Callable[..., Awaitable[AcquireResult]] = self._call
+        # The engine's hot calls are partials of _call, so no frame of ours sits around the
+        # bounding one (their arguments are _call's, which mypy cannot apply in part).
+        call: Callable[..., Any] = self._call
+        #: The store's ``try_acquire``, bounded.
         self.try_acquire: TryAcquire = functools.partial(
-            acquire,
+            call,
             "try_acquire",
             self._lease_judged_here if self._legacy_leases else store.try_acquire,
         )
         # A store written for the protocol's first spelling overrides complete() or fail()
         # rather than finish(): it gets those calls, as it did, until 0.3.0.
-        self._finishers = {
+        finishers = {
             status: getattr(store, spelling)
             for status, spelling in FINISH_SPELLINGS.items()
             if getattr(type(store), spelling, None) not in (None, getattr(StoreBase, spelling))
         }
-        if self._finishers:
-            overridden = " and ".join(f"{FINISH_SPELLINGS[s]}()" for s in self._finishers)
+        if finishers:
+            overridden = " and ".join(f"{FINISH_SPELLINGS[s]}()" for s in finishers)
             deprecated(
                 f"{type(store).__name__} overrides {overridden}, the protocol's first spelling "
                 "of finish(): the middleware calls it, but override finish() instead",
                 stacklevel=4,
             )
+        #: The store's ``finish`` of a record in each final status, bounded, and named for the
+        #: outcome it writes, as metrics and spans (and the dashboards built on them) name it.
+        self.finish_for: dict[RecordStatus, Finish] = {
+            status: functools.partial(call, spelling, finishers.get(status, store.finish))
+            for status, spelling in FINISH_SPELLINGS.items()
+        }
 
     async def _lease_judged_here(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
@@ -153,12 +164,6 @@ class BoundedStore:
         if result.acquired or result.record is None or result.lease_expired is not None:
             return result
         return replace(result, lease_expired=result.record.lease_expired(self._clock()))
-
-    def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> Awaitable[FencedWrite]:
-        """``finish``, named for the outcome it writes."""
-        finish = self._finishers.get(record.status, self.store.finish)
-        # Metrics and spans name the outcome, as dashboards built on them expect.
-        return self._call(FINISH_SPELLINGS[record.status], finish, key, record, ttl)
 
     def save_progress(
         self, key: str, record: IdempotencyRecord, ttl: float, lease: float
