@@ -7,11 +7,12 @@ store-specific outage tests.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 
 import pytest
 
 from starlette_idempotency import MemoryStore
-from starlette_idempotency.stores import FencedWrite, IdempotencyRecord
+from starlette_idempotency.stores import AcquireResult, FencedWrite, IdempotencyRecord
 from tests.support.broken_store import BrokenStore
 from tests.support.guarded import make_guarded_app
 
@@ -28,6 +29,24 @@ async def test_fail_closed_answers_503_without_running(kind: str, hang: bool) ->
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
     assert "error" in response.json()
+    assert harness.ledger.executions["payments"] == 0
+
+
+class RaisingAsCalledStore(MemoryStore):
+    """A store whose try_acquire raises as it is called, before it has an awaitable to give."""
+
+    def try_acquire(  # type: ignore[override]
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
+    ) -> Awaitable[AcquireResult]:
+        raise ConnectionError("try_acquire failed")
+
+
+async def test_a_store_call_that_raises_as_it_is_called_is_a_store_failure(kind: str) -> None:
+    harness = await make_guarded_app(kind, RaisingAsCalledStore())
+    response = await harness.client.post(
+        "/payments", json=PAYMENT, headers={"Idempotency-Key": "k"}
+    )
+    assert response.status_code == 503
     assert harness.ledger.executions["payments"] == 0
 
 
