@@ -357,16 +357,17 @@ class Lease(KeyOwner):
 REPLAY_CHUNK_BYTES = 64 * 1024
 
 
-class ReplayingReceive:
-    """Its :meth:`receive` hands the buffered body to the app, then defers to the client (so
-    the app still sees ``http.disconnect``): a body that came in one message as that message,
-    one gathered from several in messages of :data:`REPLAY_CHUNK_BYTES`."""
+class _BodyReplay:
+    """Its :meth:`receive` hands the buffered body (``_body``) to the app, then defers to the
+    client's ``_receive`` (so the app still sees ``http.disconnect``): a body that came in one
+    message as that message, one gathered from several in messages of
+    :data:`REPLAY_CHUNK_BYTES`. The classes it serves set both fields in their own
+    ``__init__``."""
 
     __slots__ = ("_body", "_receive")
 
-    def __init__(self, body: Body, receive: Receive) -> None:
-        self._body: Body | memoryview | None = body
-        self._receive = receive
+    _body: Body | memoryview | None
+    _receive: Receive
 
     async def receive(self) -> Message:
         body = self._body
@@ -382,7 +383,18 @@ class ReplayingReceive:
         return {"type": "http.request", "body": chunk, "more_body": bool(rest)}
 
 
-class Run(ReplayingReceive):
+class ReplayingReceive(_BodyReplay):
+    """The app's ``receive`` for a request whose body the middleware read, not run as the
+    key's owner (fail-open, a body the route's model rejects, a hook's refusal)."""
+
+    __slots__ = ()
+
+    def __init__(self, body: Body, receive: Receive) -> None:
+        self._body = body
+        self._receive = receive
+
+
+class Run(_BodyReplay):
     """The app running as the owner of ``lease``: :meth:`receive` (the body the middleware
     read, then the client's) and :meth:`send` are what the app is given, and the outcome is
     settled before the response's last chunk goes out."""
@@ -411,7 +423,8 @@ class Run(ReplayingReceive):
     def __init__(
         self, lease: Lease, policy: IdempotencyPolicy, body: Body, receive: Receive, send: Send
     ) -> None:
-        super().__init__(body, receive)
+        self._body = body
+        self._receive = receive
         self._lease = lease
         self._policy = policy
         self._client_send = send

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -123,31 +122,30 @@ class IdempotencyRecord:
 
 # Every request formats and parses a few times within the same few seconds: the date and
 # time of day are remembered per whole second, and only the milliseconds are worked out.
-_FORMATTED_SECONDS: dict[int, str] = {}
-_PARSED_SECONDS: dict[str, int] = {}
 _MAX_REMEMBERED_SECONDS = 256
+_PARSED_SECONDS: dict[str, int] = {}
 
 
-def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
-    if len(cache) >= _MAX_REMEMBERED_SECONDS:
-        cache.clear()
-    cache[key] = value
+class _FormattedSeconds(dict[int, str]):
+    """The date and time of day of each whole second (``2026-11-30T10:00:00``): looking up one
+    already seen is the dict's own work, with no call of ours."""
+
+    def __missing__(self, second: int) -> str:
+        if len(self) >= _MAX_REMEMBERED_SECONDS:
+            self.clear()
+        formatted = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        self[second] = formatted
+        return formatted
+
+
+_SECONDS = _FormattedSeconds()
 
 
 def _format_time(epoch: float) -> str:
-    """``2026-11-30T10:00:00.123Z``: ISO 8601 in UTC, to the millisecond (truncated)."""
-    # Rounded to the microsecond as datetime.fromtimestamp rounds, then truncated.
-    fraction, whole = math.modf(epoch)
-    second, micros = int(whole), round(fraction * 1_000_000)
-    if micros >= 1_000_000:
-        second, micros = second + 1, micros - 1_000_000
-    elif micros < 0:
-        second, micros = second - 1, micros + 1_000_000
-    prefix = _FORMATTED_SECONDS.get(second)
-    if prefix is None:
-        prefix = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-        _remember(_FORMATTED_SECONDS, second, prefix)
-    return f"{prefix}.{micros // 1000:03d}Z"
+    """``2026-11-30T10:00:00.123Z``: ISO 8601 in UTC, to the millisecond (truncated, once
+    rounded to the microsecond). :func:`dump_record` writes its two times the same way."""
+    millis = round(epoch * 1_000_000) // 1000
+    return f"{_SECONDS[millis // 1000]}.{millis % 1000:03d}Z"
 
 
 def _parse_time(text: str) -> float:
@@ -157,7 +155,9 @@ def _parse_time(text: str) -> float:
         second = _PARSED_SECONDS.get(text[:19])
         if second is None:
             second = round(datetime.fromisoformat(text[:19] + "+00:00").timestamp())
-            _remember(_PARSED_SECONDS, text[:19], second)
+            if len(_PARSED_SECONDS) >= _MAX_REMEMBERED_SECONDS:
+                _PARSED_SECONDS.clear()
+            _PARSED_SECONDS[text[:19]] = second
         return second + int(text[20:23]) / 1000
     return datetime.fromisoformat(text).timestamp()
 
@@ -172,6 +172,9 @@ def dump_record(record: IdempotencyRecord) -> bytes:
             body, encoding = response.body.decode("utf-8"), "utf-8"
         except UnicodeDecodeError:
             body, encoding = base64.b64encode(response.body).decode("ascii"), "base64"
+    # Formatted as _format_time formats, here: a call per time would be most of a dump's.
+    created = round(record.created_at * 1_000_000) // 1000
+    expires = round(record.expires_at * 1_000_000) // 1000
     wire: dict[str, Any] = {
         "key": record.key,
         "status": record.status.value,
@@ -182,8 +185,8 @@ def dump_record(record: IdempotencyRecord) -> bytes:
         "responseBodyEncoding": encoding,
         "responseHeaders": response.headers if response else None,  # pairs as arrays
         "responseContentType": response.content_type if response else None,
-        "createdAt": _format_time(record.created_at),
-        "expiresAt": _format_time(record.expires_at),
+        "createdAt": f"{_SECONDS[created // 1000]}.{created % 1000:03d}Z",
+        "expiresAt": f"{_SECONDS[expires // 1000]}.{expires % 1000:03d}Z",
         "ownerToken": record.owner_token,
     }
     if record.locked_until is not None or record.checkpoints:
