@@ -35,8 +35,17 @@ _TABLE_NAME = re.compile(rf"(?:({_IDENTIFIER})\.)?({_IDENTIFIER})")
 _QUERY_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
-def quote_table(table: str) -> tuple[str, str]:
-    """The quoted table name and the quoted name of its expiry index."""
+class TableNames(NamedTuple):
+    """The quoted names of the records table, its expiry index, and the table of operation
+    claims beside it (``<table>_operations``, in the same schema)."""
+
+    table: str
+    index: str
+    operations: str
+
+
+def quote_table(table: str) -> TableNames:
+    """The quoted names of ``table`` and of what goes with it, validated."""
     match = _TABLE_NAME.fullmatch(table)
     if match is None:
         raise ConfigurationError(
@@ -44,18 +53,34 @@ def quote_table(table: str) -> tuple[str, str]:
             "at most 63 characters), optionally schema-qualified as schema.table"
         )
     schema, name = match.groups()
-    quoted = f'"{name}"' if schema is None else f'"{schema}"."{name}"'
-    # Index names share the 63-byte limit: a long table name is cut and made unique by a hash,
-    # since CREATE INDEX IF NOT EXISTS would skip the index of a second table with the same cut.
-    stem = name if len(name) <= 47 else f"{name[:38]}_{hashlib.sha1(name.encode()).hexdigest()[:8]}"
-    return quoted, f'"{stem}_expires_at_idx"'
+    qualified = "" if schema is None else f'"{schema}".'
+    # Derived names share the 63-byte limit: a long table name is cut and made unique by a
+    # hash, since CREATE ... IF NOT EXISTS would skip the index or table of a second table with
+    # the same cut. (The index's cut is the one tables made before the claims existed carry.)
+    return TableNames(
+        f'{qualified}"{name}"',
+        f'"{_cut(name, 47)}_expires_at_idx"',
+        f'{qualified}"{_cut(name, 52)}_operations"',
+    )
+
+
+def _cut(name: str, limit: int) -> str:
+    """``name``, or when longer than ``limit``, its start and a hash of it, ``limit`` long."""
+    if len(name) <= limit:
+        return name
+    return f"{name[: limit - 9]}_{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
 def schema_sql(table: str = DEFAULT_TABLE) -> str:
     """The DDL :meth:`PostgresStore.create_schema` runs for ``table`` (what ``starlette-idempotency
     migrate --sql`` prints, for a migration tool): every statement ``IF NOT EXISTS``."""
-    quoted, index = quote_table(table)
-    return _sql_file("schema.sql").replace("{table}", quoted).replace("{index}", index)
+    names = quote_table(table)
+    return (
+        _sql_file("schema.sql")
+        .replace("{table}", names.table)
+        .replace("{index}", names.index)
+        .replace("{operations}", names.operations)
+    )
 
 
 @cache
@@ -145,10 +170,11 @@ class TableQueries:
     transaction."""
 
     def __init__(self, table: str, key_prefix: str) -> None:
-        self.table, _ = quote_table(table)
+        names = quote_table(table)
+        self.table, self.operations = names.table, names.operations
         self.prefix = f"{key_prefix}:"
         self.sql = {
-            name: query.replace("{table}", self.table)
+            name: query.replace("{table}", self.table).replace("{operations}", self.operations)
             for file in ("queries.sql", "operator.sql")
             for name, query in named_queries(file).items()
         }

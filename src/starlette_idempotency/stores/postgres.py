@@ -13,7 +13,8 @@ Statements per operation (each one statement, so its own short transaction):
   never ran.
 * ``finish``: 1, which locks the row, then writes it fenced by the owner token and says how.
 * ``save_progress`` / ``release`` / ``renew`` / ``get``: 1 each, no read first.
-* ``purge_expired``: 1 per batch.
+* ``purge_expired``: 1 per batch, and 1 for the lapsed operation claims.
+* ``claim_operation``: 2 (write, then check; see ``queries.sql``); ``release_operation``: 1.
 
 A pooled connection is looked at before a statement goes out on it: one the server ended while
 it sat idle (something waits to be read on it: the end of the connection, which the event loop
@@ -69,6 +70,7 @@ from starlette_idempotency.stores._lazy_pool import LazyPool
 from starlette_idempotency.stores._postgres_connections import (
     EndedWhileIdle,
     PoolLike,
+    asyncpg_driver,
     create_pool,
     ended_while_idle,
     is_open,
@@ -130,6 +132,11 @@ _COLUMNS = (
     "expires_at",
 )
 _MIGRATE_HINT = "run `starlette-idempotency migrate` or `await store.create_schema()`"
+
+
+def _undefined_table(exc: StoreError) -> bool:
+    """Whether ``exc`` says that a table the statement names does not exist."""
+    return isinstance(exc.__cause__, asyncpg_driver().UndefinedTableError)
 
 
 class PostgresStore(StoreBase):
@@ -493,15 +500,62 @@ class PostgresStore(StoreBase):
     async def purge_expired(self, batch_size: int = 1000) -> int:
         """Delete expired rows, ``batch_size`` per statement, until a batch comes back short;
         returns how many were deleted. Each batch is its own short transaction that skips rows
-        locked by a concurrent takeover, so live keys are never touched or blocked."""
+        locked by a concurrent takeover, so live keys are never touched or blocked.
+
+        The lapsed operation claims go first, in one statement, not counted (a table of claims
+        that a database migrated before 0.3 lacks is skipped)."""
         if batch_size < 1:
             raise ConfigurationError(f"batch_size must be at least 1, not {batch_size}")
+        try:
+            await self._fetchval("purge_expired", "purge_claims")
+        except StoreError as exc:
+            if not _undefined_table(exc):
+                raise
         total = 0
         while True:
             deleted: int = await self._fetchval("purge_expired", "purge_batch", batch_size)
             total += deleted
             if deleted < batch_size:
                 return total
+
+    async def claim_operation(
+        self, operation: str, code: str, holder: str, ttl: float
+    ) -> str | None:
+        """Claim ``operation`` for ``holder`` (see ``OperationClaimingStore``): a row of
+        ``<table>_operations``, its expiry on the database clock. Two statements, write then
+        check (``claim_write``, ``claim_check``), both safe to send again.
+
+        Raises :class:`StoreError` when the table of claims does not exist yet (a schema made
+        before claims existed), saying how to create it."""
+        args = (self._prefix + operation, holder, code)
+
+        async def claim() -> str | None:
+            await self._value("claim_write", *args, float(ttl))
+            other: str | None = await self._value("claim_check", *args)
+            return other
+
+        try:
+            return await self._run("claim_operation", claim)
+        except StoreError as exc:
+            if _undefined_table(exc):
+                raise self._no_claims_table() from exc
+            raise
+
+    async def release_operation(self, operation: str, holder: str) -> None:
+        """End ``holder``'s claim on ``operation``."""
+        try:
+            await self._fetchval("release_operation", "unclaim", self._prefix + operation, holder)
+        except StoreError as exc:
+            if _undefined_table(exc):
+                raise self._no_claims_table() from exc
+            raise
+
+    def _no_claims_table(self) -> StoreError:
+        return StoreError(
+            f"table {self.queries.operations} (the operation claims) does not exist in "
+            f"{self._location}: {_MIGRATE_HINT} to create it; until then this app claims "
+            "no operations"
+        )
 
     def describe(self) -> str:
         """Where the store is, for messages: ``postgres at host:port/db table name``."""

@@ -1,6 +1,7 @@
 -- Named queries of PostgresStore, loaded once via importlib.resources. A query starts at its
 -- "-- name:" line and runs to the next one; "{table}" is replaced by the validated, quoted
--- table name. Each query is one statement, so each runs as its own short transaction.
+-- table name, "{operations}" by that of the table of operation claims beside it. Each query is
+-- one statement, so each runs as its own short transaction.
 --
 -- Expiry is decided on the database clock (now()) only, so pods with skewed clocks agree.
 -- A row whose expires_at <= now() is treated as absent by every query.
@@ -242,6 +243,53 @@ WITH gone AS (
         FOR UPDATE SKIP LOCKED
     )
     RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- Operation claims (see OperationClaimingStore): an app claims each operation it guards when it
+-- starts, as the code that serves it, and renews the claim while it runs. A claim is taken by
+-- "write, then check", two statements, which READ COMMITTED makes safe without locks: each
+-- claimer's check starts after its own write committed, so of two claimers of different code
+-- at once, the later check sees the other's write. Both may see each other and both refuse
+-- (benign: they are started again); never does neither see the other.
+-- $1 the operation (with the key prefix), $2 the holder, $3 its code, $4 the claim's lifetime
+-- in seconds from now().
+
+-- name: claim_write
+-- Claim or renew $2's claim, first dropping the lapsed claims of other holders on the way
+-- (this holder's own row is left to the upsert: one statement must not write a row twice).
+WITH lapsed AS (
+    DELETE FROM {operations}
+    WHERE operation = $1 AND holder <> $2 AND expires_at <= now()
+)
+INSERT INTO {operations} AS c (operation, holder, code, expires_at)
+VALUES ($1, $2, $3, now() + make_interval(secs => $4))
+ON CONFLICT (operation, holder) DO UPDATE
+SET code = EXCLUDED.code, expires_at = EXCLUDED.expires_at;
+
+-- name: claim_check
+-- After claim_write: the code of a live claim of another holder naming other code, if any; then
+-- $2's own claim is deleted in the same statement, so that it claims nothing. No row: claimed.
+WITH other AS (
+    SELECT code FROM {operations}
+    WHERE operation = $1 AND holder <> $2 AND code <> $3 AND expires_at > now()
+    ORDER BY expires_at DESC
+    LIMIT 1
+), gone AS (
+    DELETE FROM {operations}
+    WHERE operation = $1 AND holder = $2 AND EXISTS (SELECT FROM other)
+)
+SELECT code FROM other;
+
+-- name: unclaim
+-- End $2's claim on the operation $1 (nothing when it has none).
+DELETE FROM {operations} WHERE operation = $1 AND holder = $2;
+
+-- name: purge_claims
+-- Delete the lapsed claims of every operation (claim_write drops those of the operation it
+-- claims; these are the claims of operations no app serves any more); returns how many.
+WITH gone AS (
+    DELETE FROM {operations} WHERE expires_at <= now() RETURNING 1
 )
 SELECT count(*) FROM gone;
 

@@ -1,4 +1,4 @@
--- The PostgresStore table, created by PostgresStore.create_schema() and `starlette-idempotency
+-- The PostgresStore tables, created by PostgresStore.create_schema() and `starlette-idempotency
 -- migrate`, and printed for migration tools by `starlette-idempotency migrate --sql`. Safe to
 -- run again: every statement is IF NOT EXISTS. The table and index names are validated and
 -- quoted when they are filled in.
@@ -43,3 +43,19 @@ ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoints jsonb;
 
 -- purge_expired() walks expired rows in expiry order.
 CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
+
+-- Claims on the operations that apps guard (see OperationClaimingStore), beside the records:
+-- one row per app (holder) and operation, so that two services never share one operation.
+--
+-- operation             the claimed operation ("<prefix>:<method> <template>"): several key
+--                       prefixes may share one table
+-- holder                the app that claims it, from its startup to its shutdown (a random token)
+-- code                  the handler that serves it in that app (module:qualname)
+-- expires_at            when the claim lapses unless renewed, on the database clock
+CREATE TABLE IF NOT EXISTS {operations} (
+    operation             text        NOT NULL,
+    holder                text        NOT NULL,
+    code                  text        NOT NULL,
+    expires_at            timestamptz NOT NULL,
+    PRIMARY KEY (operation, holder)
+);
