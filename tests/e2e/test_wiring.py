@@ -216,8 +216,6 @@ def test_two_services_on_one_store_with_default_settings_refuse_the_second(
     """Neither names its operation: the second to start refuses, naming both handlers and
     what to set, and the first runs its own requests."""
     on_a_shared_store(store_env)
-    if store_env["IDEM_TEST_STORE"] == "postgres":
-        pytest.skip("PostgresStore keeps no operation claims (guarantees.md, Operation claims)")
     second = "notifications" if first == "ledger" else "ledger"
     defaults = {**store_env, "IDEM_TEST_DEFAULTS": "1"}
     with (

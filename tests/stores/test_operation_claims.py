@@ -21,6 +21,7 @@ from starlette.types import Message
 from starlette_idempotency import (
     ConfigurationError,
     IdempotencyMiddleware,
+    PostgresStore,
     RedisStore,
     StoreError,
     idempotent,
@@ -136,7 +137,9 @@ class Lifespan:
         await self._task
 
 
-def events_app(store: RedisStore, name: str, shutdown: list[Any] | None = None) -> Starlette:
+def events_app(
+    store: RedisStore | PostgresStore, name: str, shutdown: list[Any] | None = None
+) -> Starlette:
     """A service serving ``POST /v1/events`` by a handler named ``name``, and ``POST /named``
     by one naming its operation; ``shutdown`` collects what its own shutdown finds claimed."""
 
@@ -197,6 +200,24 @@ async def test_an_app_starts_when_the_store_cannot_keep_its_claims(
     async with Lifespan(events_app(store, "ledger.main:record")):
         assert "could not claim the guarded operations on redis at" in caplog.text
         assert "NOPERM" in caplog.text
+    await store.aclose()
+
+
+@pytest.mark.postgres
+async def test_an_app_starts_on_a_schema_made_before_the_claims(
+    postgres_dsn: str, postgres_table: str, sql: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A table migrated by an earlier version, the claims' table not made yet: the app starts,
+    saying what to run, and claims nothing (other code is not refused) until it is made."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=postgres_table)
+    await store.create_schema()
+    await sql.execute(f'DROP TABLE "{postgres_table}_operations"')
+    async with Lifespan(events_app(store, "ledger.main:record")):
+        assert "could not claim the guarded operations on postgres at" in caplog.text
+        assert f'table "{postgres_table}_operations" (the operation claims)' in caplog.text
+        assert "run `starlette-idempotency migrate`" in caplog.text
+        async with Lifespan(events_app(store, "notifications.main:send")):
+            pass
     await store.aclose()
 
 

@@ -1,5 +1,6 @@
 """``starlette-idempotency migrate --sql`` and the Alembic revision of docs/how-to/postgres.md,
-applied to a real PostgreSQL: each must make the table ``migrate`` makes, column for column."""
+applied to a real PostgreSQL: each must make the tables ``migrate`` makes (the records and the
+operation claims), column for column."""
 
 from __future__ import annotations
 
@@ -79,9 +80,10 @@ async def test_the_printed_ddl_makes_the_table_migrate_makes(
     try:
         await connection.execute(ddl)  # as psql -f or Flyway runs the file
         await connection.execute(ddl)  # and safe to run again
-        assert await table_shape(connection, printed_table) == await table_shape(
-            connection, migrated_table
-        )
+        for suffix in ("", "_operations"):
+            assert await table_shape(connection, printed_table + suffix) == await table_shape(
+                connection, migrated_table + suffix
+            )
     finally:
         await connection.close()
 
@@ -92,9 +94,10 @@ def test_the_printed_ddl_needs_no_database_and_refuses_a_dsn() -> None:
         'CREATE TABLE IF NOT EXISTS "idempotency_keys" ('
     )
     schema = statements(printed_ddl("billing.keys"))
-    assert schema[-1] == (
+    assert schema[-2] == (
         'CREATE INDEX IF NOT EXISTS "keys_expires_at_idx" ON "billing"."keys" (expires_at)'
     )
+    assert schema[-1].startswith('CREATE TABLE IF NOT EXISTS "billing"."keys_operations" (')
 
     with_dsn = cli("migrate", "--sql", "--dsn", "postgresql://db/app")
     assert with_dsn.code == 2
@@ -164,11 +167,13 @@ async def test_the_docs_alembic_revision_upgrades_and_downgrades_a_real_database
         migrated = await asyncpg.connect(dsn)
         try:
             assert cli("migrate", "--dsn", postgres_dsn, "--table", postgres_table).code == 0
-            assert await table_shape(migrated, "idempotency_keys") == await table_shape(
-                reference, postgres_table
-            )
+            for suffix in ("", "_operations"):
+                assert await table_shape(
+                    migrated, "idempotency_keys" + suffix
+                ) == await table_shape(reference, postgres_table + suffix)
             alembic(tmp_path, "downgrade", "base")
-            assert await migrated.fetchval("SELECT to_regclass('idempotency_keys')") is None
+            for table in ("idempotency_keys", "idempotency_keys_operations"):
+                assert await migrated.fetchval("SELECT to_regclass($1)", table) is None
         finally:
             await migrated.close()
             await reference.close()

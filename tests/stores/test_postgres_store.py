@@ -281,6 +281,9 @@ async def test_key_prefix_and_schema_qualified_table(postgres_dsn: str, sql: Any
         await store.try_acquire("k", pending("owner-1"), LOCK_TTL)
         keys = await sql.fetch(f'SELECT key, idempotency_key FROM {schema}."Keys"')
         assert [tuple(row) for row in keys] == [("tenant:k", "client-key")]
+        assert await store.claim_operation("POST /k", "app:k", "pod-1", 30) is None
+        claims = await sql.fetch(f'SELECT operation, holder, code FROM {schema}."Keys_operations"')
+        assert [tuple(row) for row in claims] == [("tenant:POST /k", "pod-1", "app:k")]
     finally:
         await store.aclose()
 
@@ -295,6 +298,73 @@ async def test_long_table_names_get_distinct_indexes(postgres_dsn: str, sql: Any
             await store.aclose()
         indexes = await sql.fetchval("SELECT count(*) FROM pg_indexes WHERE tablename = $1", table)
         assert indexes == 2  # primary key and expires_at
+
+
+async def test_long_table_names_get_tables_of_claims_of_their_own(
+    postgres_dsn: str, sql: Any
+) -> None:
+    """A name of 63 characters, the most PostgreSQL takes: the table of claims beside it is
+    named by a cut of it and a hash, so that two such tables never share their claims."""
+    stem = "t" + uuid.uuid4().hex[:8] + "t" * 52
+    stores = [await PostgresStore.connect(postgres_dsn, table=f"{stem}_{n}") for n in "ab"]
+    try:
+        for store in stores:
+            await store.create_schema()
+        names = await sql.fetch(
+            "SELECT tablename FROM pg_tables WHERE tablename LIKE $1 ORDER BY 1",
+            f"{stem[:43]}%_operations",
+        )
+        assert len(names) == 2
+        assert all(len(row["tablename"]) == 63 for row in names)
+        # Each store claims in its own table: other code is not refused by the other's claim.
+        assert await stores[0].claim_operation("POST /a", "ledger:a", "pod-1", 30) is None
+        assert await stores[1].claim_operation("POST /a", "notes:a", "pod-2", 30) is None
+        assert await stores[0].claim_operation("POST /a", "notes:a", "pod-3", 30) == "ledger:a"
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
+async def test_a_schema_made_before_the_claims_asks_for_migrate(
+    postgres_dsn: str, postgres_table: str, sql: Any
+) -> None:
+    """A table migrated by an earlier version has no table of claims beside it: claiming says
+    which table to create and how, and purge_expired() still purges the records."""
+    store = await PostgresStore.connect(postgres_dsn, table=postgres_table)
+    try:
+        await store.create_schema()
+        await sql.execute(f'DROP TABLE "{postgres_table}_operations"')
+        with pytest.raises(StoreError) as missing:
+            await store.claim_operation("POST /a", "ledger:a", "pod-1", 30)
+        assert f'table "{postgres_table}_operations" (the operation claims) does not exist' in str(
+            missing.value
+        )
+        assert "run `starlette-idempotency migrate` or `await store.create_schema()`" in str(
+            missing.value
+        )
+        with pytest.raises(StoreError, match="does not exist"):
+            await store.release_operation("POST /a", "pod-1")
+        await lapsed_lock(store, sql, postgres_table, "k", pending("owner-1"))
+        assert await store.purge_expired() == 1
+        await store.create_schema()  # migrate again: the claims work
+        assert await store.claim_operation("POST /a", "ledger:a", "pod-1", 30) is None
+    finally:
+        await store.aclose()
+
+
+async def test_purge_expired_deletes_lapsed_claims_only(
+    postgres_store: PostgresStore, postgres_table: str, sql: Any
+) -> None:
+    store = postgres_store
+    assert await store.claim_operation("POST /a", "ledger:a", "live", 30) is None
+    assert await store.claim_operation("POST /b", "ledger:b", "lapsed", 30) is None
+    await sql.execute(
+        f"UPDATE \"{postgres_table}_operations\" SET expires_at = now() - interval '1 second' "
+        "WHERE holder = 'lapsed'"
+    )
+    assert await store.purge_expired() == 0  # claims are not records
+    holders = await sql.fetch(f'SELECT holder FROM "{postgres_table}_operations"')
+    assert [row["holder"] for row in holders] == ["live"]
 
 
 async def test_works_without_prepared_statement_cache(
@@ -473,8 +543,10 @@ async def test_purge_expired_deletes_exactly_the_expired_rows_in_batches(
     )
     assert deleted == 2500
     assert all(outcomes)
-    purges = [query for query in await log.take() if "DELETE" in query]
+    deletes = [query for query in await log.take() if "DELETE" in query]
+    purges = [query for query in deletes if f'"{postgres_table}_operations"' not in query]
     assert len(purges) == 3  # 1000 + 1000 + 500
+    assert len(deletes) == 4  # and the lapsed operation claims, first
     assert await sql.fetchval(f"SELECT count(*) FROM {postgres_table} WHERE key LIKE '%old%'") == 0
     assert await sql.fetchval(f"SELECT count(*) FROM {postgres_table}") == 150
     assert await store.purge_expired() == 0

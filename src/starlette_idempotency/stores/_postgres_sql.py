@@ -40,7 +40,7 @@ class TableNames(NamedTuple):
     claims beside it (``<table>_operations``, in the same schema)."""
 
     table: str
-    index: str
+    expiry_index: str
     operations: str
 
 
@@ -78,7 +78,7 @@ def schema_sql(table: str = DEFAULT_TABLE) -> str:
     return (
         _sql_file("schema.sql")
         .replace("{table}", names.table)
-        .replace("{index}", names.index)
+        .replace("{index}", names.expiry_index)
         .replace("{operations}", names.operations)
     )
 

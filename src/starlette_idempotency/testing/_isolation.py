@@ -78,10 +78,14 @@ def run_admin(
 
 
 def drop_table(dsn: str, table: str) -> None:
-    """Drop ``table`` (a name of :func:`unique_table`) if it exists, with its index. A test that
-    still holds it in an open transaction makes this fail after a few seconds rather than hang
-    the run."""
-    run_admin(dsn, f'DROP TABLE IF EXISTS "{table}"', server_settings={"lock_timeout": "5s"})
+    """Drop ``table`` (a name of :func:`unique_table`) if it exists, with its index and the
+    table of operation claims beside it. A test that still holds it in an open transaction
+    makes this fail after a few seconds rather than hang the run."""
+    run_admin(
+        dsn,
+        f'DROP TABLE IF EXISTS "{table}", "{table}_operations"',
+        server_settings={"lock_timeout": "5s"},
+    )
 
 
 @contextlib.contextmanager
