@@ -8,12 +8,13 @@ answer each other's requests with their own replies.
 
 So an app claims each operation it guards when it starts, as the code that serves it (the
 handler's module and qualified name), in a store that keeps claims
-(:class:`~starlette_idempotency.stores.base.OperationClaimingStore`: ``RedisStore``). A claim
-lives :data:`CLAIM_TTL_SECONDS` on the store's clock from its last renewal; the app renews it
-while it runs and ends it when the server shuts it down. Claims of one code coexist (the pods
-of one version, however launched); code of another name finding a live claim refuses the
-startup, naming both and what to set. Once the other has stopped (at once on a clean shutdown,
-else when its claim lapses) the same code starts, and its retries are replayed.
+(:class:`~starlette_idempotency.stores.base.OperationClaimingStore`: ``RedisStore`` and
+``PostgresStore``). A claim lives :data:`CLAIM_TTL_SECONDS` on the store's clock from its last
+renewal; the app renews it while it runs and ends it when the server shuts it down. Claims of
+one code coexist (the pods of one version, however launched); code of another name finding a
+live claim refuses the startup, naming both and what to set. Once the other has stopped (at
+once on a clean shutdown, else when its claim lapses) the same code starts, and its retries
+are replayed.
 
 An operation named with ``operation=`` is not claimed: the name is the identity, and two
 services that give one name mean to share its records.
