@@ -258,9 +258,16 @@ SELECT count(*) FROM gone;
 -- name: claim_write
 -- Claim or renew $2's claim, first dropping the lapsed claims of other holders on the way
 -- (this holder's own row is left to the upsert: one statement must not write a row twice).
+-- A lapsed claim that a concurrent statement holds is skipped, not waited for: a statement
+-- that locks several claims never waits for another's lock (at most the upsert waits for its
+-- own row, which purge_claims may hold), so none can deadlock.
 WITH lapsed AS (
     DELETE FROM {operations}
-    WHERE operation = $1 AND holder <> $2 AND expires_at <= now()
+    WHERE (operation, holder) IN (
+        SELECT operation, holder FROM {operations}
+        WHERE operation = $1 AND holder <> $2 AND expires_at <= now()
+        FOR UPDATE SKIP LOCKED
+    )
 )
 INSERT INTO {operations} AS c (operation, holder, code, expires_at)
 VALUES ($1, $2, $3, now() + make_interval(secs => $4))
@@ -287,9 +294,16 @@ DELETE FROM {operations} WHERE operation = $1 AND holder = $2;
 
 -- name: purge_claims
 -- Delete the lapsed claims of every operation (claim_write drops those of the operation it
--- claims; these are the claims of operations no app serves any more); returns how many.
+-- claims; these are the claims of operations no app serves any more), skipping those that a
+-- concurrent statement holds; returns how many.
 WITH gone AS (
-    DELETE FROM {operations} WHERE expires_at <= now() RETURNING 1
+    DELETE FROM {operations}
+    WHERE (operation, holder) IN (
+        SELECT operation, holder FROM {operations}
+        WHERE expires_at <= now()
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING 1
 )
 SELECT count(*) FROM gone;
 
