@@ -109,6 +109,25 @@ async def test_a_renewal_keeps_the_claim_and_release_ends_only_its_own(
     await store.release_operation(LEDGER.label, "c")
 
 
+async def test_two_codes_claiming_at_once_are_never_both_let_in(
+    store: OperationClaimingStore,
+) -> None:
+    """Pods of two codes starting at the same instant: at most one code holds claims after
+    (both may be refused), however their statements interleave."""
+    for attempt in range(20):
+        operation = f"POST /race/{attempt}"
+        holders = [(f"h{n}", (LEDGER, NOTIFICATIONS)[n % 2].code) for n in range(8)]
+        found = await asyncio.gather(
+            *(store.claim_operation(operation, code, holder, 30) for holder, code in holders)
+        )
+        claimed = {code for (_, code), other in zip(holders, found, strict=True) if other is None}
+        assert len(claimed) <= 1, (attempt, found)
+        # A refused claimer names the other code.
+        for (holder, code), other in zip(holders, found, strict=True):
+            assert other in (None, *({LEDGER.code, NOTIFICATIONS.code} - {code}))
+            await store.release_operation(operation, holder)
+
+
 class Lifespan:
     """An app's lifespan driven as a server drives it: started, then shut down on exit."""
 
