@@ -235,6 +235,8 @@ async def test_an_app_starts_on_a_schema_made_before_the_claims(
         assert "could not claim the guarded operations on postgres at" in caplog.text
         assert f'table "{postgres_table}_operations" (the operation claims)' in caplog.text
         assert "run `starlette-idempotency migrate`" in caplog.text
+        # The startup check, as doctor, says so as well.
+        assert f"check: table {postgres_table}_operations in " in caplog.text
         async with Lifespan(events_app(store, "notifications.main:send")):
             pass
     await store.aclose()

@@ -147,6 +147,21 @@ async def test_a_table_from_an_older_version_is_an_error_until_migrated(
     assert "error" not in levels(await durable_store.check())
 
 
+async def test_a_schema_made_before_the_claims_is_a_warning_until_migrated(
+    durable_store: PostgresStore, postgres_table: str, sql: Any
+) -> None:
+    await durable_store.create_schema()
+    await sql.execute(f'DROP TABLE "{postgres_table}_operations"')
+    [missing] = [f for f in await durable_store.check() if "operation claims" in f.message]
+    assert missing.level == "warning"
+    assert missing.message.startswith(f"table {postgres_table}_operations in ")
+    assert "apps make no claims" in missing.message
+    assert "starlette-idempotency migrate" in missing.message
+
+    await durable_store.create_schema()  # what migrate runs
+    assert not [f for f in await durable_store.check() if "operation claims" in f.message]
+
+
 async def test_an_unlogged_table_is_a_warning(
     durable_store: PostgresStore, postgres_table: str, sql: Any
 ) -> None:

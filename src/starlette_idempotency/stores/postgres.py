@@ -566,7 +566,8 @@ class PostgresStore(StoreBase):
     async def check(self) -> list[StoreFinding]:
         """Reach the database and report what would break or weaken the store: an ``error``
         when it is unreachable, read-only, or the table is missing or incomplete; a
-        ``warning`` when a crash can lose acknowledged records. Never raises a store error;
+        ``warning`` when a crash can lose acknowledged records, or when the table of operation
+        claims is missing (the app starts, and claims nothing). Never raises a store error;
         raises :class:`ConfigurationError` for a store that cannot work as it is configured
         (no pool handed over, pool options asyncpg refuses), which refuses the app's startup.
 
@@ -574,12 +575,15 @@ class PostgresStore(StoreBase):
         used the store: a store built by :meth:`from_dsn` then opens its pool here, in the
         server's event loop."""
         try:
-            row = await self._fetchrow("check", "check", self._table, _COLUMNS)
+            row = await self._fetchrow(
+                "check", "check", self._table, _COLUMNS, self.queries.operations
+            )
         except StoreError as exc:
             return [StoreFinding("error", f"{self.describe()} is unreachable: {exc}")]
         table = f"table {self._table_name} in {self._location}"
         missing = ", ".join(row["missing_columns"] or ())
         why = "a standby" if row["standby"] else "transaction_read_only is on"
+        claims_table = self.queries.operations.replace('"', "")
         candidates: list[tuple[bool, Literal["error", "warning"], str]] = [
             (not row["table_exists"], "error", f"{table} does not exist: {_MIGRATE_HINT}"),
             (
@@ -608,6 +612,13 @@ class PostgresStore(StoreBase):
                 row["fsync_off"],
                 "warning",
                 "fsync is off: a crash of the database machine can lose or corrupt records",
+            ),
+            (
+                row["table_exists"] and not row["operations_table_exists"],
+                "warning",
+                f"table {claims_table} in {self._location} does not exist (a schema made "
+                "before the operation claims): apps make no claims, so two services on this "
+                f"table are not told apart: {_MIGRATE_HINT}",
             ),
         ]
         return [StoreFinding(level, message) for found, level, message in candidates if found]

@@ -323,8 +323,10 @@ SELECT to_regclass($1) IS NOT NULL;
 -- name: check
 -- What PostgresStore.check() reports, in one round trip. $1 the quoted table name (resolved
 -- as the queries resolve it), $2 the columns the queries use, of which missing_columns lists
--- those the table lacks (all of them when it does not exist). unlogged is NULL then.
+-- those the table lacks (all of them when it does not exist). unlogged is NULL then. $3 the
+-- quoted name of the table of operation claims.
 SELECT to_regclass($1) IS NOT NULL AS table_exists,
+       to_regclass($3) IS NOT NULL AS operations_table_exists,
        (SELECT array_agg(wanted.name ORDER BY wanted.n)
         FROM unnest($2::text[]) WITH ORDINALITY AS wanted (name, n)
         WHERE NOT EXISTS (
