@@ -9,9 +9,10 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
+from starlette_idempotency.stores._postgres_check import COLUMNS
 from starlette_idempotency.stores._postgres_connections import location_of
 from starlette_idempotency.stores.base import CheckableStore, StoreFinding
-from starlette_idempotency.stores.postgres import _COLUMNS, PostgresStore
+from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.testing._postgres_server import PostgresServer
 
 pytestmark = pytest.mark.postgres
@@ -111,7 +112,7 @@ async def test_check_knows_every_column_of_the_schema(
         "SELECT array_agg(column_name::text) FROM information_schema.columns WHERE table_name = $1",
         postgres_table,
     )
-    assert sorted(columns) == sorted(_COLUMNS)
+    assert sorted(columns) == sorted(COLUMNS)
 
 
 async def test_a_ready_store_has_no_error(durable_store: PostgresStore, fsync_off: bool) -> None:

@@ -49,8 +49,9 @@ The pool is the app's (passed in, or handed over with ``use_pool``) or the store
 The rooms: this module holds the store's operations and when each may be sent again;
 ``_postgres_sql.py`` the statements, their parameters and rows read back as records;
 ``_postgres_connections.py`` what a driver's failure says about a statement, and where a pool
-connects. A retry is safe only for statements shaped as ``queries.sql``'s are: read the three
-together when changing one.
+connects; ``_postgres_check.py`` what the startup check reads off the database. A retry is safe
+only for statements shaped as ``queries.sql``'s are: read the three together when changing
+one.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from starlette_idempotency._record import (
     IdempotencyRecord,
@@ -67,10 +68,15 @@ from starlette_idempotency._record import (
 )
 from starlette_idempotency.errors import ConfigurationError, StoreError
 from starlette_idempotency.stores._lazy_pool import LazyPool
+from starlette_idempotency.stores._postgres_check import (
+    COLUMNS,
+    claims_table_needed,
+    findings,
+    undefined_table,
+)
 from starlette_idempotency.stores._postgres_connections import (
     EndedWhileIdle,
     PoolLike,
-    asyncpg_driver,
     create_pool,
     ended_while_idle,
     is_open,
@@ -112,31 +118,6 @@ _ACQUIRE_ATTEMPTS = 5
 
 # How long the undo of an abandoned acquire waits before trying again while the database fails.
 _UNDO_RETRY_SECONDS = 0.1
-
-# The columns of schema.sql, all used by the queries (check() reports the missing ones).
-_COLUMNS = (
-    "key",
-    "idempotency_key",
-    "status",
-    "request_fingerprint",
-    "fingerprint_version",
-    "owner_token",
-    "response_status_code",
-    "response_headers",
-    "response_body",
-    "response_content_type",
-    "created_at",
-    "record_expires_at",
-    "locked_until",
-    "checkpoints",
-    "expires_at",
-)
-_MIGRATE_HINT = "run `starlette-idempotency migrate` or `await store.create_schema()`"
-
-
-def _undefined_table(exc: StoreError) -> bool:
-    """Whether ``exc`` says that a table the statement names does not exist."""
-    return isinstance(exc.__cause__, asyncpg_driver().UndefinedTableError)
 
 
 class PostgresStore(StoreBase):
@@ -509,7 +490,7 @@ class PostgresStore(StoreBase):
         try:
             await self._fetchval("purge_expired", "purge_claims")
         except StoreError as exc:
-            if not _undefined_table(exc):
+            if not undefined_table(exc):
                 raise
         total = 0
         while True:
@@ -534,28 +515,13 @@ class PostgresStore(StoreBase):
             other: str | None = await self._value("claim_check", *args)
             return other
 
-        try:
+        with claims_table_needed(self.queries.operations, self._location):
             return await self._run("claim_operation", claim)
-        except StoreError as exc:
-            if _undefined_table(exc):
-                raise self._no_claims_table() from exc
-            raise
 
     async def release_operation(self, operation: str, holder: str) -> None:
         """End ``holder``'s claim on ``operation``."""
-        try:
+        with claims_table_needed(self.queries.operations, self._location):
             await self._fetchval("release_operation", "unclaim", self._prefix + operation, holder)
-        except StoreError as exc:
-            if _undefined_table(exc):
-                raise self._no_claims_table() from exc
-            raise
-
-    def _no_claims_table(self) -> StoreError:
-        return StoreError(
-            f"table {self.queries.operations} (the operation claims) does not exist in "
-            f"{self._location}: {_MIGRATE_HINT} to create it; until then this app claims "
-            "no operations"
-        )
 
     def describe(self) -> str:
         """Where the store is, for messages: ``postgres at host:port/db table name``."""
@@ -576,52 +542,16 @@ class PostgresStore(StoreBase):
         server's event loop."""
         try:
             row = await self._fetchrow(
-                "check", "check", self._table, _COLUMNS, self.queries.operations
+                "check", "check", self._table, COLUMNS, self.queries.operations
             )
         except StoreError as exc:
             return [StoreFinding("error", f"{self.describe()} is unreachable: {exc}")]
-        table = f"table {self._table_name} in {self._location}"
-        missing = ", ".join(row["missing_columns"] or ())
-        why = "a standby" if row["standby"] else "transaction_read_only is on"
-        claims_table = self.queries.operations.replace('"', "")
-        candidates: list[tuple[bool, Literal["error", "warning"], str]] = [
-            (not row["table_exists"], "error", f"{table} does not exist: {_MIGRATE_HINT}"),
-            (
-                row["table_exists"] and bool(missing),
-                "error",
-                f"{table} lacks column(s) {missing}: {_MIGRATE_HINT}",
-            ),
-            (
-                row["read_only"],
-                "error",
-                f"{self._location} is read-only ({why}): no key can be acquired",
-            ),
-            (
-                bool(row["unlogged"]),
-                "warning",
-                f"{table} is UNLOGGED: a crash empties it and standbys never see it, "
-                "so retries after a crash or failover run their requests again",
-            ),
-            (
-                row["synchronous_commit"] == "off",
-                "warning",
-                "synchronous_commit is off: a server crash can lose acquires that were "
-                "already answered, and the retries of those requests then run again",
-            ),
-            (
-                row["fsync_off"],
-                "warning",
-                "fsync is off: a crash of the database machine can lose or corrupt records",
-            ),
-            (
-                row["table_exists"] and not row["operations_table_exists"],
-                "warning",
-                f"table {claims_table} in {self._location} does not exist (a schema made "
-                "before the operation claims): apps make no claims, so two services on this "
-                f"table are not told apart: {_MIGRATE_HINT}",
-            ),
-        ]
-        return [StoreFinding(level, message) for found, level, message in candidates if found]
+        return findings(
+            row,
+            table=self._table_name,
+            claims_table=self.queries.operations.replace('"', ""),
+            location=self._location,
+        )
 
     async def in_progress(self, *, stuck: bool = False, limit: int = 1000) -> list[HeldRecord]:
         """Live ``InProgress`` records under the store's prefix, oldest first, at most ``limit``

@@ -1,0 +1,97 @@
+"""What :meth:`PostgresStore.check` reports, from the one row its ``check`` query reads: the
+table and its columns, the table of operation claims, whether the database can be written, and
+what a crash would lose; and what a statement says when a table is missing."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+from starlette_idempotency.errors import StoreError
+from starlette_idempotency.stores._postgres_connections import asyncpg_driver
+from starlette_idempotency.stores.base import StoreFinding
+
+#: The columns of schema.sql, all used by the queries (the check reports the missing ones).
+COLUMNS = (
+    "key",
+    "idempotency_key",
+    "status",
+    "request_fingerprint",
+    "fingerprint_version",
+    "owner_token",
+    "response_status_code",
+    "response_headers",
+    "response_body",
+    "response_content_type",
+    "created_at",
+    "record_expires_at",
+    "locked_until",
+    "checkpoints",
+    "expires_at",
+)
+#: What creates the tables a database lacks.
+MIGRATE_HINT = "run `starlette-idempotency migrate` or `await store.create_schema()`"
+
+
+def undefined_table(exc: StoreError) -> bool:
+    """Whether ``exc`` says that a table the statement names does not exist."""
+    return isinstance(exc.__cause__, asyncpg_driver().UndefinedTableError)
+
+
+@contextlib.contextmanager
+def claims_table_needed(claims_table: str, location: str | None) -> Iterator[None]:
+    """A statement's failure for want of the table of operation claims (a schema made before
+    them) raised as what says how to create it."""
+    try:
+        yield
+    except StoreError as exc:
+        if not undefined_table(exc):
+            raise
+        raise StoreError(
+            f"table {claims_table} (the operation claims) does not exist in {location}: "
+            f"{MIGRATE_HINT} to create it; until then this app claims no operations"
+        ) from exc
+
+
+def findings(
+    row: Mapping[str, Any], *, table: str, claims_table: str, location: str | None
+) -> list[StoreFinding]:
+    """What the ``check`` query's ``row`` says about the database at ``location``."""
+    where = f"table {table} in {location}"
+    missing = ", ".join(row["missing_columns"] or ())
+    why = "a standby" if row["standby"] else "transaction_read_only is on"
+    candidates: list[tuple[bool, Literal["error", "warning"], str]] = [
+        (not row["table_exists"], "error", f"{where} does not exist: {MIGRATE_HINT}"),
+        (
+            row["table_exists"] and bool(missing),
+            "error",
+            f"{where} lacks column(s) {missing}: {MIGRATE_HINT}",
+        ),
+        (row["read_only"], "error", f"{location} is read-only ({why}): no key can be acquired"),
+        (
+            bool(row["unlogged"]),
+            "warning",
+            f"{where} is UNLOGGED: a crash empties it and standbys never see it, "
+            "so retries after a crash or failover run their requests again",
+        ),
+        (
+            row["synchronous_commit"] == "off",
+            "warning",
+            "synchronous_commit is off: a server crash can lose acquires that were "
+            "already answered, and the retries of those requests then run again",
+        ),
+        (
+            row["fsync_off"],
+            "warning",
+            "fsync is off: a crash of the database machine can lose or corrupt records",
+        ),
+        (
+            row["table_exists"] and not row["operations_table_exists"],
+            "warning",
+            f"table {claims_table} in {location} does not exist (a schema made before the "
+            "operation claims): apps make no claims, so two services on this table are not "
+            f"told apart: {MIGRATE_HINT}",
+        ),
+    ]
+    return [StoreFinding(level, message) for found, level, message in candidates if found]
