@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 #: How long a claim outlives its last renewal, on the store's clock.
 CLAIM_TTL_SECONDS = 15.0
-#: How often a running app renews the claims it holds and takes up those that lapsed.
+#: How often a running app renews its claims.
 RENEW_EVERY_SECONDS = CLAIM_TTL_SECONDS / 3
 
 
@@ -58,7 +58,9 @@ def code_name(handler: object) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ServedOperation:
-    """An operation an app guards, keyed as its requests are, and the code serving it."""
+    """An operation an app guards, named as its requests' storage keys name it (its method,
+    and its template after the pattern of the ``Host`` above it, if any), and the code that
+    serves it."""
 
     method: str
     template: str
@@ -70,8 +72,8 @@ class ServedOperation:
 
 
 def claimable(served: Iterable[ServedOperation]) -> list[ServedOperation]:
-    """The operations to claim: each served by one handler in the app (routes under ``Host``
-    routes can serve one template with several, each host keyed apart)."""
+    """The operations to claim, each once: those served by one handler in the app (the routes
+    below one ``Host`` pattern can serve a template with several, each for its own hosts)."""
     codes: dict[tuple[str, str], set[str]] = {}
     for operation in served:
         codes.setdefault((operation.method, operation.template), set()).add(operation.code)

@@ -239,29 +239,34 @@ def _inside(route: Mount | Host, prefix: str) -> tuple[_Routes | None, str]:
 @dataclass(frozen=True, slots=True)
 class RouteEntry:
     """A handler :func:`iter_routes` found: its route, full template, the methods it serves
-    (empty for any), and the handler (the endpoint, or one method of an ``HTTPEndpoint``)."""
+    (empty for any), the handler (the endpoint, or one method of an ``HTTPEndpoint``), and the
+    pattern of the ``Host`` route it is below (``""`` for none)."""
 
     route: BaseRoute
     template: str
     methods: frozenset[str]
     handler: object
+    host: str = ""
 
 
-def iter_routes(routes: Iterable[BaseRoute], prefix: str = "") -> Iterator[RouteEntry]:
+def iter_routes(
+    routes: Iterable[BaseRoute], prefix: str = "", host: str = ""
+) -> Iterator[RouteEntry]:
     """Every route below ``routes`` that ends a match, in the order :func:`find_leaf` tries
     them: ``Mount``, ``Host`` and FastAPI's included routers are entered as it enters them."""
     for route in routes:
         if not _is_included_router(route):
-            yield from _entries(route, prefix, "")
+            yield from _entries(route, prefix, "", host)
             continue
         included: Any = route
         for candidate in included.effective_candidates():
             if _is_included_router(candidate):
-                yield from iter_routes([candidate], prefix)
+                yield from iter_routes([candidate], prefix, host)
             else:
                 # An included APIRoute keeps its own path; its context holds the prefixed one.
                 target = candidate.starlette_route or candidate.original_route
-                yield from _entries(target, prefix, str(getattr(candidate, "path", "") or ""))
+                path = str(getattr(candidate, "path", "") or "")
+                yield from _entries(target, prefix, path, host)
 
 
 def mounted_apps(routes: Iterable[BaseRoute], prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -275,19 +280,20 @@ def mounted_apps(routes: Iterable[BaseRoute], prefix: str = "") -> Iterator[tupl
                 yield from mounted_apps(below.routes, inner_prefix)
 
 
-def _entries(route: BaseRoute, prefix: str, template: str) -> Iterator[RouteEntry]:
+def _entries(route: BaseRoute, prefix: str, template: str, host: str) -> Iterator[RouteEntry]:
     if isinstance(route, Mount | Host):
         below, inner_prefix = _inside(route, prefix)
+        inner_host = route.host if isinstance(route, Host) else host
         if below is None:
-            yield RouteEntry(route, inner_prefix, frozenset(), route.app)
+            yield RouteEntry(route, inner_prefix, frozenset(), route.app, inner_host)
         else:
-            yield from iter_routes(below.routes, inner_prefix)
+            yield from iter_routes(below.routes, inner_prefix, inner_host)
         return
     methods = frozenset(getattr(route, "methods", None) or ())
     full_template = prefix + (template or getattr(route, "path", ""))
     for method, handler in _handlers(getattr(route, "endpoint", None)).items():
         served = methods if method is None else frozenset({method})
-        yield RouteEntry(route, full_template, served, handler)
+        yield RouteEntry(route, full_template, served, handler, host)
 
 
 def _stack(app: object) -> Iterator[object]:

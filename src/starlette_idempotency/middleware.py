@@ -429,7 +429,8 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
         endpoints = {f"{method} {entry.template}" for method, entry in guarded}
         self.observer.declare(sorted(endpoints), self._services.store.name)
         return claimable(
-            ServedOperation(method, entry.template, code_name(entry.handler))
+            # Under a Host, the storage key holds the host: so does the claim.
+            ServedOperation(method, entry.host + entry.template, code_name(entry.handler))
             for method, entry in guarded
             if operation_of(entry.handler) is None  # a name given is the identity: shared
         )

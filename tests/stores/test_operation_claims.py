@@ -15,7 +15,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Host, Route, Router
 from starlette.types import Message
 
 from starlette_idempotency import (
@@ -261,3 +261,33 @@ def test_a_handler_is_named_alike_however_its_app_was_launched(
     assert code_name(pay) == "app.main:" + pay.__qualname__
     pay.__module__ = "app.main"  # uvicorn app.main:app
     assert code_name(pay) == "app.main:" + pay.__qualname__
+
+
+def hosted_app(store: RedisStore, host: str, name: str) -> Starlette:
+    """``POST /op`` below ``Host(host)``, served by a handler named ``name``."""
+
+    async def op(request: Request) -> Response:
+        return JSONResponse({"handler": name}, status_code=201)
+
+    op.__module__, _, op.__qualname__ = name.rpartition(":")
+    route = Route("/op", idempotent()(op), methods=["POST"])
+    app = Starlette(routes=[Host(host, Router([route]))])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    return app
+
+
+@pytest.mark.redis
+async def test_services_below_other_hosts_claim_apart(
+    redis_url: str, redis_key_prefix: str
+) -> None:
+    """Their storage keys hold the host, and so do their claims: only a service below the
+    same host pattern is refused."""
+    store = RedisStore.from_url(redis_url, key_prefix=redis_key_prefix)
+    async with (
+        Lifespan(hosted_app(store, "{tenant}.shop.example", "shop.main:op")),
+        Lifespan(hosted_app(store, "api.example", "api.main:op")),
+    ):
+        with pytest.raises(ConfigurationError, match=r"POST \{tenant\}\.shop\.example/op is"):
+            async with Lifespan(hosted_app(store, "{tenant}.shop.example", "other.main:op")):
+                pass
+    await store.aclose()
