@@ -65,11 +65,11 @@ class Lease(KeyOwner):
 
     __slots__ = (
         "_clock",
-        "_decided",
         "_events",
         "_responses",
         "_route",
         "_store",
+        "decided",
         "endpoint_started",
         "inherited",
         "key",
@@ -103,8 +103,9 @@ class Lease(KeyOwner):
         self.record = record
         self.key = record.key
         self.inherited = record.checkpoints
-        # Set once the outcome is being stored or the key freed: no recovery point after it.
-        self._decided = False
+        #: Set once the response has ended, or the key is freed: no recovery point after it
+        #: (one from a background task would come between the response and its storing).
+        self.decided = False
         # What the endpoint side reports (see _endpoint.Marks).
         self.endpoint_started = False
         self.retryable = False
@@ -144,7 +145,7 @@ class Lease(KeyOwner):
                 f"{type(self._store.store).__name__} cannot keep recovery points: use "
                 "RedisStore, PostgresStore or MemoryStore"
             )
-        if self._decided:
+        if self.decided:
             raise IdempotencyError(
                 f"checkpoint({name!r}) came after the outcome of idempotency key "
                 f"{self._events.shown_key!r} was decided (its response stored, or its key "
@@ -223,7 +224,7 @@ class Lease(KeyOwner):
         """Store the response as the key's outcome (``body`` is ``None`` when it was not
         captured whole), or release the key: a status ``release_statuses`` frees (by default
         5xx, 408, 429), a retryable mark, a status from before the endpoint."""
-        self._decided = True
+        self.decided = True
         if self.recorded is not None:
             await self._sent_recorded(status, body)
             return
@@ -311,7 +312,7 @@ class Lease(KeyOwner):
 
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
-        self._decided = True
+        self.decided = True
         if self.recorded is not None:  # committed with the app's writes: never undone here
             await self._sent_recorded(status, None)
             return
@@ -403,17 +404,20 @@ class Run(_BodyReplay):
         "_client_send",
         "_context",
         "_events",
+        "_final",
         "_lag_reported",
         "_lease",
         "_policy",
         "_renewal",
         "_renewals",
+        "_sending",
         "_started",
         "_timer",
         "chunks",
         "due",
         "ended",
         "fired",
+        "kept_body",
         "raw_headers",
         "settled",
         "size",
@@ -435,7 +439,10 @@ class Run(_BodyReplay):
         self.chunks: list[bytes] | None = []  # None once the body outgrew max_response_bytes
         self.size = 0
         self.ended = False  # the app sent its last body chunk
+        self.kept_body: bytes | None = None  # then, the body kept (None: not whole)
         self.settled = False
+        self._final: Message | None = None  # that chunk, held until the outcome is settled
+        self._sending: asyncio.Task[None] | None = None  # settling and sending it, apart
 
     async def __call__(
         self, app: ASGIApp, scope: Scope, events: RequestEvents, renewals: LockRenewals
@@ -453,22 +460,33 @@ class Run(_BodyReplay):
             self._await_renewal(renewals)
         try:
             await app(scope, self.receive, self.send)
+            if self._timer is not None:  # a renewal now would find the record final
+                self._stop_renewal()
+            final, self._final = self._final, None
+            if final is not None:  # the app returned at once: settle, then send (see send)
+                await lease.settle(self.status, self.raw_headers, self.kept_body)
+                self.settled = True
+                await self._client_send(final)
+            else:
+                await self._release_final()
         finally:
             if self._timer is not None:
                 self._stop_renewal()
-            if not self.settled:
+            if not self.settled or self._sending is not None:
                 # Shielded, so a cancelled request still settles or frees its key.
                 with anyio.CancelScope(shield=True):
-                    await self._settle_unfinished(sys.exc_info()[1])
+                    await self._end_abnormally(sys.exc_info()[1])
 
     async def send(self, message: Message) -> None:
         """Pass ``message`` on to the client, keeping a copy of the response (up to
-        ``max_response_bytes`` of body); settle before the last body chunk goes out."""
+        ``max_response_bytes`` of body); the last body chunk goes out once it is settled."""
         kind = message["type"]
-        if kind == "http.response.start":
+        if self.ended:  # something after the last chunk (trailers): that goes out first
+            await self._release_final()
+        elif kind == "http.response.start":
             self.status = message["status"]
             self.raw_headers = list(message.get("headers", ()))
-        elif kind == "http.response.body" and not self.ended:
+        elif kind == "http.response.body":
             chunk = message.get("body", b"")
             self.size += len(chunk)
             if self.size > self._policy.max_response_bytes:
@@ -477,13 +495,41 @@ class Run(_BodyReplay):
                 self.chunks.append(chunk)
             if not message.get("more_body", False):
                 self.ended = True
-                if self._timer is not None:  # a renewal now would find the record final
-                    self._stop_renewal()
+                self._lease.decided = True
                 chunks = self.chunks
-                body = None if chunks is None else b"".join(chunks)
-                await self._lease.settle(self.status, self.raw_headers, body)
-                self.settled = True
+                self.kept_body = None if chunks is None else b"".join(chunks)
+                self.chunks = None  # held once, in kept_body
+                # Held until the app returns, and settled then, with the app's frames gone:
+                # across the store's reply the request holds only what is ours (a Starlette
+                # response returns at once unless it has background tasks). An app that runs
+                # on past this turn of the loop has it settled and sent meanwhile, apart.
+                self._final = message
+                asyncio.get_running_loop().call_soon(self._if_still_running)
+                return
         await self._client_send(message)
+
+    def _if_still_running(self) -> None:
+        final, self._final = self._final, None
+        if final is not None:  # its background tasks run: the client does not wait for them
+            if self._timer is not None:
+                self._stop_renewal()
+            self._sending = asyncio.get_running_loop().create_task(self._settle_and_send(final))
+
+    async def _release_final(self) -> None:
+        """Settle and send the held last chunk, or wait for the task doing it."""
+        final, self._final = self._final, None
+        if final is not None:
+            await self._settle_and_send(final)
+        elif (sending := self._sending) is not None:
+            self._sending = None
+            await sending
+
+    async def _settle_and_send(self, final: Message) -> None:
+        # What Run.__call__ does where the app returned at once (there inline, so that no
+        # frame of ours more waits on the store's reply with it).
+        await self._lease.settle(self.status, self.raw_headers, self.kept_body)
+        self.settled = True
+        await self._client_send(final)
 
     # Waiting in the loop's renewal timer (see _renewal): the run is the timer's entry, so a
     # handler shorter than a third of its lock's TTL makes nothing for its renewal.
@@ -547,6 +593,13 @@ class Run(_BodyReplay):
         if gap >= self._policy.lock_ttl_seconds / 2:
             self.blocked(gap)
 
+    async def _end_abnormally(self, failure: BaseException | None) -> None:
+        """End a run that raised or was cancelled: a response the app had sent whole goes out
+        as it is, settled; any other is settled as unfinished."""
+        await self._release_final()
+        if not self.settled:
+            await self._settle_unfinished(failure)
+
     async def _settle_unfinished(self, failure: BaseException | None) -> None:
         """Settle a request whose response did not run to its end (see the module docs)."""
         if not self.status:
@@ -558,7 +611,4 @@ class Run(_BodyReplay):
             else:
                 await self._lease.release(None)
             return
-        chunks = self.chunks if self.ended else None
-        await self._lease.settle(
-            self.status, self.raw_headers, None if chunks is None else b"".join(chunks)
-        )
+        await self._lease.settle(self.status, self.raw_headers, self.kept_body)
