@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 # Without the decorator's start mark, these are what a step before the endpoint produces
 # (request validation, authentication), so they release the key instead of being stored.
 _PRE_ENDPOINT_STATUSES = frozenset({401, 403, 422})
+# What the check for an app running on past its last chunk runs in: its own context is the
+# request's, handed over as an argument (see Run.send).
+_NO_CONTEXT = contextvars.Context()
 # Response extensions whose body bypasses http.response.body and so could not be stored.
 _UNCAPTURABLE_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
 
@@ -405,6 +408,7 @@ class Run(_BodyReplay):
         "_context",
         "_events",
         "_final",
+        "_if_running",
         "_lag_reported",
         "_lease",
         "_policy",
@@ -464,6 +468,7 @@ class Run(_BodyReplay):
                 self._stop_renewal()
             final, self._final = self._final, None
             if final is not None:  # the app returned at once: settle, then send (see send)
+                self._if_running.cancel()  # which lets go of this run now, not next turn
                 await lease.settle(self.status, self.raw_headers, self.kept_body)
                 self.settled = True
                 await self._client_send(final)
@@ -504,16 +509,21 @@ class Run(_BodyReplay):
                 # response returns at once unless it has background tasks). An app that runs
                 # on past this turn of the loop has it settled and sent meanwhile, apart.
                 self._final = message
-                asyncio.get_running_loop().call_soon(self._if_still_running)
+                # The request's context goes in the arguments, which a cancel lets go of at once.
+                self._if_running = asyncio.get_running_loop().call_soon(
+                    self._if_still_running, contextvars.copy_context(), context=_NO_CONTEXT
+                )
                 return
         await self._client_send(message)
 
-    def _if_still_running(self) -> None:
+    def _if_still_running(self, context: contextvars.Context) -> None:
         final, self._final = self._final, None
         if final is not None:  # its background tasks run: the client does not wait for them
             if self._timer is not None:
                 self._stop_renewal()
-            self._sending = asyncio.get_running_loop().create_task(self._settle_and_send(final))
+            self._sending = asyncio.get_running_loop().create_task(
+                self._settle_and_send(final), context=context
+            )
 
     async def _release_final(self) -> None:
         """Settle and send the held last chunk, or wait for the task doing it."""
