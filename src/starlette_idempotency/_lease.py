@@ -10,7 +10,8 @@ decorator's wrapper and ``mark_retryable`` set), so nothing else is made per req
 A :class:`Run` runs the app as the key's owner: its own method is the app's ``send`` (every
 message passed on, a copy of the response kept), as Starlette's ``GZipResponder`` does, and the
 app's ``receive`` hands it the body the middleware already read (:class:`ReplayingReceive`).
-It settles the outcome on the lease before the last body chunk goes out. Data flows one way:
+It holds the last body chunk until the app returns, then settles the outcome on the lease and
+sends it (see :meth:`Run.send`). Data flows one way:
 the run holds the lease and the lock's renewal, neither holds the run, and the lease holds
 nothing of the request's scope, so a request leaves no reference cycle behind.
 
