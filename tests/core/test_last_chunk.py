@@ -114,3 +114,30 @@ def test_background_tasks_never_hold_back_the_response_and_its_retry_is_replayed
         finally:
             release.set()
         eventually_sync(lambda: ran == ["handler", "background"], message="the background task")
+
+
+@pytest.mark.parametrize("awaits_first", [False, True], ids=["at once", "after an await"])
+async def test_a_background_task_raising_leaves_the_response_stored(awaits_first: bool) -> None:
+    """Whether it raises before the app would return or once the outcome is on its way apart,
+    the whole response goes out, is stored, and a retry is replayed, not run again."""
+    runs: list[str] = []
+
+    async def fails() -> None:
+        if awaits_first:
+            await asyncio.sleep(0)
+        raise RuntimeError("the background task failed")
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        runs.append("handler")
+        return JSONResponse({"paid": 1}, status_code=201, background=BackgroundTask(fails))
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    guarded = IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: "t")
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    with pytest.raises(RuntimeError, match="the background task failed"):
+        await make_client(guarded).post("/pay", headers=headers)
+    retry = await make_client(guarded).post("/pay", headers=headers)
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert (retry.status_code, retry.json()) == (201, {"paid": 1})
+    assert runs == ["handler"]
