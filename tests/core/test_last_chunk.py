@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from starlette_idempotency._record import IdempotencyRecord
-from starlette_idempotency._types import Receive, Scope, Send
+from starlette_idempotency._types import ASGIApp, Receive, Scope, Send
 from starlette_idempotency.stores.base import FencedWrite
 from tests.support.conditions import eventually_sync
 from tests.support.guarded import make_client
@@ -86,6 +87,19 @@ async def test_an_app_raising_after_its_whole_response_still_sends_and_stores_it
     assert store.seen_at_finish == [["returned"]]
 
 
+def with_background(task: Callable[[], Awaitable[None]], runs: list[str]) -> ASGIApp:
+    """``POST /pay``, guarded, answering 201 with ``task`` as its background task; each run of
+    the handler is noted in ``runs``."""
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        runs.append("handler")
+        return JSONResponse({"paid": 1}, status_code=201, background=BackgroundTask(task))
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    return IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: "t")
+
+
 def test_background_tasks_never_hold_back_the_response_and_its_retry_is_replayed() -> None:
     """Through uvicorn: the client has the whole response while the background task still
     waits, and a retry sent then is a replay."""
@@ -96,13 +110,7 @@ def test_background_tasks_never_hold_back_the_response_and_its_retry_is_replayed
         await asyncio.to_thread(release.wait)  # until the test lets it end
         ran.append("background")
 
-    @idempotent()
-    async def pay(request: Request) -> Response:
-        ran.append("handler")
-        return JSONResponse({"paid": 1}, status_code=201, background=BackgroundTask(after_response))
-
-    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    guarded = IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: "t")
+    guarded = with_background(after_response, ran)
     headers = {"Idempotency-Key": uuid.uuid4().hex}
     with uvicorn_thread(guarded) as url, httpx.Client(base_url=url, timeout=5) as client:
         try:
@@ -127,13 +135,7 @@ async def test_a_background_task_raising_leaves_the_response_stored(awaits_first
             await asyncio.sleep(0)
         raise RuntimeError("the background task failed")
 
-    @idempotent()
-    async def pay(request: Request) -> Response:
-        runs.append("handler")
-        return JSONResponse({"paid": 1}, status_code=201, background=BackgroundTask(fails))
-
-    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    guarded = IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: "t")
+    guarded = with_background(fails, runs)
     headers = {"Idempotency-Key": uuid.uuid4().hex}
     with pytest.raises(RuntimeError, match="the background task failed"):
         await make_client(guarded).post("/pay", headers=headers)
