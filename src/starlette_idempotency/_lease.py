@@ -536,8 +536,8 @@ class Run(_BodyReplay):
             await sending
 
     async def _settle_and_send(self, final: Message) -> None:
-        # What Run.__call__ does where the app returned at once (there inline, so that no
-        # frame of ours more waits on the store's reply with it).
+        # What Run.__call__ does itself when the app returned at once: inline there, so that
+        # no frame of ours besides its own waits on the store's reply on the common path.
         await self._lease.settle(self.status, self.raw_headers, self.kept_body)
         self.settled = True
         await self._client_send(final)
