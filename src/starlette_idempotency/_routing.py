@@ -429,7 +429,7 @@ class RouteResolver:
             wrapper, overrides = decoration(entry.handler)
             if overrides is None:
                 continue
-            operation = operation_of(entry.handler) or ""
+            operation: str = getattr(wrapper, OPERATION_ATTRIBUTE, None) or ""
             for method in sorted(entry.methods & methods) if operation else ():
                 other = named.setdefault((method, operation), entry.template)
                 if other != entry.template:
