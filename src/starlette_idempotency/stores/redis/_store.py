@@ -64,8 +64,6 @@ _UNDO_RETRY_SECONDS = 0.1
 # page (a hint to the server).
 _GLOB_SPECIAL = re.compile(r"[*?\[\]\\]")
 _SCAN_COUNT = 500
-# TTLs go to Redis in whole milliseconds, at least 1 (it refuses PX 0): written
-# max(1, round(seconds * 1000)) where they are sent, the acquire and the finish on every request.
 
 
 def _store_error(driver: RedisDriver, operation: str, key: str, exc: BaseException) -> StoreError:
@@ -95,6 +93,13 @@ def _driver_for(client: object) -> RedisDriver:
         f"RedisStore needs a redis.asyncio client (Redis or RedisCluster) or a valkey-glide "
         f"client (GlideClient or GlideClusterClient), not {type(client).__name__}"
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _ms(seconds: float) -> int:
+    """A TTL as Redis takes it: whole milliseconds, at least 1 (it refuses ``PX 0``). A store
+    is given few TTLs (each route's lock and retention), each converted once."""
+    return max(1, round(seconds * 1000))
 
 
 def _text(reply: bytes | str) -> str:
@@ -336,7 +341,7 @@ class RedisStore(StoreBase):
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
         skey, value = self._prefix + key, dump_record(pending)
-        px = max(1, round(lock_ttl * 1000))
+        px = _ms(lock_ttl)
         try:
             for _ in range(3):  # the key can vanish between the acquire and the recovery step
                 try:
@@ -549,7 +554,7 @@ class RedisStore(StoreBase):
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
         skey = self._prefix + key
-        px = max(1, round(ttl * 1000))
+        px = _ms(ttl)
         args: list[Arg] = [dump_record(record), record.owner_token, str(px), skey]
         try:
             if self._waiting is None:
@@ -579,7 +584,7 @@ class RedisStore(StoreBase):
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
         value = dump_record(replace(record, locked_until=0.0))  # the script sets the lease
-        px = max(1, round(ttl * 1000))
+        px = _ms(ttl)
         args: list[Arg] = [value, record.owner_token, str(px), str(round(lease * 1000))]
         try:
             saved = await self._driver.scripts["progress"]([self._prefix + key], args)
@@ -603,7 +608,7 @@ class RedisStore(StoreBase):
         TTL, or for a record with recovery points its lease, on the server's clock."""
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        px = max(1, round(lock_ttl * 1000))
+        px = _ms(lock_ttl)
         try:
             renewed = await self._driver.scripts["renew"](
                 [self._prefix + key], [owner_token, str(px)]
@@ -621,7 +626,7 @@ class RedisStore(StoreBase):
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
         skey = self._claims_prefix + operation
-        px = max(1, round(ttl * 1000))
+        px = _ms(ttl)
         try:
             other = await self._driver.scripts["claim"]([skey], [holder, code, str(px)])
         except self._failures as exc:
