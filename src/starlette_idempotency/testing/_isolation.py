@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+from starlette_idempotency.stores._postgres_sql import quote_table
+
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
@@ -81,9 +83,10 @@ def drop_table(dsn: str, table: str) -> None:
     """Drop ``table`` (a name of :func:`unique_table`) if it exists, with its index and the
     table of operation claims beside it. A test that still holds it in an open transaction
     makes this fail after a few seconds rather than hang the run."""
+    names = quote_table(table)
     run_admin(
         dsn,
-        f'DROP TABLE IF EXISTS "{table}", "{table}_operations"',
+        f"DROP TABLE IF EXISTS {names.table}, {names.operations}",
         server_settings={"lock_timeout": "5s"},
     )
 
