@@ -71,7 +71,7 @@ def _route_by_path() -> contextlib.AbstractContextManager[Any]:
 
 def _fingerprint_once() -> contextlib.AbstractContextManager[Any]:
     fingerprint = _request.GuardedRequest._fingerprint
-    once = _memo(fingerprint, lambda self, body: body)
+    once = _memo(fingerprint, lambda self, body, parsed: body)
     return mock.patch.object(_request.GuardedRequest, "_fingerprint", once)
 
 

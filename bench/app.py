@@ -13,8 +13,10 @@ option (mobius fails closed, as ours does); peers run with their own defaults ot
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -74,6 +76,27 @@ class AppSettings:
 
 
 @dataclass
+class CollectorTime:
+    """Seconds spent in the cyclic garbage collector, and its collections by generation, as
+    :meth:`watch` (a ``gc.callbacks`` entry) sees them."""
+
+    seconds: float = 0.0
+    by_generation: list[int] = field(default_factory=lambda: [0, 0, 0])
+    _started: float = 0.0
+
+    @property
+    def collections(self) -> int:
+        return sum(self.by_generation)
+
+    def watch(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            self.by_generation[info["generation"]] += 1
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+
+@dataclass
 class AppState:
     """What the endpoint counts."""
 
@@ -89,12 +112,14 @@ class Lifespan:
     closers: list[Hook] = field(default_factory=list)
 
 
-def build_app(settings: AppSettings) -> FastAPI:
-    """The app for ``settings.config``."""
+def build_app(settings: AppSettings, collector_time: CollectorTime | None = None) -> FastAPI:
+    """The app for ``settings.config``; its executions endpoint reports ``collector_time``
+    (the server's: see :func:`create_app`)."""
     if settings.config not in BY_NAME:
         raise ValueError(f"unknown configuration {settings.config!r}")
     state = AppState()
     hooks = Lifespan()
+    collector = collector_time if collector_time is not None else CollectorTime()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -122,8 +147,13 @@ def build_app(settings: AppSettings) -> FastAPI:
             "merchantReference": payment.merchantReference,
         }
 
-    async def executions() -> dict[str, int]:
-        return {"executions": state.executions, "distinct_keys": len(state.keys)}
+    async def executions() -> dict[str, Any]:
+        return {
+            "executions": state.executions,
+            "distinct_keys": len(state.keys),
+            "collections": collector.by_generation,
+            "collector_seconds": collector.seconds,
+        }
 
     endpoint = _wire(app, settings, create_payment, hooks)
     app.post(PAYMENT_PATH, status_code=201)(endpoint)
@@ -290,5 +320,10 @@ def _wire_idemgate(
 
 
 def create_app() -> FastAPI:
-    """The uvicorn factory: ``uvicorn bench.app:create_app --factory`` (``BENCH_*`` env)."""
-    return build_app(AppSettings.from_env())
+    """The uvicorn factory: ``uvicorn bench.app:create_app --factory`` (``BENCH_*`` env).
+
+    The worker's collections and the time they take are counted for its whole life, so load
+    runs read what the collector costs where the requests run."""
+    spent = CollectorTime()
+    gc.callbacks.append(spent.watch)
+    return build_app(AppSettings.from_env(), spent)

@@ -165,8 +165,9 @@ def load_tables(results: list[RunResult], modes: tuple[Mode, ...]) -> list[str]:
         lines += [
             f"### {mode} keys" if mode == "unique" else "### replays",
             "",
-            "| config | req/s | p99 ms | × bare | × floor | p99 × bare | CPU µs/req | dup | err |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| config | req/s | p99 ms | × bare | × floor | p99 × bare | CPU µs/req "
+            "| of it GC | GC gen 0 / 1 / 2 per 1k | dup | err |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name in configs:
             mine = [r for r in results if r.config == name and r.mode == mode]
@@ -178,13 +179,17 @@ def load_tables(results: list[RunResult], modes: tuple[Mode, ...]) -> list[str]:
             rps = statistics.median(r.wrk.rps for r in mine)
             p99_ms = statistics.median(r.wrk.p99_ms for r in mine)
             cpu_us = statistics.median(r.server_cpu_us for r in mine)
+            gc_us = statistics.median(r.collector_us for r in mine)
+            per_1k = " / ".join(
+                f"{statistics.median(r.collections_per_1k[g] for r in mine):.1f}" for g in range(3)
+            )
             # bare runs every request, replays included: no layer, nothing to count
             duplicates = "" if name == "bare" else sum(r.duplicates for r in mine)
             lines.append(
                 f"| {name} | {rps:,.0f} | {p99_ms:.1f} "
                 f"| {_span(_ratios(runs, name, 'bare', mode), ratio)} "
                 f"| {_span(_ratios(runs, name, floor_of(name), mode), ratio)} "
-                f"| {_span(p99, ratio)} | {cpu_us:.0f} | {duplicates} "
+                f"| {_span(p99, ratio)} | {cpu_us:.0f} | {gc_us:.1f} | {per_1k} | {duplicates} "
                 f"| {sum(r.wrk.errors for r in mine)} |"
             )
         lines.append("")

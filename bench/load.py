@@ -54,6 +54,8 @@ class RunResult:
     server_cpu_us: float  # uvicorn's CPU time per answered request
     store_cpu_us: float  # the Redis / PostgreSQL processes' CPU time per answered request
     foreign_cpu_pct: float  # CPU used by processes outside this benchmark, % of the machine
+    collector_us: float  # the worker's time in the cyclic garbage collector per answered request
+    collections_per_1k: tuple[float, ...]  # its collections by generation per 1,000 requests
 
 
 def wrk_binary() -> str:
@@ -153,6 +155,11 @@ def measure(
                 server_cpu_us=server_cpu / answered * 1e6,
                 store_cpu_us=store_cpu / answered * 1e6,
                 foreign_cpu_pct=100 * max(0.0, busy) / capacity,
+                collector_us=(after.collector_seconds - before.collector_seconds) / answered * 1e6,
+                collections_per_1k=tuple(
+                    (now - then) * 1000 / answered
+                    for now, then in zip(after.collections, before.collections, strict=True)
+                ),
             )
         )
     return results

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from bench.app import AppSettings, build_app
+from bench.app import AppSettings, CollectorTime, build_app
 from bench.asgi import Reply, call, running
 from bench.configs import Config
 from bench.load import MODES, Mode
@@ -59,36 +59,15 @@ class MicroResult:
     collections: list[int] = field(default_factory=list)
 
 
-@dataclass
-class CollectorTime:
-    """Seconds spent in the cyclic garbage collector, and its collections by generation."""
-
-    seconds: float = 0.0
-    by_generation: list[int] = field(default_factory=lambda: [0, 0, 0])
-
-    @property
-    def collections(self) -> int:
-        return sum(self.by_generation)
-
-
 @contextlib.contextmanager
 def gc_stopwatch() -> Iterator[CollectorTime]:
     """The collector's time and collections inside the block."""
     spent = CollectorTime()
-    started = [0.0]
-
-    def watch(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-            spent.by_generation[info["generation"]] += 1
-        else:
-            spent.seconds += time.perf_counter() - started[0]
-
-    gc.callbacks.append(watch)
+    gc.callbacks.append(spent.watch)
     try:
         yield spent
     finally:
-        gc.callbacks.remove(watch)
+        gc.callbacks.remove(spent.watch)
 
 
 Request = Coroutine[Any, Any, Reply]

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ def http_request(
 class Executions:
     executions: int
     distinct_keys: int
+    # The worker's collector, for its whole life: not part of "the counters stopped moving".
+    collections: tuple[int, ...] = field(default=(0, 0, 0), compare=False)
+    collector_seconds: float = field(default=0.0, compare=False)
 
 
 class UvicornServer:
@@ -134,7 +137,12 @@ class UvicornServer:
             if status != 200:
                 raise RuntimeError(f"GET {EXECUTIONS_PATH} answered {status}")
             data = json.loads(body)
-            return Executions(int(data["executions"]), int(data["distinct_keys"]))
+            return Executions(
+                int(data["executions"]),
+                int(data["distinct_keys"]),
+                tuple(data["collections"]),
+                float(data["collector_seconds"]),
+            )
 
         last, deadline = read(), time.monotonic() + 10
         while time.monotonic() < deadline:
