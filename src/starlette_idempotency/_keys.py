@@ -479,6 +479,8 @@ class KeyScopeResolver:
 
 
 _KEY_PART_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
+# What the escapes replace, besides the colon (which the joining colons are told apart from).
+_ESCAPED_BESIDES_COLON = re.compile("[%{}]")
 
 
 def storage_key(scope_id: str, method: str, route_template: str, key: str) -> str:
@@ -487,6 +489,9 @@ def storage_key(scope_id: str, method: str, route_template: str, key: str) -> st
     The store adds its prefix (``idempotency:`` by default). Braces are escaped too, so Redis
     Cluster never reads a route template's ``{param}`` as a hash tag.
     """
+    joined = f"{scope_id}:{method}:{route_template}:{key}"
+    if joined.count(":") == 3 and _ESCAPED_BESIDES_COLON.search(joined) is None:
+        return joined  # nothing to escape in any part (most keys): two scans, no translation
     escapes = _KEY_PART_ESCAPES
     return (
         f"{scope_id.translate(escapes)}:{method.translate(escapes)}:"

@@ -177,7 +177,7 @@ def dump_record(record: IdempotencyRecord) -> bytes:
     expires = round(record.expires_at * 1_000_000) // 1000
     wire: dict[str, Any] = {
         "key": record.key,
-        "status": record.status.value,
+        "status": record.status,  # orjson writes an enum member as its value
         "requestFingerprint": record.request_fingerprint,
         "fingerprintVersion": record.fingerprint_version,
         "responseStatusCode": response.status_code if response else None,

@@ -13,7 +13,7 @@ from starlette_idempotency._fingerprint import (
     raw_body_form,
     request_fingerprint,
 )
-from starlette_idempotency._keys import storage_key
+from starlette_idempotency._keys import split_storage_key, storage_key
 
 
 def fingerprint(
@@ -126,6 +126,19 @@ def test_storage_key_is_injective() -> None:
     assert "{" not in key
     assert "}" not in key
     assert key.count(":") == 3
+
+
+key_parts = st.text(alphabet=st.sampled_from("ab:%{}3A7BD/"), max_size=6) | st.text(max_size=6)
+
+
+@given(st.tuples(key_parts, key_parts, key_parts, key_parts))
+def test_storage_key_gives_back_its_parts(parts: tuple[str, str, str, str]) -> None:
+    # One key per tuple of parts, with or without characters to escape.
+    key = storage_key(*parts)
+    assert split_storage_key(key) == parts
+    assert key.count(":") == 3
+    assert "{" not in key
+    assert "}" not in key
 
 
 json_values = st.recursive(

@@ -7,7 +7,10 @@ asyncio concurrency without a lock.
 Records are kept packed (``marshal`` bytes beside the few fields the fenced writes compare), not
 as objects: an entry of plain bytes, strings and floats is not tracked by the garbage collector,
 so a store holding half a million records adds nothing to the collector's walks (as objects,
-each full collection walked every record, and the requests in flight waited for it).
+each full collection walked every record, and the requests in flight waited for it). A lock
+just acquired is the exception: its record, of strings and numbers only, is held as it came
+until its request settles it, a few milliseconds later (packing it would cost every request
+a second ``marshal`` for a value that is replaced before the collector would see it twice).
 
 Locks, leases and expiry are measured on a monotonic clock, so a step of the system clock (an
 NTP correction, a VM resumed from a pause) expires nothing; the wall clock only dates what the
@@ -40,15 +43,16 @@ from starlette_idempotency.stores.base import (
 _SWEEP_INTERVAL_SECONDS = 60.0
 
 # An entry: (deadline, owner token, whether InProgress, the lease's end for a record with
-# recovery points, the packed record). Deadline and lease are on the monotonic clock.
-_Entry = tuple[float, str, bool, float | None, bytes]
+# recovery points, the packed record, or a lock's record as acquired: see the module docs).
+# Deadline and lease are on the monotonic clock.
+_Entry = tuple[float, str, bool, float | None, "bytes | IdempotencyRecord"]
 
 
 def _pack(record: IdempotencyRecord, deadline: float, lease: float | None = None) -> _Entry:
     response = record.response
     fields = (
         record.key,
-        record.status.value,
+        str(record.status),  # its value, as a plain str (marshal takes no subclass)
         record.request_fingerprint,
         record.owner_token,
         record.created_at,
@@ -66,8 +70,20 @@ def _pack(record: IdempotencyRecord, deadline: float, lease: float | None = None
     return deadline, record.owner_token, in_progress, lease, marshal.dumps(fields)
 
 
-def _unpack(packed: bytes) -> IdempotencyRecord:
-    fields: tuple[Any, ...] = marshal.loads(packed)
+def _acquired(record: IdempotencyRecord, deadline: float) -> _Entry:
+    """The entry of a lock just acquired: ``record`` as it is, when it is an ``InProgress``
+    record of strings and numbers only (no recovery points, whose data is the user's); else
+    packed."""
+    if record.checkpoints or record.status is not RecordStatus.IN_PROGRESS:
+        return _pack(record, deadline)
+    return deadline, record.owner_token, True, None, record
+
+
+def _unpack(held: bytes | IdempotencyRecord) -> IdempotencyRecord:
+    if type(held) is IdempotencyRecord:
+        return held
+    assert isinstance(held, bytes)
+    fields: tuple[Any, ...] = marshal.loads(held)
     key, status, fingerprint, owner, created, expires, version, response, lease, points = fields
     # Positional, and the status by lookup: a replay unpacks on every request.
     return IdempotencyRecord(
@@ -165,7 +181,7 @@ class MemoryStore(StoreBase):
             self._sweep(now)
         entry = self._entries.get(key)
         if entry is None or entry[0] <= now:
-            self._entries[key] = _pack(pending, now + lock_ttl)
+            self._entries[key] = _acquired(pending, now + lock_ttl)
             return AcquireResult(acquired=True, record=_unpack(entry[4]) if entry else None)
         deadline, owner, in_progress, lease, packed = entry
         current = _unpack(packed)
