@@ -8,7 +8,7 @@ time replaced by the cheapest stand-in that keeps the request answered alike:
 - ``route``: the route looked up once per method and path (the cache by path that issue #8
   forbids: a ``Host`` or ``Mount`` can route one path to two endpoints);
 - ``fingerprint``: the fingerprint computed once per body (no canonical form, no SHA-256);
-- ``owner token``: a counter instead of ``secrets.token_hex``;
+- ``owner token``: a counter instead of ``os.urandom``;
 - ``record decode``: each stored record parsed once (a replay finds it parsed);
 - ``all``: all of them together.
 
@@ -26,8 +26,8 @@ import argparse
 import contextlib
 import gc
 import itertools
-import secrets
 import statistics
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -78,10 +78,10 @@ def _fingerprint_once() -> contextlib.AbstractContextManager[Any]:
 def _counter_token() -> contextlib.AbstractContextManager[Any]:
     counter = itertools.count()
 
-    def token_hex(_: int) -> str:
-        return f"{next(counter):032x}"
+    def urandom(size: int) -> bytes:
+        return next(counter).to_bytes(size, "big")
 
-    return mock.patch.object(secrets, "token_hex", token_hex)
+    return mock.patch.object(_request, "os", types.SimpleNamespace(urandom=urandom))
 
 
 @contextlib.contextmanager
