@@ -1,10 +1,12 @@
-"""MemoryStore specifics beyond the contract: what its self-check says, and records kept out
-of the garbage collector's walk."""
+"""MemoryStore specifics beyond the contract: what its self-check says, records kept out of
+the garbage collector's walk, and a lock just acquired held as its record."""
 
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
+from starlette_idempotency._record import Checkpoint
 from starlette_idempotency.stores.base import CheckableStore
 from starlette_idempotency.stores.memory import MemoryStore
 from tests.support.records import finished, pending
@@ -44,3 +46,29 @@ async def test_a_record_reads_back_as_it_was_written() -> None:
 
     assert await store.get("k") == done
     assert store.records() == {"k": done}
+
+
+async def test_a_lock_just_acquired_reads_back_until_it_is_settled() -> None:
+    store = MemoryStore()
+    held = pending("k")
+    assert (await store.try_acquire("k", held, 30)).acquired
+
+    conflict = await store.try_acquire("k", pending("k", "owner-b"), 30)
+    assert not conflict.acquired
+    assert conflict.record == held
+    assert await store.renew("k", held.owner_token, 30)
+    assert await store.get("k") == held
+
+
+async def test_recovery_points_are_copied_when_a_lock_is_acquired_with_them() -> None:
+    # Their data is the caller's: what the store keeps must not follow later changes to it.
+    store = MemoryStore()
+    data = {"charge": "ch_1"}
+    held = replace(pending("k"), checkpoints=(Checkpoint("charged", data, 1.0),))
+    assert (await store.try_acquire("k", held, 30)).acquired
+
+    data["charge"] = "changed"
+
+    kept = await store.get("k")
+    assert kept is not None
+    assert kept.checkpoints[0].data == {"charge": "ch_1"}

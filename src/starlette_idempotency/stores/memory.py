@@ -80,9 +80,8 @@ def _acquired(record: IdempotencyRecord, deadline: float) -> _Entry:
 
 
 def _unpack(held: bytes | IdempotencyRecord) -> IdempotencyRecord:
-    if type(held) is IdempotencyRecord:
+    if not isinstance(held, bytes):  # a lock's record as acquired
         return held
-    assert isinstance(held, bytes)
     fields: tuple[Any, ...] = marshal.loads(held)
     key, status, fingerprint, owner, created, expires, version, response, lease, points = fields
     # Positional, and the status by lookup: a replay unpacks on every request.
