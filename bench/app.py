@@ -125,6 +125,11 @@ def build_app(settings: AppSettings, collector_time: CollectorTime | None = None
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         for start in hooks.starters:
             await start()
+        if BY_NAME[settings.config].freeze_heap:
+            # What an application may do once started: its modules and startup objects leave
+            # the collector's walks for good.
+            gc.collect()
+            gc.freeze()
         try:
             yield
         finally:

@@ -14,8 +14,10 @@ class Config:
     """One server setup: the same FastAPI endpoint behind a different idempotency layer.
 
     A *variant* (``variant_of``) is wired as the configuration it names, with
-    ``protect_all=True`` instead of ``@idempotent`` on the route. ``module`` is the peer
-    library's import name (a peer that is not installed is skipped, saying so).
+    ``protect_all=True`` instead of ``@idempotent`` on the route. ``freeze_heap``: the app
+    calls ``gc.freeze()`` once started, as an application may (the library never does).
+    ``module`` is the peer library's import name (a peer that is not installed is skipped,
+    saying so).
     """
 
     name: str
@@ -24,6 +26,7 @@ class Config:
     needs: tuple[Service, ...] = ()
     variant_of: str | None = None
     protect_all: bool = False
+    freeze_heap: bool = False
     module: str | None = None
 
     @property
@@ -65,6 +68,15 @@ CONFIGS: tuple[Config, ...] = (
         _REDIS,
         variant_of="ours-redis",
         protect_all=True,
+    ),
+    Config(
+        "ours-redis-all-frozen",
+        "ours",
+        "ours-redis-all in an app that calls gc.freeze() once started",
+        _REDIS,
+        variant_of="ours-redis",
+        protect_all=True,
+        freeze_heap=True,
     ),
     Config("ours-redis-lua", "ours", "IdempotencyMiddleware + RedisStore(acquire='lua')", _REDIS),
     Config(
