@@ -1,0 +1,93 @@
+"""Store calls made while others wait on the store go out after the loop's ready work, so that
+the calls of requests ready together reach the store's server together; a call made alone goes
+out at once (BoundedStore)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from starlette_idempotency._record import IdempotencyRecord
+from starlette_idempotency._store_calls import BoundedStore
+from tests.core.test_deadlines import Stalling, bounded
+
+
+def recording(order: list[str], entry: str) -> Callable[[], Awaitable[None]]:
+    async def record() -> None:
+        order.append(entry)
+
+    return record
+
+
+async def waiting_call(
+    calls: BoundedStore, store: Stalling
+) -> tuple[asyncio.Future[IdempotencyRecord | None], asyncio.Event]:
+    """A call in flight on key ``"waiting"`` until the event it returns is set."""
+    answer = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def stall() -> None:
+        entered.set()
+        await answer.wait()
+
+    store.stalls["waiting"] = stall
+    task = asyncio.ensure_future(calls.get("waiting"))
+    await entered.wait()
+    return task, answer
+
+
+async def test_a_call_made_alone_goes_out_at_once() -> None:
+    calls, store = bounded(5.0)
+    order: list[str] = []
+    store.stalls["k"] = recording(order, "store")
+    asyncio.get_running_loop().call_soon(order.append, "ready work")
+    await calls.get("k")
+    assert order == ["store"]  # before the ready work ran
+
+
+async def test_a_call_made_while_another_waits_goes_out_after_the_ready_work() -> None:
+    calls, store = bounded(5.0)
+    waiting, answer = await waiting_call(calls, store)
+    order: list[str] = []
+    store.stalls["k"] = recording(order, "store")
+    asyncio.get_running_loop().call_soon(order.append, "ready work")
+    await calls.get("k")
+    assert order == ["ready work", "store"]
+    answer.set()
+    await waiting
+
+
+async def test_calls_of_requests_ready_together_reach_the_store_together() -> None:
+    calls, store = bounded(5.0)
+    waiting, answer = await waiting_call(calls, store)
+    order: list[str] = []
+
+    async def request(number: int) -> None:
+        order.append(f"work {number}")  # what a request does before its store call
+        await calls.get(str(number))
+
+    for number in range(4):
+        store.stalls[str(number)] = recording(order, f"call {number}")
+    await asyncio.gather(*(request(number) for number in range(4)))
+    assert order == [*(f"work {n}" for n in range(4)), *(f"call {n}" for n in range(4))]
+    answer.set()
+    await waiting
+
+
+async def test_a_call_cancelled_before_it_went_out_never_reaches_the_store() -> None:
+    calls, store = bounded(5.0)
+    waiting, answer = await waiting_call(calls, store)
+    order: list[str] = []
+    store.stalls["k"] = recording(order, "store")
+    task = asyncio.ensure_future(calls.get("k"))
+    await asyncio.sleep(0)  # the call has begun, and waits for the loop's ready work
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert order == []
+    loop = asyncio.get_running_loop()
+    assert set(calls._in_flight.get(loop).due) == {waiting}
+    answer.set()
+    await waiting
