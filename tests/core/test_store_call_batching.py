@@ -5,7 +5,8 @@ out at once (BoundedStore)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -21,10 +22,12 @@ def recording(order: list[str], entry: str) -> Callable[[], Awaitable[None]]:
     return record
 
 
-async def waiting_call(
-    calls: BoundedStore, store: Stalling
-) -> tuple[asyncio.Future[IdempotencyRecord | None], asyncio.Event]:
-    """A call in flight on key ``"waiting"`` until the event it returns is set."""
+@asynccontextmanager
+async def another_call_waiting() -> AsyncIterator[
+    tuple[BoundedStore, Stalling, asyncio.Future[IdempotencyRecord | None]]
+]:
+    """A bounded store with a call on key ``"waiting"`` in flight until the block ends."""
+    calls, store = bounded(5.0)
     answer = asyncio.Event()
     entered = asyncio.Event()
 
@@ -33,9 +36,13 @@ async def waiting_call(
         await answer.wait()
 
     store.stalls["waiting"] = stall
-    task = asyncio.ensure_future(calls.get("waiting"))
+    waiting = asyncio.ensure_future(calls.get("waiting"))
     await entered.wait()
-    return task, answer
+    try:
+        yield calls, store, waiting
+    finally:
+        answer.set()
+        await waiting
 
 
 async def test_a_call_made_alone_goes_out_at_once() -> None:
@@ -48,46 +55,37 @@ async def test_a_call_made_alone_goes_out_at_once() -> None:
 
 
 async def test_a_call_made_while_another_waits_goes_out_after_the_ready_work() -> None:
-    calls, store = bounded(5.0)
-    waiting, answer = await waiting_call(calls, store)
     order: list[str] = []
-    store.stalls["k"] = recording(order, "store")
-    asyncio.get_running_loop().call_soon(order.append, "ready work")
-    await calls.get("k")
+    async with another_call_waiting() as (calls, store, _):
+        store.stalls["k"] = recording(order, "store")
+        asyncio.get_running_loop().call_soon(order.append, "ready work")
+        await calls.get("k")
     assert order == ["ready work", "store"]
-    answer.set()
-    await waiting
 
 
 async def test_calls_of_requests_ready_together_reach_the_store_together() -> None:
-    calls, store = bounded(5.0)
-    waiting, answer = await waiting_call(calls, store)
     order: list[str] = []
+    async with another_call_waiting() as (calls, store, _):
 
-    async def request(number: int) -> None:
-        order.append(f"work {number}")  # what a request does before its store call
-        await calls.get(str(number))
+        async def request(number: int) -> None:
+            order.append(f"work {number}")  # what a request does before its store call
+            await calls.get(str(number))
 
-    for number in range(4):
-        store.stalls[str(number)] = recording(order, f"call {number}")
-    await asyncio.gather(*(request(number) for number in range(4)))
+        for number in range(4):
+            store.stalls[str(number)] = recording(order, f"call {number}")
+        await asyncio.gather(*(request(number) for number in range(4)))
     assert order == [*(f"work {n}" for n in range(4)), *(f"call {n}" for n in range(4))]
-    answer.set()
-    await waiting
 
 
 async def test_a_call_cancelled_before_it_went_out_never_reaches_the_store() -> None:
-    calls, store = bounded(5.0)
-    waiting, answer = await waiting_call(calls, store)
     order: list[str] = []
-    store.stalls["k"] = recording(order, "store")
-    task = asyncio.ensure_future(calls.get("k"))
-    await asyncio.sleep(0)  # the call has begun, and waits for the loop's ready work
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    async with another_call_waiting() as (calls, store, waiting):
+        store.stalls["k"] = recording(order, "store")
+        task = asyncio.ensure_future(calls.get("k"))
+        await asyncio.sleep(0)  # the call has begun, and waits for the loop's ready work
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        loop = asyncio.get_running_loop()
+        assert set(calls._in_flight.get(loop).due) == {waiting}
     assert order == []
-    loop = asyncio.get_running_loop()
-    assert set(calls._in_flight.get(loop).due) == {waiting}
-    answer.set()
-    await waiting
