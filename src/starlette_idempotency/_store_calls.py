@@ -13,10 +13,10 @@ of requests read in one turn, or the store's answers to them) then reach the sto
 one behind another, and it serves them in one wake-up rather than one each. Waking a server
 that sleeps costs the writer's ``write()`` an interrupt to another core and the server a turn
 of its own loop, more than a Redis command itself: at 32 requests in flight this cut the
-worker's system time per new key on Redis by a third and raised its rate by about a fifth
-(docs/explanation/benchmarks.md#calls-sent-together). A call made alone goes out at once:
-there is nothing to send it with, and one request's latency stays its own. The turn counts
-within the call's deadline and its duration metric.
+worker's system time per new key on Redis by a third and raised its rate, against the
+peers', by about a fifth (docs/explanation/benchmarks.md#calls-sent-together). A call made
+alone goes out at once: there is nothing to send it with, and one request's latency stays
+its own. The turn counts within the call's deadline and its duration metric.
 
 It also speaks the protocol of 0.1 to a store written for it (its ``save_progress`` takes no
 ``lease``): for such a store alone, leases are set and judged on the middleware's clock, as
