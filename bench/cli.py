@@ -166,8 +166,8 @@ def load_tables(results: list[RunResult], modes: tuple[Mode, ...]) -> list[str]:
             f"### {mode} keys" if mode == "unique" else "### replays",
             "",
             "| config | req/s | p99 ms | × bare | × floor | p99 × bare | CPU µs/req "
-            "| of it GC | GC gen 0 / 1 / 2 per 1k | dup | err |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| of it GC | of it kernel | store CPU µs/req | GC gen 0 / 1 / 2 per 1k | dup | err |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name in configs:
             mine = [r for r in results if r.config == name and r.mode == mode]
@@ -180,6 +180,8 @@ def load_tables(results: list[RunResult], modes: tuple[Mode, ...]) -> list[str]:
             p99_ms = statistics.median(r.wrk.p99_ms for r in mine)
             cpu_us = statistics.median(r.server_cpu_us for r in mine)
             gc_us = statistics.median(r.collector_us for r in mine)
+            kernel_us = statistics.median(r.server_system_us for r in mine)
+            store_us = statistics.median(r.store_cpu_us for r in mine)
             per_1k = " / ".join(
                 f"{statistics.median(r.collections_per_1k[g] for r in mine):.1f}" for g in range(3)
             )
@@ -189,7 +191,8 @@ def load_tables(results: list[RunResult], modes: tuple[Mode, ...]) -> list[str]:
                 f"| {name} | {rps:,.0f} | {p99_ms:.1f} "
                 f"| {_span(_ratios(runs, name, 'bare', mode), ratio)} "
                 f"| {_span(_ratios(runs, name, floor_of(name), mode), ratio)} "
-                f"| {_span(p99, ratio)} | {cpu_us:.0f} | {gc_us:.1f} | {per_1k} | {duplicates} "
+                f"| {_span(p99, ratio)} | {cpu_us:.0f} | {gc_us:.1f} | {kernel_us:.0f} "
+                f"| {store_us:.0f} | {per_1k} | {duplicates} "
                 f"| {sum(r.wrk.errors for r in mine)} |"
             )
         lines.append("")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from bench.requests import BODY, PAYMENT_PATH
-from bench.servers import Services, UvicornServer, machine_cpu, process_cpu
+from bench.servers import Services, UvicornServer, machine_cpu, process_times
 
 Mode = Literal["unique", "replay"]
 MODES: tuple[Mode, ...] = ("unique", "replay")
@@ -52,6 +52,9 @@ class RunResult:
     wrk: WrkResult
     duplicates: int  # handler executions beyond one per key: must be 0 under any layer
     server_cpu_us: float  # uvicorn's CPU time per answered request
+    server_system_us: (
+        float  # of it, in the kernel (system calls, waking the processes it writes to)
+    )
     store_cpu_us: float  # the Redis / PostgreSQL processes' CPU time per answered request
     foreign_cpu_pct: float  # CPU used by processes outside this benchmark, % of the machine
     collector_us: float  # the worker's time in the cyclic garbage collector per answered request
@@ -134,11 +137,16 @@ def measure(
     for mode in modes:
         argument = argument_for(server, run_id, mode)
         before = server.executions()
-        server_cpu, store_cpu, wrk_cpu = process_cpu(server.pid), services.store_cpu(), _wrk_cpu()
+        (user, system), store_cpu, wrk_cpu = (
+            process_times(server.pid),
+            services.store_cpu(),
+            _wrk_cpu(),
+        )
         busy_before, total_before = machine_cpu()
         wrk = run_wrk(server.port, mode, argument, settings)
         busy_after, total_after = machine_cpu()
-        server_cpu = process_cpu(server.pid) - server_cpu
+        user_after, system_after = process_times(server.pid)
+        server_cpu = user_after + system_after - user - system
         store_cpu = services.store_cpu() - store_cpu
         busy = busy_after - busy_before - server_cpu - store_cpu - (_wrk_cpu() - wrk_cpu)
         capacity = total_after - total_before or wrk.duration_s * (os.cpu_count() or 1)
@@ -153,6 +161,7 @@ def measure(
                 wrk=wrk,
                 duplicates=executions - (after.distinct_keys - before.distinct_keys),
                 server_cpu_us=server_cpu / answered * 1e6,
+                server_system_us=(system_after - system) / answered * 1e6,
                 store_cpu_us=store_cpu / answered * 1e6,
                 foreign_cpu_pct=100 * max(0.0, busy) / capacity,
                 collector_us=(after.collector_seconds - before.collector_seconds) / answered * 1e6,

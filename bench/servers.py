@@ -28,13 +28,18 @@ ROOT = Path(__file__).resolve().parent.parent
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of a process (0 once it is gone)."""
+def process_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of a process ((0, 0) once it is gone)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+        return 0.0, 0.0
+    return int(fields[11]) / _TICKS, int(fields[12]) / _TICKS
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process (0 once it is gone)."""
+    return sum(process_times(pid))
 
 
 def _parent(pid: int) -> int:
