@@ -52,9 +52,7 @@ class RunResult:
     wrk: WrkResult
     duplicates: int  # handler executions beyond one per key: must be 0 under any layer
     server_cpu_us: float  # uvicorn's CPU time per answered request
-    server_system_us: (
-        float  # of it, in the kernel (system calls, waking the processes it writes to)
-    )
+    server_system_us: float  # of it, in the kernel: system calls, waking what it writes to
     store_cpu_us: float  # the Redis / PostgreSQL processes' CPU time per answered request
     foreign_cpu_pct: float  # CPU used by processes outside this benchmark, % of the machine
     collector_us: float  # the worker's time in the cyclic garbage collector per answered request
@@ -137,11 +135,8 @@ def measure(
     for mode in modes:
         argument = argument_for(server, run_id, mode)
         before = server.executions()
-        (user, system), store_cpu, wrk_cpu = (
-            process_times(server.pid),
-            services.store_cpu(),
-            _wrk_cpu(),
-        )
+        user, system = process_times(server.pid)
+        store_cpu, wrk_cpu = services.store_cpu(), _wrk_cpu()
         busy_before, total_before = machine_cpu()
         wrk = run_wrk(server.port, mode, argument, settings)
         busy_after, total_after = machine_cpu()
