@@ -11,7 +11,11 @@ A :class:`Run` runs the app as the key's owner: its own method is the app's ``se
 message passed on, a copy of the response kept), as Starlette's ``GZipResponder`` does, and the
 app's ``receive`` hands it the body the middleware already read (:class:`ReplayingReceive`).
 It holds the last body chunk until the app returns, then settles the outcome on the lease and
-sends it (see :meth:`Run.send`). Data flows one way:
+sends it (see :meth:`Run.send`); and the response's start until the first body chunk, so that a
+response of one chunk reaches the server whole once it is stored: its two writes go out back
+to back and wake the client once. Sent before the store's reply, the headers alone woke a
+client that had gone back to sleep by the time the body came, a second wake-up per new key
+(docs/explanation/benchmarks.md#start-held). Data flows one way:
 the run holds the lease and the lock's renewal, neither holds the run, and the lease holds
 nothing of the request's scope, so a request leaves no reference cycle behind.
 
@@ -416,6 +420,7 @@ class Run(_BodyReplay):
         "_renewal",
         "_renewals",
         "_sending",
+        "_start",
         "_started",
         "_timer",
         "chunks",
@@ -446,6 +451,7 @@ class Run(_BodyReplay):
         self.ended = False  # the app sent its last body chunk
         self.kept_body: bytes | None = None  # then, the body kept (None: not whole)
         self.settled = False
+        self._start: Message | None = None  # the response's start, held until its first chunk
         self._final: Message | None = None  # that chunk, held until the outcome is settled
         self._sending: asyncio.Task[None] | None = None  # settling and sending it, apart
 
@@ -472,6 +478,9 @@ class Run(_BodyReplay):
                 self._if_running.cancel()  # which lets go of this run now, not next turn
                 await lease.settle(self.status, self.raw_headers, self.kept_body)
                 self.settled = True
+                if (start := self._start) is not None:  # _send_start, inline
+                    self._start = None
+                    await self._client_send(start)
                 await self._client_send(final)
             else:
                 await self._release_final()
@@ -485,13 +494,18 @@ class Run(_BodyReplay):
 
     async def send(self, message: Message) -> None:
         """Pass ``message`` on to the client, keeping a copy of the response (up to
-        ``max_response_bytes`` of body); the last body chunk goes out once it is settled."""
+        ``max_response_bytes`` of body); the last body chunk goes out once it is settled, and
+        the start with the first chunk."""
         kind = message["type"]
         if self.ended:  # something after the last chunk (trailers): that goes out first
             await self._release_final()
         elif kind == "http.response.start":
             self.status = message["status"]
             self.raw_headers = list(message.get("headers", ()))
+            # Held, so that a response of one chunk reaches the client in two writes one
+            # right after the other, which wake it once (see the module docs).
+            self._start = message
+            return
         elif kind == "http.response.body":
             chunk = message.get("body", b"")
             self.size += len(chunk)
@@ -515,6 +529,7 @@ class Run(_BodyReplay):
                     self._if_still_running, contextvars.copy_context(), context=_NO_CONTEXT
                 )
                 return
+        await self._send_start()
         await self._client_send(message)
 
     def _if_still_running(self, context: contextvars.Context) -> None:
@@ -537,10 +552,18 @@ class Run(_BodyReplay):
 
     async def _settle_and_send(self, final: Message) -> None:
         # What Run.__call__ does itself when the app returned at once: inline there, so that
-        # no frame of ours besides its own waits on the store's reply on the common path.
+        # no frame of ours besides its own waits on the store's reply on the common path (and
+        # a new key's calls stay within their budget: tests/core/test_call_budget.py).
         await self._lease.settle(self.status, self.raw_headers, self.kept_body)
         self.settled = True
+        await self._send_start()
         await self._client_send(final)
+
+    async def _send_start(self) -> None:
+        """Send the response's start if it is still held."""
+        if (start := self._start) is not None:
+            self._start = None
+            await self._client_send(start)
 
     # Waiting in the loop's renewal timer (see _renewal): the run is the timer's entry, so a
     # handler shorter than a third of its lock's TTL makes nothing for its renewal.
@@ -610,6 +633,9 @@ class Run(_BodyReplay):
         await self._release_final()
         if not self.settled:
             await self._settle_unfinished(failure)
+        # A start the app sent without its last chunk still goes out, as the app sent it, so
+        # that its client sees the response begun and cut short, not the server's own 500.
+        await self._send_start()
 
     async def _settle_unfinished(self, failure: BaseException | None) -> None:
         """Settle a request whose response did not run to its end (see the module docs)."""

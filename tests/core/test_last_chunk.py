@@ -1,25 +1,27 @@
 """A response's last chunk goes out once its outcome is stored: after the app has returned
 (its frames gone while the store answers), or, while the app runs on (background tasks),
-apart from it, so that the client never waits for them."""
+apart from it, so that the client never waits for them. Its start goes out with its first
+chunk: a response of one chunk reaches the server whole, once stored."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from starlette_idempotency._record import IdempotencyRecord
-from starlette_idempotency._types import ASGIApp, Receive, Scope, Send
+from starlette_idempotency._types import ASGIApp, Message, Receive, Scope, Send
 from starlette_idempotency.stores.base import FencedWrite
 from tests.support.conditions import eventually_sync
 from tests.support.guarded import make_client
@@ -85,6 +87,89 @@ async def test_an_app_raising_after_its_whole_response_still_sends_and_stores_it
     assert retry.headers["x-idempotent-replay"] == "true"
     assert (retry.status_code, retry.content) == (201, b'{"paid":1}')
     assert store.seen_at_finish == [["returned"]]
+
+
+def server_side(app: ASGIApp, sent: list[str]) -> ASGIApp:
+    """``app``, noting in ``sent`` each message that reaches the server (the ASGI message's
+    type, without its ``http.response.`` prefix)."""
+
+    async def noted(scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_noted(message: Message) -> None:
+            sent.append(message["type"].removeprefix("http.response."))
+            await send(message)
+
+        await app(scope, receive, send_noted)
+
+    return noted
+
+
+async def test_a_response_of_one_chunk_reaches_the_server_whole_once_stored() -> None:
+    """Its start is held with its body: the server gets the two back to back (a client woken
+    by the headers alone would be woken again for the body)."""
+    done: list[str] = []
+    store = WatchedStore(done)
+    guarded = IdempotencyMiddleware(paying_app(done), store=store, key_scope=lambda r: "t")
+    first = await make_client(server_side(guarded, done)).post(
+        "/pay", headers={"Idempotency-Key": uuid.uuid4().hex}
+    )
+    assert (first.status_code, first.content) == (201, b'{"paid":1}')
+    assert store.seen_at_finish == [["returned"]]  # nothing had reached the server
+    assert done == ["returned", "start", "body"]
+
+
+async def test_a_streamed_response_starts_with_its_first_chunk() -> None:
+    """A response of several chunks is not held back: its start and each chunk but the last go
+    out as the app sends them, while it runs."""
+    done: list[str] = []
+    store = WatchedStore(done)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"one,"
+        done.append("app: second chunk")
+        yield b"two"
+
+    @idempotent()
+    async def report(request: Request) -> Response:
+        return StreamingResponse(chunks(), status_code=201)
+
+    app = Starlette(routes=[Route("/report", report, methods=["POST"])])
+    guarded = IdempotencyMiddleware(app, store=store, key_scope=lambda r: "t")
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    first = await make_client(server_side(guarded, done)).post("/report", headers=headers)
+    assert (first.status_code, first.content) == (201, b"one,two")
+    assert done[:3] == ["start", "body", "app: second chunk"]
+    # Stored before the last (empty) chunk that ends a StreamingResponse went out.
+    assert store.seen_at_finish == [["start", "body", "app: second chunk", "body"]]
+    assert done[4:] == ["body"]
+    retry = await make_client(guarded).post("/report", headers=headers)
+    assert (retry.headers["x-idempotent-replay"], retry.content) == ("true", b"one,two")
+
+
+async def test_a_start_without_its_body_still_reaches_the_client() -> None:
+    """An app that starts its response and raises before its body: the start goes out as the
+    app sent it, so the server's error middleware sees a response begun (and cuts it short)
+    rather than answering 500 in its place."""
+
+    async def starts_then_fails(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 202, "headers": []})
+        raise RuntimeError("after the start")
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        return Response()  # never used: the route's app below answers
+
+    route = Route("/pay", pay, methods=["POST"])
+    route.app = starts_then_fails
+    app = Starlette(
+        routes=[route],
+        middleware=[
+            Middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=lambda r: "t")
+        ],
+    )
+    answered = await make_client(app, raise_app_exceptions=False).post(
+        "/pay", headers={"Idempotency-Key": uuid.uuid4().hex}
+    )
+    assert answered.status_code == 202
 
 
 def with_background(task: Callable[[], Awaitable[None]], runs: list[str]) -> ASGIApp:
