@@ -11,11 +11,14 @@ A :class:`Run` runs the app as the key's owner: its own method is the app's ``se
 message passed on, a copy of the response kept), as Starlette's ``GZipResponder`` does, and the
 app's ``receive`` hands it the body the middleware already read (:class:`ReplayingReceive`).
 It holds the last body chunk until the app returns, then settles the outcome on the lease and
-sends it (see :meth:`Run.send`); and the response's start until the first body chunk, so that a
-response of one chunk reaches the server whole once it is stored: its two writes go out back
-to back and wake the client once. Sent before the store's reply, the headers alone woke a
-client that had gone back to sleep by the time the body came, a second wake-up per new key
-(docs/explanation/benchmarks.md#start-held). Data flows one way:
+sends it (see :meth:`Run.send`); and the start of a response of a declared length (a
+``Content-Length``) until its first body chunk, so that a response of one chunk reaches the
+server whole once it is stored: its two writes go out back to back and wake the client once.
+Sent before the store's reply, the headers alone woke a client that had gone back to sleep by
+the time the body came, a second wake-up per new key
+(docs/explanation/benchmarks.md#start-held). A stream's start (no length: server-sent events, a
+long poll) goes out as the app sends it, so its client is not kept from its headers while it
+waits for the first chunk. Data flows one way:
 the run holds the lease and the lock's renewal, neither holds the run, and the lease holds
 nothing of the request's scope, so a request leaves no reference cycle behind.
 
@@ -495,17 +498,20 @@ class Run(_BodyReplay):
     async def send(self, message: Message) -> None:
         """Pass ``message`` on to the client, keeping a copy of the response (up to
         ``max_response_bytes`` of body); the last body chunk goes out once it is settled, and
-        the start with the first chunk."""
+        the start of a response of a declared length with its first chunk."""
         kind = message["type"]
         if self.ended:  # something after the last chunk (trailers): that goes out first
             await self._release_final()
         elif kind == "http.response.start":
             self.status = message["status"]
-            self.raw_headers = list(message.get("headers", ()))
-            # Held, so that a response of one chunk reaches the client in two writes one
-            # right after the other, which wake it once (see the module docs).
-            self._start = message
-            return
+            self.raw_headers = headers = list(message.get("headers", ()))
+            # A response of a declared length is held until its first chunk, so that one of
+            # one chunk reaches the client in two writes back to back, which wake it once
+            # (see the module docs); a stream's headers go out at once, as it sent them.
+            for name, _ in headers:
+                if name == b"content-length":
+                    self._start = message
+                    return
         elif kind == "http.response.body":
             chunk = message.get("body", b"")
             self.size += len(chunk)

@@ -1,7 +1,8 @@
 """A response's last chunk goes out once its outcome is stored: after the app has returned
 (its frames gone while the store answers), or, while the app runs on (background tasks),
-apart from it, so that the client never waits for them. Its start goes out with its first
-chunk: a response of one chunk reaches the server whole, once stored."""
+apart from it, so that the client never waits for them. The start of a response of a
+declared length goes out with its first chunk, so one of one chunk reaches the server whole,
+once stored; a stream's goes out as the app sends it."""
 
 from __future__ import annotations
 
@@ -117,13 +118,14 @@ async def test_a_response_of_one_chunk_reaches_the_server_whole_once_stored() ->
     assert done == ["returned", "start", "body"]
 
 
-async def test_a_streamed_response_starts_with_its_first_chunk() -> None:
-    """A response of several chunks is not held back: its start and each chunk but the last go
-    out as the app sends them, while it runs."""
+async def test_a_streamed_response_is_not_held_back() -> None:
+    """A response of no declared length (a stream) sends its start and each chunk but the last
+    as the app sends them, while it runs."""
     done: list[str] = []
     store = WatchedStore(done)
 
     async def chunks() -> AsyncIterator[bytes]:
+        done.append("app: first chunk")
         yield b"one,"
         done.append("app: second chunk")
         yield b"two"
@@ -137,12 +139,38 @@ async def test_a_streamed_response_starts_with_its_first_chunk() -> None:
     headers = {"Idempotency-Key": uuid.uuid4().hex}
     first = await make_client(server_side(guarded, done)).post("/report", headers=headers)
     assert (first.status_code, first.content) == (201, b"one,two")
-    assert done[:3] == ["start", "body", "app: second chunk"]
+    sent_while_running = ["start", "app: first chunk", "body", "app: second chunk", "body"]
     # Stored before the last (empty) chunk that ends a StreamingResponse went out.
-    assert store.seen_at_finish == [["start", "body", "app: second chunk", "body"]]
-    assert done[4:] == ["body"]
+    assert store.seen_at_finish == [sent_while_running]
+    assert done == [*sent_while_running, "body"]
     retry = await make_client(guarded).post("/report", headers=headers)
     assert (retry.headers["x-idempotent-replay"], retry.content) == ("true", b"one,two")
+
+
+def test_a_stream_waiting_for_its_first_chunk_has_sent_its_headers() -> None:
+    """Through uvicorn: a client gets a stream's headers while the app has yet to send any of
+    its body (server-sent events, a long poll), and the rest once it does."""
+    go_on = threading.Event()
+
+    async def later() -> AsyncIterator[bytes]:
+        await asyncio.to_thread(go_on.wait, 10)
+        yield b"event"
+
+    @idempotent()
+    async def events(request: Request) -> Response:
+        return StreamingResponse(later(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/events", events, methods=["POST"])])
+    guarded = IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: "t")
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    with uvicorn_thread(guarded) as url, httpx.Client(base_url=url, timeout=5) as client:
+        try:
+            with client.stream("POST", "/events", headers=headers) as response:
+                assert response.headers["content-type"].startswith("text/event-stream")
+                go_on.set()
+                assert response.read() == b"event"
+        finally:
+            go_on.set()
 
 
 async def test_a_start_without_its_body_still_reaches_the_client() -> None:
