@@ -11,18 +11,23 @@ from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from starlette_idempotency._record import (
     IdempotencyRecord,
     RecordStatus,
     StoredResponse,
+    _format_time,
     record_to_dict,
 )
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
+from starlette_idempotency.stores._postgres_sql import row_time
 from starlette_idempotency.stores.base import AcquireResult, FencedWrite, IdempotencyStore
 from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.testing._postgres_server import PostgresServer
 from starlette_idempotency.testing._processes import free_port
+from tests.support import records
 from tests.support.conditions import eventually
 from tests.support.postgres import (
     LOCK_TTL,
@@ -243,6 +248,29 @@ async def test_response_round_trips_byte_for_byte(postgres_store: PostgresStore)
     assert stored.request_fingerprint == record.request_fingerprint
     assert stored.fingerprint_version == record.fingerprint_version
     assert stored.created_at == pytest.approx(record.created_at, abs=1e-5)
+
+
+#: A time whose microseconds ``datetime.fromtimestamp`` rounds down at a millisecond's edge
+#: (…30.355999) where the record's wire form rounds them up (…30.356).
+AT_A_MILLISECONDS_EDGE = 1796536950.3559995
+
+
+async def test_times_read_back_as_the_record_wrote_them(postgres_store: PostgresStore) -> None:
+    record = records.pending("edge", "owner-1", lock_ttl=LOCK_TTL, now=AT_A_MILLISECONDS_EDGE)
+    finished = record.finished(
+        RecordStatus.COMPLETED, StoredResponse(201, (), b"{}", None), record.expires_at
+    )
+    await postgres_store.try_acquire("edge", record, LOCK_TTL)
+    assert await postgres_store.finish("edge", finished, TTL)
+    stored = await postgres_store.get("edge")
+    assert stored is not None
+    assert record_to_dict(stored) == record_to_dict(finished)
+
+
+@given(st.floats(min_value=0, max_value=4e9))
+@example(AT_A_MILLISECONDS_EDGE)
+def test_a_rows_time_formats_as_the_record_time_it_holds(epoch: float) -> None:
+    assert _format_time(row_time(epoch).timestamp()) == _format_time(epoch)
 
 
 async def test_release(postgres_store: PostgresStore) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import cache
 from importlib import resources
 from typing import Any, NamedTuple
@@ -136,6 +136,17 @@ def record_from_row(row: Mapping[str, Any]) -> IdempotencyRecord:
     )
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def row_time(epoch: float) -> datetime:
+    """A record's time as its row's ``timestamptz``: rounded to the microsecond as the record's
+    wire form rounds it (``round(epoch * 1e6)``), so that the record read back formats as it
+    was written. ``datetime.fromtimestamp`` rounds the fraction alone, which at a
+    millisecond's edge can land a microsecond lower, a millisecond earlier once formatted."""
+    return _EPOCH + timedelta(microseconds=round(epoch * 1_000_000))
+
+
 def row_params(storage_key: str, record: IdempotencyRecord, ttl: float) -> tuple[Any, ...]:
     """The "row parameters" ($1 to $14) of ``queries.sql``."""
     response = record.response
@@ -150,8 +161,8 @@ def row_params(storage_key: str, record: IdempotencyRecord, ttl: float) -> tuple
         orjson.dumps([list(pair) for pair in response.headers]).decode() if response else None,
         response.body if response else None,
         response.content_type if response else None,
-        datetime.fromtimestamp(record.created_at, UTC),
-        datetime.fromtimestamp(record.expires_at, UTC),
+        row_time(record.created_at),
+        row_time(record.expires_at),
         float(ttl),
         checkpoints_json(record),
     )
@@ -192,7 +203,7 @@ class TableQueries:
                 record.owner_token,
                 checkpoints_json(record),
                 float(lease),
-                datetime.fromtimestamp(record.expires_at, UTC),
+                row_time(record.expires_at),
                 float(ttl),
             ),
         )
