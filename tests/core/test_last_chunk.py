@@ -174,12 +174,13 @@ def test_a_stream_waiting_for_its_first_chunk_has_sent_its_headers() -> None:
 
 
 async def test_a_start_without_its_body_still_reaches_the_client() -> None:
-    """An app that starts its response and raises before its body: the start goes out as the
-    app sent it, so the server's error middleware sees a response begun (and cuts it short)
-    rather than answering 500 in its place."""
+    """An app that starts a response of a declared length (held) and raises before its body:
+    the start goes out as the app sent it, so the server's error middleware sees a response
+    begun (and cuts it short) rather than answering 500 in its place."""
 
     async def starts_then_fails(scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 202, "headers": []})
+        headers = [(b"content-length", b"10")]
+        await send({"type": "http.response.start", "status": 202, "headers": headers})
         raise RuntimeError("after the start")
 
     @idempotent()
