@@ -12,15 +12,15 @@ message passed on, a copy of the response kept), as Starlette's ``GZipResponder`
 app's ``receive`` hands it the body the middleware already read (:class:`ReplayingReceive`).
 It holds the last body chunk until the app returns, then settles the outcome on the lease and
 sends it (see :meth:`Run.send`); and the start of a response of a declared length (a
-``Content-Length``) until its first body chunk, so that a response of one chunk reaches the
-server whole once it is stored: its two writes go out back to back and wake the client once.
-Sent before the store's reply, the headers alone woke a client that had gone back to sleep by
-the time the body came, a second wake-up per new key
+``Content-Length``, or a 204 or 304, which has no body) until its first body chunk, so that a
+response of one chunk reaches the server whole once it is stored: its two writes go out back to
+back and wake the client once. Sent before the store's reply, the headers alone woke a client
+that had gone back to sleep by the time the body came, a second wake-up per new key
 (docs/explanation/benchmarks.md#start-held). A stream's start (no length: server-sent events, a
 long poll) goes out as the app sends it, so its client is not kept from its headers while it
-waits for the first chunk. Data flows one way:
-the run holds the lease and the lock's renewal, neither holds the run, and the lease holds
-nothing of the request's scope, so a request leaves no reference cycle behind.
+waits for the first chunk. Data flows one way: the run holds the lease and the lock's renewal,
+neither holds the run, and the lease holds nothing of the request's scope, so a request leaves
+no reference cycle behind.
 
 Once the app has started its response the outcome is decided, however the response ends: a
 client that hangs up mid-stream, a ``send`` that raises, an app that stops its body on
@@ -503,11 +503,14 @@ class Run(_BodyReplay):
         if self.ended:  # something after the last chunk (trailers): that goes out first
             await self._release_final()
         elif kind == "http.response.start":
-            self.status = message["status"]
+            self.status = status = message["status"]
             self.raw_headers = headers = list(message.get("headers", ()))
-            # A response of a declared length is held until its first chunk, so that one of
-            # one chunk reaches the client in two writes back to back, which wake it once
-            # (see the module docs); a stream's headers go out at once, as it sent them.
+            # A response of a declared length (or of none: 204, 304) is held until its first
+            # chunk, so that one of one chunk reaches the client in two writes back to back,
+            # which wake it once (see the module docs); a stream's headers go out at once.
+            if status == 204 or status == 304:
+                self._start = message
+                return
             for name, _ in headers:
                 if name == b"content-length":
                     self._start = message

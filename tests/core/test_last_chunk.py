@@ -118,6 +118,25 @@ async def test_a_response_of_one_chunk_reaches_the_server_whole_once_stored() ->
     assert done == ["returned", "start", "body"]
 
 
+async def test_a_response_without_a_body_reaches_the_server_whole_once_stored() -> None:
+    """A 204 (a PATCH's usual answer) declares no length, and has no body to wait for."""
+    done: list[str] = []
+    store = WatchedStore(done)
+
+    @idempotent()
+    async def update(request: Request) -> Response:
+        return Response(status_code=204)
+
+    app = Starlette(routes=[Route("/update", update, methods=["PATCH"])])
+    guarded = IdempotencyMiddleware(app, store=store, key_scope=lambda r: "t")
+    answered = await make_client(server_side(guarded, done)).patch(
+        "/update", headers={"Idempotency-Key": uuid.uuid4().hex}
+    )
+    assert answered.status_code == 204
+    assert store.seen_at_finish == [[]]  # nothing had reached the server
+    assert done == ["start", "body"]
+
+
 async def test_a_streamed_response_is_not_held_back() -> None:
     """A response of no declared length (a stream) sends its start and each chunk but the last
     as the app sends them, while it runs."""
