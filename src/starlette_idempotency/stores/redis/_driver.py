@@ -9,6 +9,7 @@ on the hot path.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.resources
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -32,6 +33,19 @@ def lua_source(name: str) -> str:
     if name in _NEEDS_RECORD_PRELUDE:
         source = lua.joinpath("_record.lua").read_text(encoding="utf-8") + source
     return source
+
+
+class SetBatch(Protocol):
+    """Where the ``SET`` commands made in one turn of the event loop after its first wait for
+    the turn's end, to go out together (see :class:`RedisStore`'s ``_set_nx_get``)."""
+
+    #: The loop whose turn made a ``SET`` that went out at once, until that turn ends (the loop
+    #: clears it).
+    turn: list[asyncio.AbstractEventLoop]
+
+    def add(self, args: tuple[Arg, ...], loop: asyncio.AbstractEventLoop) -> Awaitable[Any]:
+        """``SET *args`` (with ``GET``'s reply as it came), sent once the turn has ended."""
+        ...
 
 
 class Subscription(Protocol):
@@ -61,6 +75,13 @@ class RedisDriver(Protocol):
     #: reconnect or a script reload; 0 on redis-py, which closes the connection (a command
     #: Redis already received still runs, but no later than such an answer).
     late_command_window: float
+
+    @property
+    def set_batch(self) -> SetBatch | None:
+        """Sends together the ``SET`` commands made in one turn after its first; ``None``
+        where the client library does that itself (glide's one multiplexed connection) or
+        cannot (a cluster, whose pipelines split by node)."""
+        ...
 
     @property
     def set_command(self) -> Callable[..., Awaitable[Any]]:

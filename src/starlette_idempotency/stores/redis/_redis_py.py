@@ -10,6 +10,7 @@ still runs when it wakes (the store undoes an abandoned acquire).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeGuard
@@ -81,6 +82,70 @@ def connect(url: str, **client_options: Any) -> RedisClient:
     return client
 
 
+class PipelinedSets:
+    """The ``SET`` commands made in one turn of the event loop after its first, sent in one
+    pipeline once the turn has ended: one write, and one wake-up of Redis, for them all.
+
+    Sent one by one, each found Redis asleep, having answered the one before, and woke it; a
+    wake-up costs the worker's ``write()`` an interrupt to another core and Redis a turn of
+    its loop, more than the command itself (docs/explanation/benchmarks.md#pipelined-sets).
+    The store sends a turn's first ``SET`` at once, so a request alone keeps its latency.
+
+    A caller cancelled before its batch goes out is left out of it, and its command never
+    reaches Redis; one cancelled after is undone by the store, as a command sent alone. A batch
+    that fails (a connection lost) fails each of its callers with the error.
+    """
+
+    __slots__ = ("_batch", "_client", "_loop", "_sending", "turn")
+
+    def __init__(self, client: RedisClient) -> None:
+        self._client = client
+        self.turn: list[asyncio.AbstractEventLoop] = []
+        #: The commands waiting for the turn's end, and the loop they were made in.
+        self._batch: list[tuple[tuple[Arg, ...], asyncio.Future[Any]]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sending: set[asyncio.Task[None]] = set()
+
+    def add(self, args: tuple[Arg, ...], loop: asyncio.AbstractEventLoop) -> Awaitable[Any]:
+        reply: asyncio.Future[Any] = loop.create_future()
+        if not self._batch or self._loop is not loop:
+            self._batch, self._loop = [], loop
+            # Its first step runs once this turn's callers have all made their calls.
+            task = loop.create_task(self._send(self._batch))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+        self._batch.append((args, reply))
+        return reply
+
+    async def _send(self, batch: list[tuple[tuple[Arg, ...], asyncio.Future[Any]]]) -> None:
+        if self._batch is batch:
+            self._batch = []
+        waiting = [(args, reply) for args, reply in batch if not reply.done()]
+        if not waiting:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for args, _ in waiting:
+            pipe.execute_command("SET", *args, get=True)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            for _, reply in waiting:
+                if not reply.done():
+                    reply.set_exception(exc)
+            return
+        except BaseException:  # the loop shutting down: nobody will answer them
+            for _, reply in waiting:
+                reply.cancel()
+            raise
+        for (_, reply), answer in zip(waiting, replies, strict=True):
+            if reply.done():
+                continue
+            if isinstance(answer, Exception):
+                reply.set_exception(answer)
+            else:
+                reply.set_result(answer)
+
+
 class RedisPySubscription:
     """A redis-py ``PubSub`` connection."""
 
@@ -124,6 +189,10 @@ class RedisPyDriver:
         # callback hand back the reply as it came rather than a bool.
         self.set_command: Callable[..., Awaitable[Any]] = functools.partial(
             client.execute_command, "SET", get=True
+        )
+        #: None on a cluster: its pipelines split commands by node, and retry them apart.
+        self.set_batch: PipelinedSets | None = (
+            None if isinstance(client, aioredis.RedisCluster) else PipelinedSets(client)
         )
         # redis-py's AsyncScript sends EVALSHA and reloads the script on NoScriptError.
         self.scripts: dict[str, RedisScript] = {

@@ -458,7 +458,18 @@ class RedisStore(StoreBase):
         return self._acquire_set_then_get
 
     def _set_nx_get(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
-        return self._driver.set_command(skey, value, "PX", str(px), "NX", "GET")
+        args = (skey, value, "PX", str(px), "NX", "GET")
+        batch = self._driver.set_batch
+        if batch is not None:
+            # A turn's first SET goes out at once; those after it in the same turn go out
+            # together at its end (see PipelinedSets). The loop clears the mark, no call of ours.
+            loop = asyncio.get_running_loop()
+            turn = batch.turn
+            if turn and turn[0] is loop:
+                return batch.add(args, loop)
+            turn[:] = (loop,)
+            loop.call_soon(turn.clear)
+        return self._driver.set_command(*args)
 
     def _acquire_by_script(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
         return self._driver.scripts["acquire"]([skey], [value, str(px)])
