@@ -58,8 +58,7 @@ async def counted(redis_url: str, redis_key_prefix: str) -> AsyncIterator[tuple[
 
 async def test_a_lone_acquire_goes_out_at_once(counted: tuple[RedisStore, Any]) -> None:
     store, pipelines = counted
-    for n in range(3):
-        await asyncio.sleep(0)  # a turn of its own each
+    for n in range(3):  # each awaited before the next is made: a turn (and more) apart
         assert (await store.try_acquire(f"alone-{n}", pending(f"alone-{n}"), LOCK_TTL)).acquired
     assert pipelines.sent == []
 
@@ -116,10 +115,11 @@ async def test_a_batch_that_fails_fails_each_of_its_acquires() -> None:
     the store's error."""
     store = RedisStore.from_url("redis://127.0.0.1:1/0", key_prefix="nowhere")
     try:
-        results = await asyncio.gather(
-            *(store.try_acquire(f"k{n}", pending(f"k{n}"), LOCK_TTL) for n in range(3)),
-            return_exceptions=True,
-        )
+        async with asyncio.timeout(10):  # a batch whose callers are never answered fails here
+            results = await asyncio.gather(
+                *(store.try_acquire(f"k{n}", pending(f"k{n}"), LOCK_TTL) for n in range(3)),
+                return_exceptions=True,
+            )
     finally:
         await store.aclose()
     assert [type(result) for result in results] == [StoreError] * 3
