@@ -35,16 +35,24 @@ def lua_source(name: str) -> str:
     return source
 
 
-class SetBatch(Protocol):
-    """Where the ``SET`` commands made in one turn of the event loop after its first wait for
-    the turn's end, to go out together (see :class:`RedisStore`'s ``_set_nx_get``)."""
+class CommandBatch(Protocol):
+    """Where the commands made in one turn of the event loop after its first wait for the
+    turn's end, to go out together: the acquires' ``SET`` and the finishes' script (see
+    :class:`RedisStore`'s ``_set_nx_get`` and ``finish``)."""
 
-    #: The loop whose turn made a ``SET`` that went out at once, until that turn ends (the loop
-    #: clears it).
+    #: The loop whose turn made a command that went out at once, until that turn ends (the
+    #: loop clears it).
     turn: list[asyncio.AbstractEventLoop]
 
-    def add(self, args: tuple[Arg, ...], loop: asyncio.AbstractEventLoop) -> Awaitable[Any]:
+    def set(self, args: tuple[Arg, ...], loop: asyncio.AbstractEventLoop) -> Awaitable[Any]:
         """``SET *args`` (with ``GET``'s reply as it came), sent once the turn has ended."""
+        ...
+
+    def script(
+        self, name: str, key: str, args: list[Arg], loop: asyncio.AbstractEventLoop
+    ) -> Awaitable[Any]:
+        """The script of :data:`SCRIPTS` called ``name`` on ``key`` with ``args``, sent once
+        the turn has ended (and again after loading it, should the server have lost it)."""
         ...
 
 
@@ -77,10 +85,10 @@ class RedisDriver(Protocol):
     late_command_window: float
 
     @property
-    def set_batch(self) -> SetBatch | None:
-        """Sends together the ``SET`` commands made in one turn after its first; ``None``
-        where the client library does that itself (glide's one multiplexed connection) or
-        cannot (a cluster, whose pipelines split by node)."""
+    def batch(self) -> CommandBatch | None:
+        """Sends together the commands made in one turn after its first; ``None`` where the
+        client library does that itself (glide's one multiplexed connection) or cannot (a
+        cluster, whose pipelines split by node)."""
         ...
 
     @property

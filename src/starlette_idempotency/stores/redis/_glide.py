@@ -142,7 +142,7 @@ class GlideDriver:
     errors: tuple[type[BaseException], ...] = (GlideError, OSError)
     timeouts: tuple[type[BaseException], ...] = (GlideTimeoutError, TimeoutError)
     #: glide pipelines the commands of all its callers on its one connection itself.
-    set_batch = None
+    batch = None
 
     def __init__(self, client: TGlideClient | ClientConfiguration) -> None:
         self._client: TGlideClient | None

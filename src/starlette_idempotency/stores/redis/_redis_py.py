@@ -82,31 +82,57 @@ def connect(url: str, **client_options: Any) -> RedisClient:
     return client
 
 
-class PipelinedSets:
-    """The ``SET`` commands made in one turn of the event loop after its first, sent in one
-    pipeline once the turn has ended: one write, and one wake-up of Redis, for them all.
+#: A command waiting for its turn's end: its words, the options redis-py's reply callbacks
+#: read, and the future its caller awaits.
+_Queued = tuple[tuple[Arg | int, ...], dict[str, Any], "asyncio.Future[Any]"]
+#: ``SET`` with ``GET``: the reply as it came, rather than a bool.
+_SET_OPTIONS: dict[str, Any] = {"get": True}
+_NO_OPTIONS: dict[str, Any] = {}
+
+
+class PipelinedCommands:
+    """The commands made in one turn of the event loop after its first (acquires' ``SET``,
+    finishes' script), sent in one pipeline once the turn has ended: one write, and one
+    wake-up of Redis, for them all.
 
     Sent one by one, each found Redis asleep, having answered the one before, and woke it; a
     wake-up costs the worker's ``write()`` an interrupt to another core and Redis a turn of
     its loop, more than the command itself (docs/explanation/benchmarks.md#pipelined-sets).
-    The store sends a turn's first ``SET`` at once, so a request alone keeps its latency.
+    The store sends a turn's first command at once, so a request alone keeps its latency.
 
     A caller cancelled before its batch goes out is left out of it, and its command never
     reaches Redis; one cancelled after is undone by the store, as a command sent alone. A batch
-    that fails (a connection lost) fails each of its callers with the error.
+    that fails (a connection lost) fails each of its callers with the error. A script the
+    server answers ``NOSCRIPT`` (restarted, or ``SCRIPT FLUSH``) did not run: it is loaded and
+    its calls sent again, as redis-py's own script call does.
     """
 
-    __slots__ = ("_batch", "_client", "_loop", "_sending", "turn")
+    __slots__ = ("_batch", "_client", "_loop", "_scripts", "_sending", "_sources", "turn")
 
-    def __init__(self, client: RedisClient) -> None:
+    def __init__(self, client: RedisClient, scripts: dict[str, RedisScript]) -> None:
         self._client = client
+        self._scripts = scripts
+        self._sources = {script.sha: lua_source(name) for name, script in scripts.items()}
         self.turn: list[asyncio.AbstractEventLoop] = []
         #: The commands waiting for the turn's end, and the loop they were made in.
-        self._batch: list[tuple[tuple[Arg, ...], asyncio.Future[Any]]] = []
+        self._batch: list[_Queued] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sending: set[asyncio.Task[None]] = set()
 
-    def add(self, args: tuple[Arg, ...], loop: asyncio.AbstractEventLoop) -> Awaitable[Any]:
+    def set(self, args: tuple[Arg, ...], loop: asyncio.AbstractEventLoop) -> Awaitable[Any]:
+        return self._add(("SET", *args), _SET_OPTIONS, loop)
+
+    def script(
+        self, name: str, key: str, args: list[Arg], loop: asyncio.AbstractEventLoop
+    ) -> Awaitable[Any]:
+        return self._add(("EVALSHA", self._scripts[name].sha, 1, key, *args), _NO_OPTIONS, loop)
+
+    def _add(
+        self,
+        command: tuple[Arg | int, ...],
+        options: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
+    ) -> Awaitable[Any]:
         reply: asyncio.Future[Any] = loop.create_future()
         if not self._batch or self._loop is not loop:
             self._batch, self._loop = [], loop
@@ -114,36 +140,50 @@ class PipelinedSets:
             task = loop.create_task(self._send(self._batch))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
-        self._batch.append((args, reply))
+        self._batch.append((command, options, reply))
         return reply
 
-    async def _send(self, batch: list[tuple[tuple[Arg, ...], asyncio.Future[Any]]]) -> None:
+    async def _send(self, batch: list[_Queued]) -> None:
         if self._batch is batch:
             self._batch = []
-        waiting = [(args, reply) for args, reply in batch if not reply.done()]
-        if not waiting:
-            return
-        pipe = self._client.pipeline(transaction=False)
-        for args, _ in waiting:
-            pipe.execute_command("SET", *args, get=True)
         try:
-            replies = await pipe.execute(raise_on_error=False)
+            unknown = await self._execute(batch)
+            if unknown:
+                for sha in {command[1] for command, _, _ in unknown}:
+                    await self._client.script_load(self._sources[str(sha)])
+                for _, _, reply in await self._execute(unknown):
+                    reply.set_exception(redis_errors.NoScriptError("script lost again on load"))
         except Exception as exc:
-            for _, reply in waiting:
+            for _, _, reply in batch:
                 if not reply.done():
                     reply.set_exception(exc)
-            return
-        except BaseException:  # the loop shutting down: nobody will answer them
-            for _, reply in waiting:
-                reply.cancel()
-            raise
-        for (_, reply), answer in zip(waiting, replies, strict=True):
+        finally:
+            for _, _, reply in batch:  # the loop shutting down: nobody will answer them
+                if not reply.done():
+                    reply.cancel()
+
+    async def _execute(self, commands: list[_Queued]) -> list[_Queued]:
+        """Send ``commands`` (those whose callers still wait) in one pipeline and answer their
+        callers; the scripts the server did not know come back unanswered."""
+        commands = [queued for queued in commands if not queued[2].done()]
+        if not commands:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for command, options, _ in commands:
+            pipe.execute_command(*command, **options)
+        replies = await pipe.execute(raise_on_error=False)
+        unknown = []
+        for queued, answer in zip(commands, replies, strict=True):
+            reply = queued[2]
             if reply.done():
                 continue
-            if isinstance(answer, Exception):
+            if isinstance(answer, redis_errors.NoScriptError):
+                unknown.append(queued)
+            elif isinstance(answer, Exception):
                 reply.set_exception(answer)
             else:
                 reply.set_result(answer)
+        return unknown
 
 
 class RedisPySubscription:
@@ -190,14 +230,16 @@ class RedisPyDriver:
         self.set_command: Callable[..., Awaitable[Any]] = functools.partial(
             client.execute_command, "SET", get=True
         )
-        #: None on a cluster: its pipelines split commands by node, and retry them apart.
-        self.set_batch: PipelinedSets | None = (
-            None if isinstance(client, aioredis.RedisCluster) else PipelinedSets(client)
-        )
         # redis-py's AsyncScript sends EVALSHA and reloads the script on NoScriptError.
         self.scripts: dict[str, RedisScript] = {
             name: client.register_script(lua_source(name)) for name in SCRIPTS
         }
+        #: None on a cluster: its pipelines split commands by node, and retry them apart.
+        self.batch: PipelinedCommands | None = (
+            None
+            if isinstance(client, aioredis.RedisCluster)
+            else PipelinedCommands(client, self.scripts)
+        )
 
     def get(self, key: str) -> Awaitable[bytes | str | None]:
         return self._client.get(key)  # type: ignore[no-any-return]

@@ -459,14 +459,15 @@ class RedisStore(StoreBase):
 
     def _set_nx_get(self, skey: str, value: bytes, px: int) -> Awaitable[Any]:
         args = (skey, value, "PX", str(px), "NX", "GET")
-        batch = self._driver.set_batch
+        batch = self._driver.batch
         if batch is not None:
-            # A turn's first SET goes out at once; those after it in the same turn go out
-            # together at its end (see PipelinedSets). The loop clears the mark, no call of ours.
+            # A turn's first command goes out at once; those after it in the same turn go out
+            # together at its end (see PipelinedCommands). The loop clears the mark, no call
+            # of ours: a function shared with finish() would be one more per store call.
             loop = asyncio.get_running_loop()
             turn = batch.turn
             if turn and turn[0] is loop:
-                return batch.add(args, loop)
+                return batch.set(args, loop)
             turn[:] = (loop,)
             loop.call_soon(turn.clear)
         return self._driver.set_command(*args)
@@ -562,14 +563,22 @@ class RedisStore(StoreBase):
         With ``wait_replicas``, ``WAIT`` is pipelined behind it, as behind the acquire: the
         response is not sent whole before the replicas have the record (or the wait timed out,
         which is logged)."""
-        if asyncio.get_running_loop() is not self._loop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
             await self._enter_loop()
         skey = self._prefix + key
         px = _ms(ttl)
         args: list[Arg] = [dump_record(record), record.owner_token, str(px), skey]
+        batch = self._driver.batch
         try:
             if self._waiting is None:
-                written = await self._driver.scripts["finish"]([skey], args)
+                if batch is not None and batch.turn and batch.turn[0] is loop:  # as _set_nx_get
+                    written = await batch.script("finish", skey, args, loop)
+                else:
+                    if batch is not None:
+                        batch.turn[:] = (loop,)
+                        loop.call_soon(batch.turn.clear)
+                    written = await self._driver.scripts["finish"]([skey], args)
             else:
                 written, acknowledged = await self._waiting.run_script_and_wait(
                     "finish",

@@ -1,0 +1,257 @@
+"""The commands made in one turn of the event loop after its first (acquires' ``SET``,
+finishes' script) go to Redis in one pipeline (``PipelinedCommands``), each caller getting its
+own reply; a lone command goes out at once; one cancelled before its batch goes out never
+reaches Redis; a script the server lost is loaded and sent again."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from starlette_idempotency.errors import StoreError
+from starlette_idempotency.stores import FencedWrite, RecordStatus
+from starlette_idempotency.stores.redis import RedisStore
+from starlette_idempotency.stores.redis._redis_py import RedisPyDriver
+from tests.support.records import finished, pending
+
+pytestmark = pytest.mark.redis
+
+LOCK_TTL = 30.0
+ROUNDS = 40
+
+
+class CountedPipelines:
+    """A real client whose pipelines are recorded: the command names each sent."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self.sent: list[list[str]] = []
+        real = client.pipeline
+
+        def pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = real(*args, **kwargs)
+            execute = pipe.execute
+
+            async def recorded(*args: Any, **kwargs: Any) -> Any:
+                self.sent.append([str(words[0]) for words, _ in pipe.command_stack])
+                return await execute(*args, **kwargs)
+
+            pipe.execute = recorded  # type: ignore[method-assign]
+            return pipe
+
+        client.pipeline = pipeline  # type: ignore[method-assign]
+
+    def sizes(self, since: int = 0) -> list[int]:
+        return [len(commands) for commands in self.sent[since:]]
+
+
+@pytest.fixture
+async def counted(redis_url: str, redis_key_prefix: str) -> AsyncIterator[tuple[RedisStore, Any]]:
+    client = aioredis.from_url(redis_url)
+    pipelines = CountedPipelines(client)
+    store = RedisStore(client, key_prefix=redis_key_prefix)
+    await store.get("warm-up")
+    try:
+        yield store, pipelines
+    finally:
+        await client.aclose()
+
+
+async def test_a_lone_acquire_and_finish_go_out_at_once(counted: tuple[RedisStore, Any]) -> None:
+    store, pipelines = counted
+    for n in range(3):  # each awaited before the next is made: a turn (and more) apart
+        record = pending(f"alone-{n}")
+        assert (await store.try_acquire(f"alone-{n}", record, LOCK_TTL)).acquired
+        assert await store.finish(f"alone-{n}", finished(record), 60) is FencedWrite.WRITTEN
+    assert pipelines.sent == []
+
+
+async def test_the_acquires_of_one_turn_go_in_one_pipeline_with_their_own_replies(
+    counted: tuple[RedisStore, Any],
+) -> None:
+    """Over many rounds of random keys, some free, some held by an earlier round: the first
+    acquire of a turn goes out alone and the rest in one pipeline, and each caller's answer is
+    about its own key."""
+    store, pipelines = counted
+    rng = random.Random(33)
+    owners: dict[str, str] = {}
+    for round_number in range(ROUNDS):
+        keys = [f"k-{rng.randrange(60)}" for _ in range(rng.randrange(2, 12))]
+        tokens = [f"r{round_number}-{n}" for n in range(len(keys))]
+        before = len(pipelines.sent)
+        results = await asyncio.gather(
+            *(
+                store.try_acquire(key, pending(key, token), LOCK_TTL)
+                for key, token in zip(keys, tokens, strict=True)
+            )
+        )
+        assert pipelines.sizes(before) == [len(keys) - 1]
+        for key, token, result in zip(keys, tokens, results, strict=True):
+            if result.acquired:
+                assert key not in owners, (key, owners[key])
+                owners[key] = token
+            else:
+                assert result.record is not None
+                assert (result.record.key, result.record.owner_token) == (key, owners[key])
+        assert set(owners) >= set(keys)
+
+
+async def test_the_finishes_of_one_turn_go_in_one_pipeline_each_fenced_by_its_own_token(
+    counted: tuple[RedisStore, Any],
+) -> None:
+    """Over many rounds, each finish of a turn writes, is refused (another owner holds the
+    key) or finds its key gone, as it would alone; only the turn's first goes out alone."""
+    store, pipelines = counted
+    rng = random.Random(34)
+    for round_number in range(ROUNDS):
+        keys = [f"f{round_number}-{n}" for n in range(rng.randrange(2, 10))]
+        owned = [pending(key, f"owner-{key}") for key in keys]
+        for key, record in zip(keys, owned, strict=True):
+            assert (await store.try_acquire(key, record, LOCK_TTL)).acquired
+        expected = [rng.choice(list(FencedWrite)) for _ in keys]
+        finishing = []
+        for key, record, outcome in zip(keys, owned, expected, strict=True):
+            if outcome is FencedWrite.RECLAIMED:
+                await pipelines.client.delete(store.storage_key(key))
+            token = record.owner_token if outcome is not FencedWrite.LOST else "someone-else"
+            finishing.append(finished(pending(key, token)))
+        before = len(pipelines.sent)
+        results = await asyncio.gather(
+            *(store.finish(key, record, 60) for key, record in zip(keys, finishing, strict=True))
+        )
+        assert pipelines.sizes(before) == [len(keys) - 1]
+        assert results == expected
+        for key, record, outcome in zip(keys, owned, expected, strict=True):
+            stored = await store.get(key)
+            assert stored is not None
+            if outcome is FencedWrite.LOST:  # still the lock of its owner
+                assert (stored.status, stored.owner_token) == (
+                    RecordStatus.IN_PROGRESS,
+                    record.owner_token,
+                )
+            else:
+                assert stored.status is RecordStatus.COMPLETED
+
+
+async def test_acquires_and_finishes_of_one_turn_share_its_pipeline(
+    counted: tuple[RedisStore, Any],
+) -> None:
+    store, pipelines = counted
+    held = pending("held")
+    assert (await store.try_acquire("held", held, LOCK_TTL)).acquired
+    acquired, written, other = await asyncio.gather(
+        store.try_acquire("first", pending("first"), LOCK_TTL),
+        store.finish("held", finished(held), 60),
+        store.try_acquire("held", pending("held", "a-retry"), LOCK_TTL),
+    )
+    assert pipelines.sent == [["EVALSHA", "SET"]]  # the first acquire went out alone
+    assert acquired.acquired
+    assert written is FencedWrite.WRITTEN
+    # Commands of a pipeline run in order: the retry finds the finished record.
+    assert not other.acquired
+    assert other.record is not None
+    assert other.record.status is RecordStatus.COMPLETED
+
+
+async def test_finishes_after_the_server_lost_its_scripts_write(
+    counted: tuple[RedisStore, Any],
+) -> None:
+    """The turn's first finish reloads the script itself (redis-py's script call); the batch
+    behind it writes too, whichever of them reaches Redis first."""
+    store, pipelines = counted
+    records = [pending(f"lost-{n}") for n in range(3)]
+    for record in records:
+        assert (await store.try_acquire(record.key, record, LOCK_TTL)).acquired
+    await pipelines.client.script_flush()
+    results = await asyncio.gather(
+        *(store.finish(record.key, finished(record), 60) for record in records)
+    )
+    assert results == [FencedWrite.WRITTEN] * 3
+    for record in records:
+        stored = await store.get(record.key)
+        assert stored is not None
+        assert stored.status is RecordStatus.COMPLETED
+
+
+async def test_a_batch_answered_noscript_loads_the_script_and_sends_those_calls_again(
+    counted: tuple[RedisStore, Any],
+) -> None:
+    """Through the driver's batch alone, so that the server surely answers NOSCRIPT: the
+    calls a script the server lost went out in are sent again once it is loaded, and each
+    caller gets its own reply."""
+    store, pipelines = counted
+    for key in ("mine", "theirs"):
+        assert (await store.try_acquire(key, pending(key, f"owner-{key}"), LOCK_TTL)).acquired
+    await pipelines.client.script_flush()
+    batch = RedisPyDriver(pipelines.client).batch
+    assert batch is not None
+    loop = asyncio.get_running_loop()
+    mine, theirs = (store.storage_key(key) for key in ("mine", "theirs"))
+    released = await asyncio.gather(
+        batch.script("release", mine, ["owner-mine", mine], loop),
+        batch.set((store.storage_key("other"), b"{}", "PX", "1000", "NX", "GET"), loop),
+        batch.script("release", theirs, ["not-the-owner", theirs], loop),
+    )
+    assert list(released) == [1, None, 0]
+    assert pipelines.sent == [["EVALSHA", "SET", "EVALSHA"], ["EVALSHA", "EVALSHA"]]
+    assert await store.get("mine") is None
+    assert await store.get("theirs") is not None
+
+
+async def test_an_acquire_cancelled_before_its_batch_goes_never_reaches_redis(
+    counted: tuple[RedisStore, Any],
+) -> None:
+    store, pipelines = counted
+    first = asyncio.create_task(store.try_acquire("first", pending("first"), LOCK_TTL))
+    later = asyncio.create_task(store.try_acquire("later", pending("later"), LOCK_TTL))
+    kept = asyncio.create_task(store.try_acquire("kept", pending("kept"), LOCK_TTL))
+    await asyncio.sleep(0)  # each has made its call: the first sent, the others queued
+    later.cancel()
+    assert (await first).acquired
+    assert (await kept).acquired
+    with pytest.raises(asyncio.CancelledError):
+        await later
+    assert pipelines.sent == [["SET"]]  # "kept" alone went in the batch
+    assert await store.get("later") is None
+
+
+async def test_a_finish_cancelled_before_its_batch_goes_never_reaches_redis(
+    counted: tuple[RedisStore, Any],
+) -> None:
+    store, pipelines = counted
+    records = [pending(name) for name in ("first", "later")]
+    for record in records:
+        assert (await store.try_acquire(record.key, record, LOCK_TTL)).acquired
+    first, later = (
+        asyncio.create_task(store.finish(record.key, finished(record), 60)) for record in records
+    )
+    await asyncio.sleep(0)
+    later.cancel()
+    assert await first is FencedWrite.WRITTEN
+    with pytest.raises(asyncio.CancelledError):
+        await later
+    assert pipelines.sent == []  # the batch held nothing left to send
+    stored = await store.get("later")
+    assert stored is not None
+    assert stored.status is RecordStatus.IN_PROGRESS
+
+
+async def test_a_batch_that_fails_fails_each_of_its_commands() -> None:
+    """Nothing listens on the port: the lone first acquire and both batched ones each raise
+    the store's error, and so do the finishes."""
+    store = RedisStore.from_url("redis://127.0.0.1:1/0", key_prefix="nowhere")
+    try:
+        async with asyncio.timeout(10):  # a batch whose callers are never answered fails here
+            results = await asyncio.gather(
+                *(store.try_acquire(f"k{n}", pending(f"k{n}"), LOCK_TTL) for n in range(3)),
+                *(store.finish(f"k{n}", finished(pending(f"k{n}")), 60) for n in range(3)),
+                return_exceptions=True,
+            )
+    finally:
+        await store.aclose()
+    assert [type(result) for result in results] == [StoreError] * 6
