@@ -17,6 +17,8 @@ from starlette_idempotency.errors import StoreError
 from starlette_idempotency.stores import FencedWrite, RecordStatus
 from starlette_idempotency.stores.redis import RedisStore
 from starlette_idempotency.stores.redis._redis_py import RedisPyDriver
+from starlette_idempotency.testing._redis_server import RedisServer
+from tests.support.conditions import eventually
 from tests.support.records import finished, pending
 
 pytestmark = pytest.mark.redis
@@ -255,3 +257,39 @@ async def test_a_batch_that_fails_fails_each_of_its_commands() -> None:
     finally:
         await store.aclose()
     assert [type(result) for result in results] == [StoreError] * 6
+
+
+def batches_in_flight() -> list[asyncio.Task[Any]]:
+    return [
+        task
+        for task in asyncio.all_tasks()
+        if getattr(task.get_coro(), "__qualname__", "") == "PipelinedCommands._send"
+    ]
+
+
+async def test_a_batch_whose_callers_all_gave_up_leaves_nothing_waiting_on_a_frozen_redis() -> None:
+    """Redis frozen: each caller's deadline passes, as the middleware's would. The batch in
+    flight is cancelled then, as a command sent alone is, and no task is left reading from the
+    frozen server; once it thaws, the store answers."""
+    with RedisServer() as server:
+        store = RedisStore.from_url(server.url, key_prefix="frozen")
+        await store.get("warm-up")
+        server.freeze()
+        try:
+            results = await asyncio.gather(
+                *(
+                    asyncio.wait_for(store.try_acquire(f"k{n}", pending(f"k{n}"), LOCK_TTL), 0.2)
+                    for n in range(3)
+                ),
+                return_exceptions=True,
+            )
+            assert [type(result) for result in results] == [TimeoutError] * 3
+            await eventually(
+                lambda: not batches_in_flight(), message="the batch in flight to be cancelled"
+            )
+        finally:
+            server.thaw()
+        try:
+            assert (await store.try_acquire("after", pending("after"), LOCK_TTL)).acquired
+        finally:
+            await store.aclose()

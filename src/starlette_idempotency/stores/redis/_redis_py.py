@@ -90,6 +90,22 @@ _SET_OPTIONS: dict[str, Any] = {"get": True}
 _NO_OPTIONS: dict[str, Any] = {}
 
 
+class _GivenUp:
+    """Cancels the batch in flight once each of its callers has given up (its deadline
+    passed, its client left): redis-py then closes the connection, as it does for a command
+    cancelled alone, rather than wait on a stalled server, or a dead peer, for ever."""
+
+    __slots__ = ("_commands", "_task")
+
+    def __init__(self, commands: list[_Queued]) -> None:
+        self._commands = commands
+        self._task = asyncio.current_task()
+
+    def __call__(self, _: asyncio.Future[Any]) -> None:
+        if self._task is not None and all(reply.done() for _, _, reply in self._commands):
+            self._task.cancel()
+
+
 class PipelinedCommands:
     """The commands made in one turn of the event loop after its first (acquires' ``SET``,
     finishes' script), sent in one pipeline once the turn has ended: one write, and one
@@ -171,7 +187,14 @@ class PipelinedCommands:
         pipe = self._client.pipeline(transaction=False)
         for command, options, _ in commands:
             pipe.execute_command(*command, **options)
-        replies = await pipe.execute(raise_on_error=False)
+        given_up = _GivenUp(commands)
+        for _, _, reply in commands:
+            reply.add_done_callback(given_up)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        finally:
+            for _, _, reply in commands:
+                reply.remove_done_callback(given_up)
         unknown = []
         for queued, answer in zip(commands, replies, strict=True):
             reply = queued[2]
