@@ -16,7 +16,9 @@ of its own loop, more than a Redis command itself: at 32 requests in flight this
 worker's system time per new key on Redis by a third and raised its rate, against the
 peers', by about a fifth (docs/explanation/benchmarks.md#calls-sent-together). A call made
 alone goes out at once: there is nothing to send it with, and one request's latency stays
-its own. The turn counts within the call's deadline and its duration metric.
+its own. The turn counts within the call's deadline and its duration metric. A store that
+sends a turn's calls together itself (``CallBatchingStore``: ``RedisStore`` on redis-py, in
+one pipeline) has every call sent at once: the turn would only delay its batch by one.
 
 It also speaks the protocol of 0.1 to a store written for it (its ``save_progress`` takes no
 ``lease``): for such a store alone, leases are set and judged on the middleware's clock, as
@@ -41,6 +43,7 @@ from starlette_idempotency.observability import MetricsSink, StoreCallTracer
 from starlette_idempotency.stores.base import (
     FINISH_SPELLINGS,
     AcquireResult,
+    CallBatchingStore,
     FencedWrite,
     IdempotencyStore,
     StoreBase,
@@ -93,6 +96,7 @@ class BoundedStore:
     __slots__ = (
         "_call",
         "_clock",
+        "_defers",
         "_in_flight",
         "_legacy_leases",
         "_metrics",
@@ -133,6 +137,8 @@ class BoundedStore:
         #: How long a call may take, in seconds (``store_timeout_seconds``).
         self.timeout = timeout
         self._in_flight = PerLoop(lambda loop: CallsInFlight(loop, timeout))
+        #: Whether a call made while others wait goes out a turn later (see the module docs).
+        self._defers = not (isinstance(store, CallBatchingStore) and store.batches_calls)
         self._metrics = metrics
         self._tracer = tracer
         # Bounded, and where there is a sink or tracing, observed: chosen once, not per call.
@@ -245,7 +251,7 @@ class BoundedStore:
             in_flight = self._in_flight.get(loop)
         cancelling = task.cancelling()
         due = in_flight.due
-        others_waiting = bool(due)
+        others_waiting = self._defers and bool(due)
         due[task] = loop.time() + self.timeout
         if in_flight.handle is None:
             in_flight.arm()

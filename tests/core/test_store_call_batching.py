@@ -1,6 +1,7 @@
 """Store calls made while others wait on the store go out after the loop's ready work, so that
 the calls of requests ready together reach the store's server together; a call made alone goes
-out at once (BoundedStore)."""
+out at once, and so does every call to a store that sends a turn's calls together itself
+(BoundedStore)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,21 @@ def recording(order: list[str], entry: str) -> Callable[[], Awaitable[None]]:
     return record
 
 
+class Batching(Stalling):
+    """A store that says it sends a turn's calls together itself."""
+
+    batches_calls = True
+
+
 @asynccontextmanager
-async def another_call_waiting() -> AsyncIterator[
-    tuple[BoundedStore, Stalling, asyncio.Future[IdempotencyRecord | None]]
-]:
-    """A bounded store with a call on key ``"waiting"`` in flight until the block ends."""
-    calls, store = bounded(5.0)
+async def another_call_waiting(
+    store: Stalling | None = None,
+) -> AsyncIterator[tuple[BoundedStore, Stalling, asyncio.Future[IdempotencyRecord | None]]]:
+    """A bounded ``store`` with a call on key ``"waiting"`` in flight until the block ends."""
+    if store is None:
+        calls, store = bounded(5.0)
+    else:
+        calls = BoundedStore(store, timeout=5.0, metrics=None, tracer=None)
     answer = asyncio.Event()
     entered = asyncio.Event()
 
@@ -61,6 +71,15 @@ async def test_a_call_made_while_another_waits_goes_out_after_the_ready_work() -
         asyncio.get_running_loop().call_soon(order.append, "ready work")
         await calls.get("k")
     assert order == ["ready work", "store"]
+
+
+async def test_a_call_to_a_store_that_batches_goes_out_at_once_while_another_waits() -> None:
+    order: list[str] = []
+    async with another_call_waiting(Batching()) as (calls, store, _):
+        store.stalls["k"] = recording(order, "store")
+        asyncio.get_running_loop().call_soon(order.append, "ready work")
+        await calls.get("k")
+    assert order == ["store", "ready work"]
 
 
 async def test_calls_of_requests_ready_together_reach_the_store_together() -> None:

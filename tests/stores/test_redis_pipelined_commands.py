@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from starlette_idempotency.errors import StoreError
-from starlette_idempotency.stores import FencedWrite, RecordStatus
+from starlette_idempotency.stores import CallBatchingStore, FencedWrite, RecordStatus
 from starlette_idempotency.stores.redis import RedisStore
 from starlette_idempotency.stores.redis._redis_py import RedisPyDriver
 from starlette_idempotency.testing._redis_server import RedisServer
@@ -293,3 +293,27 @@ async def test_a_batch_whose_callers_all_gave_up_leaves_nothing_waiting_on_a_fro
             assert (await store.try_acquire("after", pending("after"), LOCK_TTL)).acquired
         finally:
             await store.aclose()
+
+
+@pytest.mark.parametrize(
+    ("options", "batches"),
+    [
+        ({}, True),
+        ({"acquire": "lua"}, False),  # its acquires go alone: the middleware's turn groups them
+        ({"wait_replicas": 1}, False),  # WAIT rides behind each write on its own connection
+        ({"driver": "glide"}, False),  # glide pipelines on its one connection itself
+    ],
+)
+def test_the_store_says_when_it_batches_its_calls(options: dict[str, Any], batches: bool) -> None:
+    """What the middleware reads to send each call at once (``CallBatchingStore``)."""
+    if options.get("driver") == "glide":
+        pytest.importorskip("glide")
+    store = RedisStore.from_url("redis://127.0.0.1:6379/0", **options)
+    assert isinstance(store, CallBatchingStore)
+    assert store.batches_calls is batches
+
+
+def test_a_cluster_client_does_not_batch() -> None:
+    """A cluster pipeline splits its commands by node: nothing is batched."""
+    client = aioredis.RedisCluster(host="127.0.0.1", port=7000)  # connects on first use
+    assert RedisStore(client).batches_calls is False

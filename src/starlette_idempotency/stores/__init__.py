@@ -24,6 +24,7 @@ from starlette_idempotency._record import (
 from starlette_idempotency.errors import StoreError, StoreTimeoutError
 from starlette_idempotency.stores.base import (
     AcquireResult,
+    CallBatchingStore,
     ChangeNotifyingStore,
     CheckableStore,
     ConnectionOwningStore,
@@ -50,6 +51,7 @@ def __getattr__(name: str) -> _typing.Any:
 
 __all__ = [
     "AcquireResult",
+    "CallBatchingStore",
     "ChangeNotifyingStore",
     "CheckableStore",
     "Checkpoint",

@@ -276,6 +276,20 @@ class ConnectionOwningStore(Protocol):
 
 
 @runtime_checkable
+class CallBatchingStore(Protocol):
+    """A store that sends together, itself, the calls made in one turn of the event loop
+    (``RedisStore`` on redis-py, in one pipeline). The middleware then sends each of its calls
+    at once; for any other store, a call made while others wait on the store goes out a turn
+    of the loop later, beside the calls made in that turn."""
+
+    @property
+    def batches_calls(self) -> bool:
+        """Whether the store sends a turn's acquires and finishes together (it may depend on
+        how the store was built)."""
+        ...
+
+
+@runtime_checkable
 class ChangeNotifyingStore(Protocol):
     """A store that can announce changes to a key, so waiting duplicates need not poll."""
 

@@ -258,6 +258,17 @@ class RedisStore(StoreBase):
         return store
 
     @property
+    def batches_calls(self) -> bool:
+        """Whether the acquires and finishes made in one turn of the event loop after its
+        first go to Redis in one pipeline (see ``CallBatchingStore``): on redis-py, but not
+        on a cluster, with the ``lua`` acquire or with ``wait_replicas``."""
+        return (
+            self._driver.batch is not None
+            and self._waiting is None
+            and self._acquire_strategy == "setnx"
+        )
+
+    @property
     def owns_connections(self) -> bool:
         """Whether the store created its client itself (:meth:`from_url`): the middleware then
         closes it when the app's lifespan ends."""
