@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import given
+from hypothesis import strategies as st
 
 from starlette_idempotency.errors import StoreError
 from starlette_idempotency.stores import CallBatchingStore, FencedWrite, RecordStatus
@@ -19,6 +22,7 @@ from starlette_idempotency.stores.redis import RedisStore
 from starlette_idempotency.stores.redis._redis_py import RedisPyDriver
 from starlette_idempotency.testing._redis_server import RedisServer
 from tests.support.conditions import eventually
+from tests.support.property.settings import PROPERTY_SETTINGS
 from tests.support.records import finished, pending
 
 pytestmark = pytest.mark.redis
@@ -317,3 +321,72 @@ def test_a_cluster_client_does_not_batch() -> None:
     """A cluster pipeline splits its commands by node: nothing is batched."""
     client = aioredis.RedisCluster(host="127.0.0.1", port=7000)  # connects on first use
     assert RedisStore(client).batches_calls is False
+
+
+#: One command of a turn: an acquire or a finish, of a key, by an owner, and whether its caller
+#: gives up before the turn's batch goes out.
+Command = tuple[str, str, str, bool]
+
+turns = st.lists(
+    st.tuples(
+        st.sampled_from(["acquire", "finish"]),
+        st.sampled_from(["k0", "k1", "k2"]),
+        st.sampled_from(["a", "b", "c"]),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=9,
+)
+
+
+async def run_command(store: RedisStore, command: Command) -> tuple[object, ...]:
+    """What ``command`` answers, as far as it is the same whoever sends it, how and when."""
+    kind, key, owner, _ = command
+    if kind == "acquire":
+        result = await store.try_acquire(key, pending(key, owner, now=0.0), LOCK_TTL)
+        record = result.record
+        return (result.acquired, None if record is None else (record.status, record.owner_token))
+    return (await store.finish(key, finished(pending(key, owner, now=0.0)), 60),)
+
+
+async def final_records(store: RedisStore) -> dict[str, tuple[RecordStatus, str] | None]:
+    records = {key: await store.get(key) for key in ("k0", "k1", "k2")}
+    return {
+        key: None if record is None else (record.status, record.owner_token)
+        for key, record in records.items()
+    }
+
+
+@PROPERTY_SETTINGS
+@given(turns)
+async def test_a_turn_sent_together_answers_as_its_commands_sent_one_by_one(
+    redis_url: str, commands: list[Command]
+) -> None:
+    """Whatever a turn holds (acquires and finishes of the same keys by different owners,
+    callers giving up before the batch goes out), each caller's answer and the records left
+    are those of the same commands sent one at a time, in the order they were made, without the
+    ones given up. The turn's first command, sent alone on another connection, touches a key of
+    its own, as Redis may read two connections in either order."""
+    tag = uuid.uuid4().hex[:8]
+    together = RedisStore.from_url(redis_url, key_prefix=f"together-{tag}")
+    one_by_one = RedisStore.from_url(redis_url, key_prefix=f"one-by-one-{tag}")
+    try:
+        await together.get("warm-up")  # the client's loop entered, as in a request
+        first = asyncio.ensure_future(together.try_acquire("opener", pending("opener"), LOCK_TTL))
+        made = [asyncio.ensure_future(run_command(together, command)) for command in commands]
+        await asyncio.sleep(0)  # each has made its call: the opener sent, the rest queued
+        for task, (_, _, _, gives_up) in zip(made, commands, strict=True):
+            if gives_up:
+                task.cancel()
+        assert (await first).acquired
+        answers = await asyncio.gather(*made, return_exceptions=True)
+        expected = [
+            await run_command(one_by_one, command) for command in commands if not command[3]
+        ]
+        assert [answer for answer in answers if not isinstance(answer, asyncio.CancelledError)] == (
+            expected
+        )
+        assert await final_records(together) == await final_records(one_by_one)
+    finally:
+        await together.aclose()
+        await one_by_one.aclose()
