@@ -571,6 +571,8 @@ class RedisStore(StoreBase):
         """Store the final record for ``ttl`` seconds unless another owner holds the key
         (``LOST``); ``RECLAIMED`` when the key had vanished (evicted, deleted, lock expired).
 
+        Made in a turn of the loop after another command, it goes out at the turn's end with
+        the others, in one pipeline (see ``PipelinedCommands``); the fencing is the script's.
         With ``wait_replicas``, ``WAIT`` is pipelined behind it, as behind the acquire: the
         response is not sent whole before the replicas have the record (or the wait timed out,
         which is logged)."""
