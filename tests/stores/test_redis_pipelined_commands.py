@@ -308,11 +308,13 @@ async def test_a_batch_whose_callers_all_gave_up_leaves_nothing_waiting_on_a_fro
         ({"driver": "glide"}, False),  # glide pipelines on its one connection itself
     ],
 )
-def test_the_store_says_when_it_batches_its_calls(options: dict[str, Any], batches: bool) -> None:
+def test_the_store_says_when_it_batches_its_calls(
+    redis_url: str, options: dict[str, Any], batches: bool
+) -> None:
     """What the middleware reads to send each call at once (``CallBatchingStore``)."""
     if options.get("driver") == "glide":
         pytest.importorskip("glide")
-    store = RedisStore.from_url("redis://127.0.0.1:6379/0", **options)
+    store = RedisStore.from_url(redis_url, **options)
     assert isinstance(store, CallBatchingStore)
     assert store.batches_calls is batches
 
