@@ -36,6 +36,7 @@ import contextvars
 import logging
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -56,7 +57,7 @@ from starlette_idempotency.errors import (
     LockLostError,
     StoreError,
 )
-from starlette_idempotency.observability import OutcomeResult, RequestEvents
+from starlette_idempotency.observability import CheckResult, OutcomeResult, RequestEvents
 from starlette_idempotency.stores.base import FencedWrite, IdempotencyStore
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,23 @@ _PRE_ENDPOINT_STATUSES = frozenset({401, 403, 422})
 _NO_CONTEXT = contextvars.Context()
 # Response extensions whose body bypasses http.response.body and so could not be stored.
 _UNCAPTURABLE_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
+
+
+async def _to_its_end(work: Coroutine[Any, Any, None]) -> None:
+    """Await ``work`` in a task of its own, to its end: a cancel of the calling task waits for
+    it, then goes on (raised once ``work`` is done, so ``asyncio.timeout()`` still sees its
+    own, with what ``work`` raised as its cause). Made only for a request that did not end as
+    it should."""
+    task = asyncio.get_running_loop().create_task(work)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait((task,))  # which leaves the task running when it is cancelled
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled from (None if task.cancelled() else task.exception())
+    task.result()
 
 
 class Lease(KeyOwner):
@@ -90,6 +108,7 @@ class Lease(KeyOwner):
         "retryable",
         "store_key",
         "transaction_open",
+        "written",
     )
 
     def __init__(
@@ -125,6 +144,9 @@ class Lease(KeyOwner):
         self.transaction_open = False
         #: The outcome an idempotency_transaction committed: its status and body.
         self.recorded: tuple[int, bytes] | None = None
+        #: Set once the outcome is written or the key freed, before its event: a settle that a
+        #: cancel cut short after its write is not written or reported twice when run again.
+        self.written = False
 
     @property
     def request_fingerprint(self) -> str:
@@ -236,6 +258,8 @@ class Lease(KeyOwner):
         captured whole), or release the key: a status ``release_statuses`` frees (by default
         5xx, 408, 429), a retryable mark, a status from before the endpoint."""
         self.decided = True
+        if self.written:
+            return
         if self.recorded is not None:
             await self._sent_recorded(status, body)
             return
@@ -255,6 +279,7 @@ class Lease(KeyOwner):
                 self._events.shown_error(exc),
             )
             stored = FencedWrite.WRITTEN  # not lost to another owner: still this request's
+        self.written = True
         if not stored:
             logger.warning(
                 "lock for idempotency key %r was lost to another request; its response was "
@@ -307,6 +332,7 @@ class Lease(KeyOwner):
         is not written again; one that differs from the committed one is an error of the
         app's (retries are answered with the committed one)."""
         assert self.recorded is not None
+        self.written = True
         recorded_status, recorded_body = self.recorded
         if status != recorded_status or (body is not None and body != recorded_body):
             logger.error(
@@ -324,6 +350,8 @@ class Lease(KeyOwner):
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
         self.decided = True
+        if self.written:
+            return
         if self.recorded is not None:  # committed with the app's writes: never undone here
             await self._sent_recorded(status, None)
             return
@@ -340,6 +368,7 @@ class Lease(KeyOwner):
                 self._events.shown_error(exc),
             )
             released = True
+        self.written = True
         if released:
             await self._events.ended(OutcomeResult.RELEASED, status)
         else:
@@ -353,6 +382,7 @@ class Lease(KeyOwner):
         try:
             await self._save_progress(self.record, 0.0)
         except LockLostError:
+            self.written = True
             await self._events.lock_lost("lock_lost", "taken_over", status)
             return
         except StoreError as exc:
@@ -361,6 +391,7 @@ class Lease(KeyOwner):
                 self._events.shown_key,
                 self._events.shown_error(exc),
             )
+        self.written = True
         await self._events.ended(OutcomeResult.RELEASED, status)
 
 
@@ -473,17 +504,22 @@ class Run(_BodyReplay):
         if self._policy.renew_lock:
             self._await_renewal(renewals)
         try:
+            # In here, so that a cancel while a hook takes the event frees the key.
+            await events.decided(
+                CheckResult.ACQUIRED, note="recovering" if lease.inherited else None
+            )
             await app(scope, self.receive, self.send)
             if self._timer is not None:  # a renewal now would find the record final
                 self._stop_renewal()
-            final, self._final = self._final, None
-            if final is not None:  # the app returned at once: settle, then send (see send)
+            if self._final is not None:  # the app returned at once: settle, then send (see send)
                 self._if_running.cancel()  # which lets go of this run now, not next turn
                 await lease.settle(self.status, self.raw_headers, self.kept_body)
                 self.settled = True
                 if (start := self._start) is not None:  # _send_start, inline
                     self._start = None
                     await self._client_send(start)
+                # Held until now: a cancel during the settle leaves it to the ending's send.
+                final, self._final = self._final, None
                 await self._client_send(final)
             else:
                 await self._release_final()
@@ -491,9 +527,11 @@ class Run(_BodyReplay):
             if self._timer is not None:
                 self._stop_renewal()
             if not self.settled or self._sending is not None:
-                # Shielded, so a cancelled request still settles or frees its key.
+                # Shielded from anyio's scopes by the scope, from a task.cancel() (which anyio's
+                # shield lets through: asyncio.timeout(), a server's) by a task of its own, so
+                # that a cancelled request still settles or frees its key.
                 with anyio.CancelScope(shield=True):
-                    await self._end_abnormally(sys.exc_info()[1])
+                    await _to_its_end(self._end_abnormally(sys.exc_info()[1]))
 
     async def send(self, message: Message) -> None:
         """Pass ``message`` on to the client, keeping a copy of the response (up to
@@ -551,13 +589,17 @@ class Run(_BodyReplay):
             )
 
     async def _release_final(self) -> None:
-        """Settle and send the held last chunk, or wait for the task doing it."""
+        """Settle and send the held last chunk, or wait for the task doing it (which a cancel
+        of this request does not cut short: the request's ending waits for it again)."""
         final, self._final = self._final, None
         if final is not None:
             await self._settle_and_send(final)
         elif (sending := self._sending) is not None:
-            self._sending = None
-            await sending
+            try:
+                await asyncio.shield(sending)
+            finally:
+                if sending.done():
+                    self._sending = None
 
     async def _settle_and_send(self, final: Message) -> None:
         # What Run.__call__ does itself when the app returned at once: inline there, so that

@@ -372,9 +372,6 @@ class GuardedRequest:
             else self._owned_record(pending, acquired.record),
             responses=services.responses,
         )
-        await self._events.decided(
-            CheckResult.ACQUIRED, note="recovering" if lease.inherited else None
-        )
         run = Run(lease, policy, body, self._receive, self._send)
         try:
             await run(services.app, self._scope, self._events, services.renewals)
