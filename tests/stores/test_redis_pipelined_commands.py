@@ -65,6 +65,7 @@ async def counted(redis_url: str, redis_key_prefix: str) -> AsyncIterator[tuple[
     try:
         yield store, pipelines
     finally:
+        await store.aclose()  # its undos in flight (which wait for the batches) first
         await client.aclose()
 
 
@@ -343,9 +344,12 @@ turns = st.lists(
 
 async def run_command(store: RedisStore, command: Command) -> tuple[object, ...]:
     """What ``command`` answers, as far as it is the same whoever sends it, how and when."""
-    kind, key, owner, _ = command
+    kind, key, owner, gives_up = command
     if kind == "acquire":
-        result = await store.try_acquire(key, pending(key, owner, now=0.0), LOCK_TTL)
+        # Each request's token is its own (os.urandom's): the store undoes an acquire given up
+        # by its token, which must not be another acquire's still waiting in the turn.
+        token = f"{owner}-gave-up" if gives_up else owner
+        result = await store.try_acquire(key, pending(key, token, now=0.0), LOCK_TTL)
         record = result.record
         return (result.acquired, None if record is None else (record.status, record.owner_token))
     return (await store.finish(key, finished(pending(key, owner, now=0.0)), 60),)
@@ -392,3 +396,104 @@ async def test_a_turn_sent_together_answers_as_its_commands_sent_one_by_one(
     finally:
         await together.aclose()
         await one_by_one.aclose()
+
+
+class GatedPipelines:
+    """A real client whose pipelines wait for ``gate`` before they go out, as one waiting for
+    a new connection (a slow handshake, TLS) or retrying after a reset does; its scripts' loads
+    wait for ``loads``."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.gate = asyncio.Event()
+        self.loads = asyncio.Event()
+        real_pipeline, real_load = client.pipeline, client.script_load
+
+        def pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = real_pipeline(*args, **kwargs)
+            execute = pipe.execute
+
+            async def gated(*args: Any, **kwargs: Any) -> Any:
+                await self.gate.wait()
+                return await execute(*args, **kwargs)
+
+            pipe.execute = gated  # type: ignore[method-assign]
+            return pipe
+
+        async def load(script: Any) -> Any:
+            await self.loads.wait()
+            return await real_load(script)
+
+        client.pipeline = pipeline  # type: ignore[method-assign]
+        client.script_load = load  # type: ignore[method-assign]
+
+
+async def test_an_acquire_given_up_in_a_batch_is_undone_once_the_batch_has_ended(
+    redis_url: str, redis_key_prefix: str
+) -> None:
+    """The batch has taken the acquire (its caller then still waited) and waits for its
+    connection when the caller gives up; another caller of the batch still waits, so the batch
+    goes on and writes it. Undone while the batch waited, the write would land after its undo:
+    a lock nobody holds, answering retries 409 for its whole TTL."""
+    client = aioredis.from_url(redis_url)
+    pipelines = GatedPipelines(client)
+    store = RedisStore(client, key_prefix=redis_key_prefix)
+    undone: list[str] = []
+    eval_script = store._driver.eval_script
+
+    async def recorded(name: str, *args: Any) -> Any:
+        undone.append(name)
+        return await eval_script(name, *args)
+
+    store._driver.eval_script = recorded  # type: ignore[method-assign,assignment]
+    try:
+        await store.get("warm-up")
+        opener = asyncio.ensure_future(store.try_acquire("opener", pending("opener"), LOCK_TTL))
+        live = asyncio.ensure_future(store.try_acquire("live", pending("live"), LOCK_TTL))
+        gone = asyncio.ensure_future(store.try_acquire("gone", pending("gone"), LOCK_TTL))
+        assert (await opener).acquired  # sent at once; the other two wait in the batch
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert store._undoing
+        with pytest.raises(AssertionError):  # no undo reaches Redis while the batch waits
+            await eventually(lambda: undone, timeout=0.3, message="an undo")
+        pipelines.gate.set()
+        assert (await live).acquired
+        await eventually(lambda: not store._undoing, message="the undo")
+        assert undone == ["abandon", "abandon"]
+        assert await client.exists(store.storage_key("gone")) == 0
+        assert await client.exists(store.storage_key("live")) == 1
+    finally:
+        pipelines.gate.set()
+        await store.aclose()
+        await client.aclose()
+
+
+async def test_a_batch_whose_callers_gave_up_while_it_loads_a_script_ends() -> None:
+    """Scripts flushed: the batch's finishes come back NOSCRIPT, and the batch loads the
+    script; its callers' deadlines pass while the load waits (a server gone silent). The batch
+    ends then too, rather than wait on the load for ever with a pooled connection."""
+    with RedisServer() as server:
+        client = aioredis.from_url(server.url)
+        pipelines = GatedPipelines(client)
+        pipelines.gate.set()
+        store = RedisStore(client, key_prefix="loading")
+        try:
+            await store.get("warm-up")
+            await client.script_flush()
+            results = await asyncio.gather(
+                asyncio.wait_for(store.try_acquire("k0", pending("k0"), LOCK_TTL), 0.5),
+                *(
+                    asyncio.wait_for(store.finish(f"k{n}", finished(pending(f"k{n}")), 60), 0.5)
+                    for n in (1, 2)
+                ),
+                return_exceptions=True,
+            )
+            assert [type(result) for result in results[1:]] == [TimeoutError] * 2
+            await eventually(
+                lambda: not batches_in_flight(), message="the batch loading the script to end"
+            )
+        finally:
+            pipelines.loads.set()
+            await store.aclose()
+            await client.aclose()

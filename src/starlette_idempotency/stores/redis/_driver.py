@@ -55,6 +55,10 @@ class CommandBatch(Protocol):
         the turn has ended (and again after loading it, should the server have lost it)."""
         ...
 
+    def in_flight(self) -> tuple[asyncio.Task[None], ...]:
+        """The batches not yet ended: one may still send a command whose caller gave up."""
+        ...
+
 
 class Subscription(Protocol):
     """One pub/sub connection of a driver's, used for change notices."""

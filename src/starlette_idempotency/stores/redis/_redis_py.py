@@ -92,8 +92,10 @@ _NO_OPTIONS: dict[str, Any] = {}
 
 class _GivenUp:
     """Cancels the batch in flight once each of its callers has given up (its deadline
-    passed, its client left): redis-py then closes the connection, as it does for a command
-    cancelled alone, rather than wait on a stalled server, or a dead peer, for ever."""
+    passed, its client left), whatever it waits for (its pipeline, a script's load): redis-py
+    then closes the connection, as it does for a command cancelled alone, rather than wait on a
+    stalled server, or a dead peer, for ever. Taken off a caller's reply before the batch
+    answers it."""
 
     __slots__ = ("_commands", "_task")
 
@@ -117,10 +119,12 @@ class PipelinedCommands:
     The store sends a turn's first command at once, so a request alone keeps its latency.
 
     A caller cancelled before its batch goes out is left out of it, and its command never
-    reaches Redis; one cancelled after is undone by the store, as a command sent alone. A batch
-    that fails (a connection lost) fails each of its callers with the error. A script the
-    server answers ``NOSCRIPT`` (restarted, or ``SCRIPT FLUSH``) did not run: it is loaded and
-    its calls sent again, as redis-py's own script call does.
+    reaches Redis; one cancelled after is undone by the store, as a command sent alone, once
+    the batch has ended (:meth:`in_flight`): until then the batch may still send it, its
+    connection being opened or redis-py's retry sending the pipeline again. A batch that fails
+    (a connection lost) fails each of its callers with the error. A script the server answers
+    ``NOSCRIPT`` (restarted, or ``SCRIPT FLUSH``) did not run: it is loaded and its calls sent
+    again, as redis-py's own script call does.
     """
 
     __slots__ = ("_batch", "_client", "_loop", "_scripts", "_sending", "_sources", "turn")
@@ -159,26 +163,35 @@ class PipelinedCommands:
         self._batch.append((command, options, reply))
         return reply
 
+    def in_flight(self) -> tuple[asyncio.Task[None], ...]:
+        return tuple(self._sending)
+
     async def _send(self, batch: list[_Queued]) -> None:
         if self._batch is batch:
             self._batch = []
+        given_up = _GivenUp(batch)
+        for _, _, reply in batch:
+            reply.add_done_callback(given_up)
         try:
-            unknown = await self._execute(batch)
+            unknown = await self._execute(batch, given_up)
             if unknown:
                 for sha in {command[1] for command, _, _ in unknown}:
                     await self._client.script_load(self._sources[str(sha)])
-                for _, _, reply in await self._execute(unknown):
+                for _, _, reply in await self._execute(unknown, given_up):
+                    reply.remove_done_callback(given_up)
                     reply.set_exception(redis_errors.NoScriptError("script lost again on load"))
         except Exception as exc:
             for _, _, reply in batch:
                 if not reply.done():
+                    reply.remove_done_callback(given_up)
                     reply.set_exception(exc)
         finally:
             for _, _, reply in batch:  # the loop shutting down: nobody will answer them
                 if not reply.done():
+                    reply.remove_done_callback(given_up)
                     reply.cancel()
 
-    async def _execute(self, commands: list[_Queued]) -> list[_Queued]:
+    async def _execute(self, commands: list[_Queued], given_up: _GivenUp) -> list[_Queued]:
         """Send ``commands`` (those whose callers still wait) in one pipeline and answer their
         callers; the scripts the server did not know come back unanswered."""
         commands = [queued for queued in commands if not queued[2].done()]
@@ -187,14 +200,7 @@ class PipelinedCommands:
         pipe = self._client.pipeline(transaction=False)
         for command, options, _ in commands:
             pipe.execute_command(*command, **options)
-        given_up = _GivenUp(commands)
-        for _, _, reply in commands:
-            reply.add_done_callback(given_up)
-        try:
-            replies = await pipe.execute(raise_on_error=False)
-        finally:
-            for _, _, reply in commands:
-                reply.remove_done_callback(given_up)
+        replies = await pipe.execute(raise_on_error=False)
         unknown = []
         for queued, answer in zip(commands, replies, strict=True):
             reply = queued[2]
@@ -202,7 +208,9 @@ class PipelinedCommands:
                 continue
             if isinstance(answer, redis_errors.NoScriptError):
                 unknown.append(queued)
-            elif isinstance(answer, Exception):
+                continue
+            reply.remove_done_callback(given_up)
+            if isinstance(answer, Exception):
                 reply.set_exception(answer)
             else:
                 reply.set_result(answer)

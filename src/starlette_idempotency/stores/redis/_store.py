@@ -409,14 +409,26 @@ class RedisStore(StoreBase):
         connection; glide keeps its connection and may even resend the command after a
         reconnect. ``abandon.lua`` undoes it, fenced by the abandoned write's own owner token
         (deleting the key, or ending the lease of a record with recovery points), and changes
-        nothing when the write did not land; see :meth:`_undo_twice`.
+        nothing when the write did not land; see :meth:`_undo_twice`. A write that went in a
+        batch is undone once the batches in flight have ended: until then one may still send
+        it (opening its connection, or redis-py's retry sending its pipeline again).
         """
         args: list[Arg] = [owner_token, self._prefix + key]
-        task = asyncio.get_running_loop().create_task(self._undo_twice(key, args, lock_ttl))
+        batch = self._driver.batch
+        sending = () if batch is None else batch.in_flight()
+        task = asyncio.get_running_loop().create_task(
+            self._undo_twice(key, args, lock_ttl, sending)
+        )
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
 
-    async def _undo_twice(self, key: str, args: list[Arg], lock_ttl: float) -> None:
+    async def _undo_twice(
+        self,
+        key: str,
+        args: list[Arg],
+        lock_ttl: float,
+        sending: tuple[asyncio.Task[None], ...],
+    ) -> None:
         # The first undo may run before the abandoned write: Redis serves the connections
         # that became readable during a stall in one event-loop iteration, in no set order
         # (glide queues it behind the write on their shared connection instead). Its reply
@@ -442,6 +454,8 @@ class RedisStore(StoreBase):
 
         try:
             async with asyncio.timeout(lock_ttl):  # by then the abandoned lock has lapsed
+                if sending:
+                    await asyncio.wait(sending)
                 await undo()
                 await asyncio.sleep(self._driver.late_command_window)
                 await undo()
@@ -449,7 +463,7 @@ class RedisStore(StoreBase):
             logger.warning(
                 "could not undo the abandoned acquire of %r before its lock lapsed: %s",
                 key,
-                failure,
+                failure or "the batch that sent it was still in flight",
             )
 
     def _acquire_command(self) -> Callable[[str, bytes, int], Awaitable[Any]]:
