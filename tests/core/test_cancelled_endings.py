@@ -10,6 +10,7 @@ written and reported once; a response the app sent whole reaches its client.
 from __future__ import annotations
 
 import asyncio
+from asyncio import CancelledError
 from collections import Counter
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
@@ -27,6 +28,7 @@ from starlette.routing import Route
 from starlette_idempotency import IdempotencyEvent, IdempotencyMiddleware, MemoryStore, idempotent
 from starlette_idempotency._record import IdempotencyRecord
 from starlette_idempotency.stores.base import FencedWrite
+from tests.support.asgi import post_json, post_scope
 from tests.support.conditions import eventually
 
 Message = MutableMapping[str, Any]
@@ -121,25 +123,10 @@ class Setup:
         self.sent: list[Message] = []
 
     def scope(self, route: str) -> dict[str, Any]:
-        return {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.4"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": f"/{route}",
-            "raw_path": f"/{route}".encode(),
-            "root_path": "",
-            "query_string": b"",
-            "headers": [
-                (b"host", b"testserver"),
-                (b"idempotency-key", b"k1"),
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(BODY)).encode()),
-            ],
-            "client": ("127.0.0.1", 1234),
-            "server": ("testserver", 80),
-        }
+        headers = [(b"idempotency-key", b"k1"), (b"content-type", b"application/json")]
+        scope = post_scope(f"/{route}", [*headers, (b"content-length", b"%d" % len(BODY))])
+        # 2.4: a stream does not listen for http.disconnect in a task group of its own.
+        return {**scope, "asgi": {"version": "3.0", "spec_version": "2.4"}}
 
     def start(self, route: str) -> asyncio.Task[None]:
         received = False
@@ -167,14 +154,7 @@ class Setup:
         ]
 
     async def retry(self, route: str) -> httpx.Response:
-        transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-            request = client.post(
-                f"/{route}",
-                content=BODY,
-                headers={"idempotency-key": "k1", "content-type": "application/json"},
-            )
-            return await asyncio.wait_for(request, 5)
+        return await post_json(self.app, f"/{route}", BODY, raise_app_exceptions=False)
 
 
 async def loop_turns(count: int) -> None:
@@ -191,19 +171,26 @@ async def ended(task: asyncio.Task[None]) -> BaseException | None:
     return None
 
 
+async def cancelled_during(setup: Setup, route: str, call: str, cancels: int = 1) -> object:
+    """What a request to ``route`` ends with, cancelled ``cancels`` times while its ending's
+    ``call`` (a finish or a release) waits for the store: the ending still waits for it."""
+    setup.store.gate.clear()
+    running = setup.start(route)
+    await eventually(lambda: setup.store.entered[call] == 1, message=f"the ending's {call}")
+    for _ in range(cancels):
+        running.cancel()
+        await loop_turns(2)
+    assert not running.done()
+    setup.store.gate.set()
+    return await ended(running)
+
+
 @pytest.mark.parametrize("cancels", [1, 2])
 async def test_a_cancel_during_the_write_of_a_whole_response_still_stores_and_sends_it(
     cancels: int,
 ) -> None:
     setup = Setup()
-    setup.store.gate.clear()
-    running = setup.start("whole")
-    await eventually(lambda: setup.store.entered["finish"] == 1, message="the outcome's write")
-    for _ in range(cancels):
-        running.cancel()
-        await loop_turns(2)
-    setup.store.gate.set()
-    assert isinstance(await ended(running), asyncio.CancelledError)
+    assert isinstance(await cancelled_during(setup, "whole", "finish", cancels), CancelledError)
     # The write the cancel cut short never reached the records: the ending made it again.
     assert setup.store.written["finish"] == 1
     assert [event.result for event in setup.outcomes()] == ["COMPLETED"]
@@ -216,15 +203,8 @@ async def test_a_cancel_during_the_write_of_a_whole_response_still_stores_and_se
 @pytest.mark.parametrize("cancels", [1, 2])
 async def test_a_cancel_while_an_unfinished_response_is_stored_waits_for_it(cancels: int) -> None:
     setup = Setup()
-    setup.store.gate.clear()
-    running = setup.start("stream-raises")
-    await eventually(lambda: setup.store.entered["finish"] == 1, message="the outcome's write")
-    for _ in range(cancels):
-        running.cancel()
-        await loop_turns(2)
-    assert not running.done()  # the ending's write still waits: so does the request
-    setup.store.gate.set()
-    assert isinstance(await ended(running), asyncio.CancelledError)
+    ending = await cancelled_during(setup, "stream-raises", "finish", cancels)
+    assert isinstance(ending, CancelledError)
     assert setup.store.entered["finish"] == setup.store.written["finish"] == 1
     assert [event.result for event in setup.outcomes()] == ["COMPLETED"]
     replay = await setup.retry("stream-raises")
@@ -235,13 +215,7 @@ async def test_a_cancel_while_an_unfinished_response_is_stored_waits_for_it(canc
 
 async def test_a_cancel_while_a_handler_that_failed_frees_its_key_waits_for_it() -> None:
     setup = Setup()
-    setup.store.gate.clear()
-    running = setup.start("raises")
-    await eventually(lambda: setup.store.entered["release"] == 1, message="the release")
-    running.cancel()
-    await loop_turns(2)
-    setup.store.gate.set()
-    assert isinstance(await ended(running), asyncio.CancelledError)
+    assert isinstance(await cancelled_during(setup, "raises", "release"), CancelledError)
     assert [event.result for event in setup.outcomes()] == ["RELEASED"]
     retried = await setup.retry("raises")
     assert retried.status_code == 500  # ran again: the key was free, not held for its lock TTL
@@ -250,13 +224,7 @@ async def test_a_cancel_while_a_handler_that_failed_frees_its_key_waits_for_it()
 
 async def test_a_cancel_while_the_task_settling_for_a_running_app_waits_for_it() -> None:
     setup = Setup()
-    setup.store.gate.clear()
-    running = setup.start("background")
-    await eventually(lambda: setup.store.entered["finish"] == 1, message="the outcome's write")
-    running.cancel()
-    await loop_turns(2)
-    setup.store.gate.set()
-    assert isinstance(await ended(running), asyncio.CancelledError)
+    assert isinstance(await cancelled_during(setup, "background", "finish"), CancelledError)
     assert setup.store.written["finish"] == 1
     assert [event.result for event in setup.outcomes()] == ["COMPLETED"]
     assert setup.client_got() == [("start", 201), ("body", b'{"ok":1}')]

@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from tests.support.asgi import post_json
 from tests.support.conditions import eventually
 
 Message = MutableMapping[str, Any]
@@ -102,14 +103,7 @@ def arranged() -> tuple[Counter[str], asyncio.Event, Starlette, Client]:
 async def retry(app: Starlette, release: asyncio.Event, query: str = "") -> httpx.Response:
     """The client's retry, once the first attempt is over (a second run would finish too)."""
     release.set()
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-        request = client.post(
-            f"/stream{query}",
-            content=BODY,
-            headers={"idempotency-key": "k1", "content-type": "application/json"},
-        )
-        return await asyncio.wait_for(request, 5)
+    return await post_json(app, f"/stream{query}", BODY)
 
 
 def assert_replayed_without_body(response: httpx.Response, executions: Counter[str]) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from starlette_idempotency._types import Scope
+import asyncio
+
+import httpx
+
+from starlette_idempotency._types import ASGIApp, Scope
 
 
 def post_scope(path: str, headers: list[tuple[bytes, bytes]]) -> Scope:
@@ -26,3 +30,15 @@ def post_scope(path: str, headers: list[tuple[bytes, bytes]]) -> Scope:
 def payments_scope(*headers: tuple[bytes, bytes]) -> Scope:
     """A JSON POST to /payments, with ``headers`` added."""
     return post_scope("/payments", [(b"content-type", b"application/json"), *headers])
+
+
+async def post_json(
+    app: ASGIApp, path: str, body: bytes, key: str = "k1", *, raise_app_exceptions: bool = True
+) -> httpx.Response:
+    """A JSON POST of ``body`` with Idempotency-Key ``key``, through httpx, within 5 s."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        request = client.post(
+            path, content=body, headers={"idempotency-key": key, "content-type": "application/json"}
+        )
+        return await asyncio.wait_for(request, 5)
