@@ -55,8 +55,9 @@ class CommandBatch(Protocol):
         the turn has ended (and again after loading it, should the server have lost it)."""
         ...
 
-    def in_flight(self) -> tuple[asyncio.Task[None], ...]:
-        """The batches not yet ended: one may still send a command whose caller gave up."""
+    def in_flight(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Task[None], ...]:
+        """``loop``'s batches not yet ended: one may still send a command whose caller gave
+        up."""
         ...
 
 

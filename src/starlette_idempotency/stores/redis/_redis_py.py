@@ -163,8 +163,8 @@ class PipelinedCommands:
         self._batch.append((command, options, reply))
         return reply
 
-    def in_flight(self) -> tuple[asyncio.Task[None], ...]:
-        return tuple(self._sending)
+    def in_flight(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Task[None], ...]:
+        return tuple(task for task in self._sending if task.get_loop() is loop)
 
     async def _send(self, batch: list[_Queued]) -> None:
         if self._batch is batch:

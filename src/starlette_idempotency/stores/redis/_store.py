@@ -414,11 +414,10 @@ class RedisStore(StoreBase):
         it (opening its connection, or redis-py's retry sending its pipeline again).
         """
         args: list[Arg] = [owner_token, self._prefix + key]
+        loop = asyncio.get_running_loop()
         batch = self._driver.batch
-        sending = () if batch is None else batch.in_flight()
-        task = asyncio.get_running_loop().create_task(
-            self._undo_twice(key, args, lock_ttl, sending)
-        )
+        sending = () if batch is None else batch.in_flight(loop)
+        task = loop.create_task(self._undo_twice(key, args, lock_ttl, sending))
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
 
