@@ -228,7 +228,8 @@ class Lease(KeyOwner):
         now = self._clock()
         # Held by the acquire's lock TTL, with no lease of its own until it is saved again.
         record = replace(self.record, locked_until=None, expires_at=now + lock_ttl)
-        result = await self._store.try_acquire(self.store_key, record, lock_ttl, recover=False)
+        # Never undone if cut short, as an abandoned acquire is: this handler still runs.
+        result = await self._store.take_back(self.store_key, record, lock_ttl)
         if not result.acquired:
             logger.warning(
                 "the lock for idempotency key %r was taken over by another request while its "

@@ -203,6 +203,18 @@ class BoundedStore:
             return self.save_progress(key, record, ttl, lock_ttl)
         return self._call("renew", self.store.renew, key, record.owner_token, lock_ttl)
 
+    def take_back(
+        self, key: str, record: IdempotencyRecord, lock_ttl: float
+    ) -> Awaitable[AcquireResult]:
+        """The store's ``take_back`` (``try_acquire`` without recovery where it has none),
+        bounded, and counted as ``try_acquire``, which it is."""
+        take_back = getattr(self.store, "take_back", None)
+        if take_back is None:  # a store written to the protocol alone
+            return self._call(
+                "try_acquire", self.store.try_acquire, key, record, lock_ttl, recover=False
+            )
+        return self._call("try_acquire", take_back, key, record, lock_ttl)
+
     def get(self, key: str) -> Awaitable[IdempotencyRecord | None]:
         return self._call("get", self.store.get, key)
 

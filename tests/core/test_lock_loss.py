@@ -22,20 +22,41 @@ from starlette_idempotency import (
     idempotent,
     storage_key,
 )
-from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
+from starlette_idempotency._store_calls import BoundedStore
+from starlette_idempotency.stores import (
+    AcquireResult,
+    FencedWrite,
+    IdempotencyRecord,
+    RecordStatus,
+)
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
+from tests.support.records import pending
 
 LOCK_TTL = 0.3
 KEY = storage_key("t", "POST", "/slow", "k")
 HEADERS = {"Idempotency-Key": "k"}
 
 
+class TakingBack(MemoryStore):
+    """Records each take-back: the one call of a held key that is never undone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken_back: list[str] = []
+
+    async def take_back(
+        self, key: str, record: IdempotencyRecord, lock_ttl: float
+    ) -> AcquireResult:
+        self.taken_back.append(record.owner_token)
+        return await super().take_back(key, record, lock_ttl)
+
+
 class App:
     """A slow guarded handler that waits for ``release``, and the events it caused."""
 
     def __init__(self, *, renew: bool = True) -> None:
-        self.store = MemoryStore()
+        self.store = TakingBack()
         self.release = asyncio.Event()
         self.runs = 0
         self.events: list[IdempotencyEvent] = []
@@ -74,6 +95,7 @@ async def test_renewal_takes_a_vanished_lock_back_so_a_retry_cannot_run() -> Non
         return record is not None and record.owner_token == held.owner_token
 
     await eventually(back, message="the lock taken back by its owner")
+    assert app.store.taken_back == [held.owner_token]  # the store's take-back, never undone
     retry = await app.client.post("/slow", headers=HEADERS)
     assert retry.status_code == 409
     assert app.lock_lost_notes() == ["reclaimed"]
@@ -120,3 +142,51 @@ async def test_complete_over_a_vanished_lock_stores_and_reports_it() -> None:
     replay = await app.client.post("/slow", headers=HEADERS)
     assert replay.headers["x-idempotent-replay"] == "true"
     assert app.runs == 1
+
+
+class ProtocolOnly:
+    """A store written to the protocol alone, without ``StoreBase`` (so no ``take_back``)."""
+
+    name = "protocol-only"
+    supports_recovery = False
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+        self.acquires: list[bool] = []
+
+    async def try_acquire(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
+    ) -> AcquireResult:
+        self.acquires.append(recover)
+        return await self.inner.try_acquire(key, pending, lock_ttl, recover=recover)
+
+    async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
+        return await self.inner.finish(key, record, ttl)
+
+    async def save_progress(
+        self, key: str, record: IdempotencyRecord, ttl: float, lease: float
+    ) -> bool:
+        return await self.inner.save_progress(key, record, ttl, lease)
+
+    async def release(self, key: str, owner_token: str) -> bool:
+        return await self.inner.release(key, owner_token)
+
+    async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
+        return await self.inner.renew(key, owner_token, lock_ttl)
+
+    async def get(self, key: str) -> IdempotencyRecord | None:
+        return await self.inner.get(key)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_store_without_take_back_is_asked_to_acquire_without_recovery() -> None:
+    store = ProtocolOnly()
+    bounded = BoundedStore(store, timeout=1.0, metrics=None, tracer=None)
+    record = pending("k", "handler")
+    assert (await bounded.take_back("k", record, 30)).acquired
+    assert store.acquires == [False]
+    held = await store.get("k")
+    assert held is not None
+    assert held.owner_token == "handler"

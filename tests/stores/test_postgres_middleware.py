@@ -16,6 +16,7 @@ from starlette_idempotency.testing._postgres_server import PostgresServer
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
 from tests.support.link_proxy import LinkProxy
+from tests.support.records import pending
 from tests.support.stores import equals
 
 pytestmark = pytest.mark.postgres
@@ -91,5 +92,38 @@ async def test_an_acquire_that_commits_as_the_deadline_fires_is_undone(
 
             await eventually(lambda: equals(post("late"), 201), message="a retry to run (not 409)")
             assert runs == [1, 1]
+        finally:
+            await store.aclose()
+
+
+async def test_a_take_back_that_commits_as_the_deadline_fires_is_not_undone(
+    postgres_dsn: str, postgres_table: str
+) -> None:
+    """A handler whose lock vanished takes its key back with its own owner token; a take-back
+    whose reply comes after the deadline committed all the same, and must stay: undone (fenced
+    by the same token), it would free the key of a handler that still runs."""
+    parts = urlsplit(postgres_dsn)
+    async with LinkProxy(parts.port or 5432, parts.hostname or "127.0.0.1") as link:
+        store = await PostgresStore.connect(
+            link.proxied(postgres_dsn), table=postgres_table, min_size=1, max_size=1
+        )
+        try:
+            await store.create_schema()
+            running = pending("k", "handler")
+            assert (await store.try_acquire("k", running, 30)).acquired
+            assert await store.release("k", "handler")  # the lock vanished
+            link.hold()  # the take-back runs and commits; its reply is late
+            asyncio.get_running_loop().call_later(1.0, link.release)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await store.take_back("k", running, 30)
+            assert not store._undoing, "an undo was made for a take-back"
+
+            async def back() -> bool:
+                held = await store.get("k")
+                return held is not None and held.owner_token == "handler"
+
+            await eventually(back, message="the take-back to be read back once the link flows")
+            assert not (await store.try_acquire("k", pending("k", "retry"), 30)).acquired
         finally:
             await store.aclose()

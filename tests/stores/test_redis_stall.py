@@ -178,3 +178,51 @@ async def test_a_takeover_abandoned_while_redis_stalls_ends_its_lease(
     finally:
         await store.aclose()
         await admin.aclose()
+
+
+@DRIVERS
+async def test_a_take_back_cut_short_while_redis_stalls_is_not_undone(
+    server: RedisServer, driver: DriverName
+) -> None:
+    """A handler whose lock vanished takes its key back with its own owner token; when that
+    write times out in a stall it may still land, and it must stay: undone (fenced by the same
+    token), it would free the key of a handler that still runs, for a retry to run it again."""
+    options: dict[str, Any] = GLIDE_OPTIONS if driver == "glide" else {}
+    store = RedisStore.from_url(server.url, key_prefix="p", driver=driver, **options)
+    admin = aioredis.from_url(server.url)
+    try:
+        warm = pending("warm", "w")
+        await store.try_acquire("warm", warm, LOCK_TTL)  # scripts loaded
+        await asyncio.gather(*(store.get(f"warm{n}") for n in range(3)))
+        for n in range(5):
+            key = f"k{n}"
+            running = pending(key, "handler")
+            assert (await store.try_acquire(key, running, LOCK_TTL)).acquired
+            await admin.delete(f"p:{key}")  # evicted while the handler runs
+            evals = await calls(admin, "eval")
+            with stalled_for(server):
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(CALL_DEADLINE):
+                        await store.take_back(key, running, LOCK_TTL)
+                assert not store._undoing, "an undo was made for a take-back"
+
+            async def back(key: str = key) -> bool:
+                held = await store.get(key)
+                return held is not None and held.owner_token == "handler"
+
+            await eventually(back, message=f"round {n}: the take-back to land after the stall")
+            retry = await store.try_acquire(key, pending(key, "retry"), LOCK_TTL)
+            assert not retry.acquired
+            assert await calls(admin, "eval") == evals  # no abandon.lua ran
+    finally:
+        await store.aclose()
+        await admin.aclose()
+
+
+@contextlib.contextmanager
+def stalled_for(server: RedisServer) -> Iterator[None]:
+    server.freeze()
+    try:
+        yield
+    finally:
+        server.thaw()

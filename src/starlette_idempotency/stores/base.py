@@ -245,6 +245,19 @@ class StoreBase(IdempotencyStore):
                 return True
         return False
 
+    async def take_back(
+        self, key: str, record: IdempotencyRecord, lock_ttl: float
+    ) -> AcquireResult:
+        """Write ``record`` back for its owner, whose lock vanished while its handler runs
+        (evicted, deleted, or lapsed while the process stalled): :meth:`try_acquire` without
+        recovery, ``record`` holding the owner's own token.
+
+        The handler still runs, so a call cut short (cancelled, timed out) is never undone: a
+        store whose ``try_acquire`` undoes a write its caller gave up on overrides this to
+        leave a take-back's alone. The middleware calls ``try_acquire(..., recover=False)`` on
+        a store without this method."""
+        return await self.try_acquire(key, record, lock_ttl, recover=False)
+
     async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         """Deprecated (removed in 0.3.0): :meth:`finish`, the protocol's first spelling for a
         ``Completed`` record."""

@@ -169,6 +169,8 @@ class PostgresStore(StoreBase):
         # Whether statements need an explicit READ COMMITTED transaction (None: not known yet).
         self._explicit_isolation: bool | None = None
         self._undoing: set[asyncio.Task[None]] = set()
+        # The owner tokens of take-backs in flight, whose writes are never undone.
+        self._taking_back: set[str] = set()
 
     @classmethod
     def from_dsn(
@@ -411,17 +413,31 @@ class PostgresStore(StoreBase):
         try:
             result = await self._run("try_acquire", acquire)
         except asyncio.CancelledError:
-            self._undo_abandoned(key, params, lock_ttl)
+            self._undo_abandoned(key, pending.owner_token, params, lock_ttl)
             raise
         except StoreError as exc:
             if may_have_run(exc.__cause__):
-                self._undo_abandoned(key, params, lock_ttl)
+                self._undo_abandoned(key, pending.owner_token, params, lock_ttl)
             raise
         if result is None:
             raise StoreError(f"PostgreSQL try_acquire gave up on key {key!r}: it kept changing")
         return result
 
-    def _undo_abandoned(self, key: str, params: tuple[Any, ...], lock_ttl: float) -> None:
+    async def take_back(
+        self, key: str, record: IdempotencyRecord, lock_ttl: float
+    ) -> AcquireResult:
+        """:meth:`try_acquire` without recovery, never undone: ``record``'s handler still runs
+        (see ``StoreBase.take_back``), and undoing a take-back that committed would free its
+        key for a retry to run it again."""
+        self._taking_back.add(record.owner_token)
+        try:
+            return await self.try_acquire(key, record, lock_ttl, recover=False)
+        finally:
+            self._taking_back.discard(record.owner_token)
+
+    def _undo_abandoned(
+        self, key: str, owner_token: str, params: tuple[Any, ...], lock_ttl: float
+    ) -> None:
         """Undo an acquire whose caller gave up (cancelled by the middleware's deadline, timed
         out, or its connection lost with no word from the server): the caller will not run the
         handler, so its lock must not answer retries 409 for ``lock_ttl``.
@@ -433,6 +449,8 @@ class PostgresStore(StoreBase):
         leaves an expired row that makes an insert landing even later write nothing. It is
         sent in the background and tried again until ``lock_ttl`` has passed.
         """
+        if owner_token in self._taking_back:
+            return
         task = asyncio.get_running_loop().create_task(self._undo(key, params, lock_ttl))
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
