@@ -72,21 +72,35 @@ _NO_CONTEXT = contextvars.Context()
 _UNCAPTURABLE_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
 
 
-async def _to_its_end(work: Coroutine[Any, Any, None]) -> None:
-    """Await ``work`` in a task of its own, to its end: a cancel of the calling task waits for
-    it, then goes on (raised once ``work`` is done, so ``asyncio.timeout()`` still sees its
-    own, with what ``work`` raised as its cause). Made only for a request that did not end as
-    it should."""
+async def _to_its_end(
+    work: Coroutine[Any, Any, None], lease: Lease, failure: BaseException | None
+) -> None:
+    """Await ``work``, the ending of a request that ended with ``failure``, in a task of its
+    own: a cancel, whether it ended the request or comes now, waits for ``lease``'s outcome to
+    be written (or its key freed), then cuts what is left (sending to the client, the outcome's
+    hooks), so that a cancelled request still ends soon and a retry finds its outcome. A cancel
+    that comes now is raised once ``work`` is done, so ``asyncio.timeout()`` still sees its
+    own. Made only for a request that did not end as it should."""
     task = asyncio.get_running_loop().create_task(work)
+    ended_by_cancel = isinstance(failure, asyncio.CancelledError)
+    if ended_by_cancel:
+        lease.cut_after_write(task)
     cancelled: asyncio.CancelledError | None = None
     while not task.done():
         try:
             await asyncio.wait((task,))  # which leaves the task running when it is cancelled
         except asyncio.CancelledError as exc:
             cancelled = exc
+            lease.cut_after_write(task)
+    if not ended_by_cancel and cancelled is None:
+        task.result()
+        return
+    if not task.cancelled() and (error := task.exception()) is not None:
+        # The cancel goes on (with the app's own error as its context, if it raised): raised,
+        # this would hide the one or the other.
+        logger.error("the ending of a cancelled request failed", exc_info=error)
     if cancelled is not None:
-        raise cancelled from (None if task.cancelled() else task.exception())
-    task.result()
+        raise cancelled
 
 
 class Lease(KeyOwner):
@@ -94,6 +108,7 @@ class Lease(KeyOwner):
 
     __slots__ = (
         "_clock",
+        "_cut",
         "_events",
         "_responses",
         "_route",
@@ -147,6 +162,24 @@ class Lease(KeyOwner):
         #: Set once the outcome is written or the key freed, before its event: a settle that a
         #: cancel cut short after its write is not written or reported twice when run again.
         self.written = False
+        # The ending of a cancelled request, to cancel once the outcome is written.
+        self._cut: asyncio.Task[None] | None = None
+
+    def _wrote(self) -> None:
+        """The outcome is written or the key freed: a cancelled request's ending may stop."""
+        self.written = True
+        if (cut := self._cut) is not None:
+            self._cut = None
+            cut.cancel()
+
+    def cut_after_write(self, ending: asyncio.Task[None]) -> None:
+        """Cancel ``ending``, a cancelled request's, once the outcome is written or the key
+        freed: what comes after (sending to the client, the outcome's hooks) is the request's,
+        and it was cancelled; the write is what a retry depends on."""
+        if self.written:
+            ending.cancel()
+        else:
+            self._cut = ending
 
     @property
     def request_fingerprint(self) -> str:
@@ -280,7 +313,7 @@ class Lease(KeyOwner):
                 self._events.shown_error(exc),
             )
             stored = FencedWrite.WRITTEN  # not lost to another owner: still this request's
-        self.written = True
+        self._wrote()
         if not stored:
             logger.warning(
                 "lock for idempotency key %r was lost to another request; its response was "
@@ -333,7 +366,7 @@ class Lease(KeyOwner):
         is not written again; one that differs from the committed one is an error of the
         app's (retries are answered with the committed one)."""
         assert self.recorded is not None
-        self.written = True
+        self._wrote()
         recorded_status, recorded_body = self.recorded
         if status != recorded_status or (body is not None and body != recorded_body):
             logger.error(
@@ -369,7 +402,7 @@ class Lease(KeyOwner):
                 self._events.shown_error(exc),
             )
             released = True
-        self.written = True
+        self._wrote()
         if released:
             await self._events.ended(OutcomeResult.RELEASED, status)
         else:
@@ -383,7 +416,7 @@ class Lease(KeyOwner):
         try:
             await self._save_progress(self.record, 0.0)
         except LockLostError:
-            self.written = True
+            self._wrote()
             await self._events.lock_lost("lock_lost", "taken_over", status)
             return
         except StoreError as exc:
@@ -392,7 +425,7 @@ class Lease(KeyOwner):
                 self._events.shown_key,
                 self._events.shown_error(exc),
             )
-        self.written = True
+        self._wrote()
         await self._events.ended(OutcomeResult.RELEASED, status)
 
 
@@ -532,7 +565,8 @@ class Run(_BodyReplay):
                 # shield lets through: asyncio.timeout(), a server's) by a task of its own, so
                 # that a cancelled request still settles or frees its key.
                 with anyio.CancelScope(shield=True):
-                    await _to_its_end(self._end_abnormally(sys.exc_info()[1]))
+                    failure = sys.exc_info()[1]
+                    await _to_its_end(self._end_abnormally(failure), lease, failure)
 
     async def send(self, message: Message) -> None:
         """Pass ``message`` on to the client, keeping a copy of the response (up to
@@ -590,14 +624,19 @@ class Run(_BodyReplay):
             )
 
     async def _release_final(self) -> None:
-        """Settle and send the held last chunk, or wait for the task doing it (which a cancel
-        of this request does not cut short: the request's ending waits for it again)."""
+        """Settle and send the held last chunk, or wait for the task doing it: a cancel of this
+        request cuts that task short only once it has settled (else the request's ending waits
+        for it again)."""
         final, self._final = self._final, None
         if final is not None:
             await self._settle_and_send(final)
         elif (sending := self._sending) is not None:
             try:
                 await asyncio.shield(sending)
+            except asyncio.CancelledError:
+                if self._lease.written:  # what it has left to do is send: cut it too
+                    sending.cancel()
+                raise
             finally:
                 if sending.done():
                     self._sending = None

@@ -4,7 +4,9 @@
 cancel: each is a ``task.cancel()``, which anyio's shield lets through. Whatever await it lands
 on (the acquired event's hook, the outcome's write, the task that settles a response whose app
 runs on), the key ends stored or free, never held until its lock runs out; the outcome is
-written and reported once; a response the app sent whole reaches its client.
+written and reported once. Once it is written, the cancel cuts what is left at its first
+wait (a send to a client that stopped reading, a slow hook): a cancelled request ends soon,
+and its retry is replayed.
 """
 
 from __future__ import annotations
@@ -128,7 +130,9 @@ class Setup:
         # 2.4: a stream does not listen for http.disconnect in a task group of its own.
         return {**scope, "asgi": {"version": "3.0", "spec_version": "2.4"}}
 
-    def start(self, route: str) -> asyncio.Task[None]:
+    def start(self, route: str, *, client_reads: bool = True) -> asyncio.Task[None]:
+        """The request to ``route`` in a task of its own; a client that does not read keeps
+        every body chunk's send waiting, as a server's flow control does."""
         received = False
 
         async def receive() -> Message:
@@ -140,6 +144,8 @@ class Setup:
             raise AssertionError("unreachable")
 
         async def send(message: Message) -> None:
+            if not client_reads and message["type"] == "http.response.body":
+                await asyncio.Event().wait()
             self.sent.append(message)
 
         return asyncio.create_task(self.app(self.scope(route), receive, send))
@@ -288,7 +294,69 @@ async def test_a_cancel_while_a_hook_takes_the_outcome_event_writes_nothing_twic
     assert isinstance(await ended(running), asyncio.CancelledError)
     assert setup.store.written["finish"] == 1
     assert [event.result for event in setup.outcomes()] == ["COMPLETED"]
-    assert setup.client_got() == [("start", 201), ("body", b'{"ok":1}')]
+    # Cancelled once its outcome was written: the rest (the hook, the client's send) is cut.
+    assert setup.client_got() == []
+
+
+@pytest.mark.parametrize("route", ["whole", "background"])
+async def test_a_client_that_stops_reading_does_not_keep_a_cancelled_request_running(
+    route: str,
+) -> None:
+    """Once the outcome is written, the cancel cuts the send that waits for the client: the
+    request ends, and the retry is replayed."""
+    setup = Setup()
+    setup.store.gate.clear()
+    running = setup.start(route, client_reads=False)
+    await eventually(lambda: setup.store.entered["finish"] == 1, message="the outcome's write")
+    running.cancel()
+    await loop_turns(2)
+    setup.store.gate.set()
+    assert isinstance(await ended(running), CancelledError)
+    assert setup.store.written["finish"] == 1
+    assert setup.client_got() == [("start", 201)]  # its body's send waited, and was cut
+    retry = await setup.retry(route)
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert setup.runs[route] == 1
+
+
+async def test_a_slow_outcome_hook_does_not_keep_a_cancelled_request_running() -> None:
+    setup = Setup()
+    setup.store.gate.clear()
+    setup.holds["COMPLETED"] = asyncio.Event()  # never set
+    running = setup.start("whole")
+    await eventually(lambda: setup.store.entered["finish"] == 1, message="the outcome's write")
+    running.cancel()
+    await loop_turns(2)
+    setup.store.gate.set()
+    assert isinstance(await ended(running), CancelledError)
+    assert setup.store.written["finish"] == 1
+
+
+async def test_the_apps_own_error_stays_in_the_story_of_a_cancelled_ending() -> None:
+    """The app raised, and a cancel came while its ending stored what it had sent: the cancel
+    is raised with the app's error as its context, for the server's log to show both."""
+    setup = Setup()
+    setup.store.gate.clear()
+    raised: list[BaseException] = []
+
+    async def server() -> None:  # what a server's task sees, and logs
+        try:
+            await setup.start("stream-raises")
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    running = asyncio.create_task(server())
+    await eventually(lambda: setup.store.entered["finish"] == 1, message="the outcome's write")
+    running.cancel()
+    await loop_turns(2)
+    setup.store.gate.set()
+    assert isinstance(await ended(running), CancelledError)
+    [failure] = raised
+    assert isinstance(failure, CancelledError)
+    assert not failure.__suppress_context__
+    assert isinstance(failure.__context__, RuntimeError)
+    assert str(failure.__context__) == "the generator failed half-way"
 
 
 @settings(max_examples=120, deadline=None)
