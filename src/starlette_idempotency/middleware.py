@@ -325,7 +325,7 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
         bounded = BoundedStore(
             store,
             timeout=store_timeout_seconds,
-            metrics=metrics,
+            metrics=self.observer.metrics,
             tracer=StoreCallTracer() if tracing else None,
             clock=clock,
         )

@@ -106,6 +106,44 @@ class MetricsSink(Protocol):
         """Count a lock that ran out: lost, found gone on renewal, or taken over."""
 
 
+class _SinkThatCannotFail:
+    """A metrics sink's calls, each of whose failures is logged: a sink that raises (its
+    backend down, a label it refuses) must not fail the request it counts, nor interrupt the
+    write it times (which would then be made again)."""
+
+    def __init__(self, sink: MetricsSink) -> None:
+        self._sink = sink
+        self._observe_waiting = getattr(sink, "observe_waiting", None)
+
+    def observe_event(self, event: IdempotencyEvent) -> None:
+        try:
+            self._sink.observe_event(event)
+        except Exception:
+            logger.exception("the metrics sink's observe_event() failed; the request goes on")
+
+    def observe_store_call(self, store: str, operation: str, seconds: float, ok: bool) -> None:
+        try:
+            self._sink.observe_store_call(store, operation, seconds, ok)
+        except Exception:
+            logger.exception("the metrics sink's observe_store_call() failed; the request goes on")
+
+    def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
+        try:
+            self._sink.observe_processing_timeout(endpoint, reason)
+        except Exception:
+            logger.exception(
+                "the metrics sink's observe_processing_timeout() failed; the request goes on"
+            )
+
+    def observe_waiting(self, delta: int) -> None:
+        if self._observe_waiting is None:
+            return
+        try:
+            self._observe_waiting(delta)
+        except Exception:
+            logger.exception("the metrics sink's observe_waiting() failed; the request goes on")
+
+
 class Observer:
     """Fans events out to the logger, the hook and the metrics sink."""
 
@@ -120,11 +158,11 @@ class Observer:
         self.pod_id = pod_id or socket.gethostname()
         self._hash_keys = log_keys == "hashed"
         self._on_event = on_event
-        self.metrics = metrics
+        #: The metrics sink, whose failures are logged, not raised.
+        self.metrics = None if metrics is None else _SinkThatCannotFail(metrics)
         #: Whether a hook or a metrics sink takes every event (the logger may, at INFO).
         self.listens = on_event is not None or metrics is not None
         self._declare = getattr(metrics, "declare", None)
-        self._observe_waiting = getattr(metrics, "observe_waiting", None)
 
     @property
     def wants_events(self) -> bool:
@@ -189,8 +227,8 @@ class Observer:
 
     def waiting(self, delta: int) -> None:
         """One more (``+1``) or one fewer (``-1``) duplicate waiting for a first request."""
-        if self._observe_waiting is not None:
-            self._observe_waiting(delta)
+        if self.metrics is not None:
+            self.metrics.observe_waiting(delta)
 
 
 def error_summary(exc: BaseException) -> str:

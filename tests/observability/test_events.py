@@ -257,3 +257,53 @@ async def test_renewal_that_finds_the_lock_gone_is_a_processing_timeout() -> Non
     await eventually(counted, message="the renewal to find the lock gone")
     release.set()
     assert (await request).status_code == 200
+
+
+class FailingSink:
+    """A metrics sink whose backend is down: every call raises."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _fail(self) -> None:
+        self.calls += 1
+        raise RuntimeError("metrics backend down")
+
+    def observe_event(self, event: IdempotencyEvent) -> None:
+        self._fail()
+
+    def observe_store_call(self, store: str, operation: str, seconds: float, ok: bool) -> None:
+        self._fail()
+
+    def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
+        self._fail()
+
+
+class CountingStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.finishes = 0
+
+    async def finish(self, key: str, record: Any, ttl: float) -> Any:
+        self.finishes += 1
+        return await super().finish(key, record, ttl)
+
+
+async def test_a_metrics_sink_that_raises_fails_no_request_and_no_write(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its failure after the outcome's write (timing it) wrote the outcome a second time and
+    answered the client 500 while retries were replayed."""
+    sink, store = FailingSink(), CountingStore()
+    harness = await make_guarded_app("fastapi", store, metrics=sink)
+    headers = {"Idempotency-Key": "k"}
+    with caplog.at_level(logging.ERROR, logger="starlette_idempotency"):
+        first = await harness.client.post("/payments", json=PAYMENT, headers=headers)
+        again = await harness.client.post("/payments", json=PAYMENT, headers=headers)
+    assert first.status_code == 201
+    assert again.status_code == 201
+    assert again.headers["x-idempotent-replay"] == "true"
+    assert store.finishes == 1
+    assert harness.ledger.executions["payments"] == 1
+    assert sink.calls > 0
+    assert "the metrics sink's observe_store_call() failed" in caplog.text
