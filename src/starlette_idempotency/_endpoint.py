@@ -79,18 +79,21 @@ class Marks(Protocol):
     retryable: bool
     #: The endpoint must not begin (its body is no valid command, and no key was acquired).
     must_not_start: bool
+    #: The outcome is decided: the response ended, or the key was freed.
+    decided: bool
 
 
 class InvalidCommandMarks:
     """The marks of a request whose body ``fingerprint="validated"`` found invalid: the app
     answers it (its own 422), and the endpoint must not begin unprotected."""
 
-    __slots__ = ("endpoint_started", "must_not_start", "retryable")
+    __slots__ = ("decided", "endpoint_started", "must_not_start", "retryable")
 
     def __init__(self) -> None:
         self.endpoint_started = False
         self.retryable = False
         self.must_not_start = True
+        self.decided = False
 
 
 class UnprotectedEndpointError(RuntimeError):
@@ -178,11 +181,22 @@ def mark_retryable(request: HTTPConnection) -> None:
 
     Call it from a handler that refuses a request before writing anything (a duplicate e-mail,
     say), so the client may fix the problem and retry with the same key. Outside a guarded
-    request it does nothing.
+    request it does nothing. Once the response has ended (from a background task, which runs
+    after it) it raises :class:`~starlette_idempotency.IdempotencyError`: the outcome is
+    decided, and its client may have it.
     """
     marks: Marks | None = request.scope.get(REQUEST_SCOPE_KEY)
-    if marks is not None:
-        marks.retryable = True
+    if marks is None:
+        return
+    if marks.decided:
+        # Honoured, it would free the key of a response its client got, for a retry to run
+        # the handler again; and whether it still could depends on a turn of the loop.
+        raise IdempotencyError(
+            "mark_retryable() came after the outcome of this request was decided (its "
+            "response ended, or its key was freed): call it before the response ends, not "
+            "from a background task, which runs after it"
+        )
+    marks.retryable = True
 
 
 class KeyOwner:

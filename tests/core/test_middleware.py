@@ -10,8 +10,20 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from starlette_idempotency import (
+    IdempotencyError,
+    IdempotencyMiddleware,
+    MemoryStore,
+    idempotent,
+    mark_retryable,
+)
 from starlette_idempotency.stores import RecordStatus
 from tests.support.asgi import payments_scope
 from tests.support.guarded import GuardedApp, make_client, make_guarded_app
@@ -524,3 +536,34 @@ async def test_a_content_length_that_is_not_one_number_is_400(
     assert sent[0]["status"] == 400
     assert b"Content-Length" in sent[1]["body"]
     assert harness.ledger.executions["payments"] == 0
+
+
+@pytest.mark.parametrize("turns_first", [0, 1, 2])
+async def test_mark_retryable_after_the_response_ended_is_refused(turns_first: int) -> None:
+    """From a background task, after the client got its 201: honoured, it freed the key (so a
+    retry ran the handler again) or was ignored, as a turn of the loop fell."""
+    runs: list[int] = []
+    refused: list[Exception] = []
+
+    async def pay(request: Request) -> Response:
+        runs.append(1)
+
+        async def later() -> None:
+            for _ in range(turns_first):
+                await asyncio.sleep(0)
+            try:
+                mark_retryable(request)
+            except IdempotencyError as exc:
+                refused.append(exc)
+
+        return JSONResponse({"ok": 1}, status_code=201, background=BackgroundTask(later))
+
+    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: ""))
+    headers = {"Idempotency-Key": "k"}
+    assert (await client.post("/pay", json={}, headers=headers)).status_code == 201
+    retry = await client.post("/pay", json={}, headers=headers)
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert runs == [1]
+    assert len(refused) == 1
+    assert "before the response ends" in str(refused[0])
