@@ -177,11 +177,13 @@ async def ended(task: asyncio.Task[None]) -> BaseException | None:
     return None
 
 
-async def cancelled_during(setup: Setup, route: str, call: str, cancels: int = 1) -> object:
+async def cancelled_during(
+    setup: Setup, route: str, call: str, cancels: int = 1, *, client_reads: bool = True
+) -> object:
     """What a request to ``route`` ends with, cancelled ``cancels`` times while its ending's
     ``call`` (a finish or a release) waits for the store: the ending still waits for it."""
     setup.store.gate.clear()
-    running = setup.start(route)
+    running = setup.start(route, client_reads=client_reads)
     await eventually(lambda: setup.store.entered[call] == 1, message=f"the ending's {call}")
     for _ in range(cancels):
         running.cancel()
@@ -305,13 +307,8 @@ async def test_a_client_that_stops_reading_does_not_keep_a_cancelled_request_run
     """Once the outcome is written, the cancel cuts the send that waits for the client: the
     request ends, and the retry is replayed."""
     setup = Setup()
-    setup.store.gate.clear()
-    running = setup.start(route, client_reads=False)
-    await eventually(lambda: setup.store.entered["finish"] == 1, message="the outcome's write")
-    running.cancel()
-    await loop_turns(2)
-    setup.store.gate.set()
-    assert isinstance(await ended(running), CancelledError)
+    failure = await cancelled_during(setup, route, "finish", client_reads=False)
+    assert isinstance(failure, CancelledError)
     assert setup.store.written["finish"] == 1
     assert setup.client_got() == [("start", 201)]  # its body's send waited, and was cut
     retry = await setup.retry(route)
@@ -321,14 +318,8 @@ async def test_a_client_that_stops_reading_does_not_keep_a_cancelled_request_run
 
 async def test_a_slow_outcome_hook_does_not_keep_a_cancelled_request_running() -> None:
     setup = Setup()
-    setup.store.gate.clear()
     setup.holds["COMPLETED"] = asyncio.Event()  # never set
-    running = setup.start("whole")
-    await eventually(lambda: setup.store.entered["finish"] == 1, message="the outcome's write")
-    running.cancel()
-    await loop_turns(2)
-    setup.store.gate.set()
-    assert isinstance(await ended(running), CancelledError)
+    assert isinstance(await cancelled_during(setup, "whole", "finish"), CancelledError)
     assert setup.store.written["finish"] == 1
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import pytest
@@ -20,6 +22,23 @@ from tests.support.records import pending
 from tests.support.stores import equals
 
 pytestmark = pytest.mark.postgres
+
+
+@contextlib.asynccontextmanager
+async def behind_a_link(
+    postgres_dsn: str, postgres_table: str
+) -> AsyncIterator[tuple[LinkProxy, PostgresStore]]:
+    """A store of one connection whose link the test can hold (replies wait) and release."""
+    parts = urlsplit(postgres_dsn)
+    async with LinkProxy(parts.port or 5432, parts.hostname or "127.0.0.1") as link:
+        store = await PostgresStore.connect(
+            link.proxied(postgres_dsn), table=postgres_table, min_size=1, max_size=1
+        )
+        try:
+            await store.create_schema()
+            yield link, store
+        finally:
+            await store.aclose()
 
 
 async def test_stopped_postgres_fails_closed_and_recovers_without_restart(
@@ -67,33 +86,25 @@ async def test_an_acquire_that_commits_as_the_deadline_fires_is_undone(
         runs.append(1)
         return JSONResponse({"n": len(runs)}, status_code=201)
 
-    parts = urlsplit(postgres_dsn)
-    async with LinkProxy(parts.port or 5432, parts.hostname or "127.0.0.1") as link:
-        store = await PostgresStore.connect(
-            link.proxied(postgres_dsn), table=postgres_table, min_size=1, max_size=1
-        )
-        try:
-            await store.create_schema()
-            app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-            middleware = IdempotencyMiddleware(app, store=store, store_timeout_seconds=0.5)
-            client = make_client(middleware)
+    async with behind_a_link(postgres_dsn, postgres_table) as (link, store):
+        app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+        middleware = IdempotencyMiddleware(app, store=store, store_timeout_seconds=0.5)
+        client = make_client(middleware)
 
-            async def post(key: str) -> int:
-                response = await client.post("/pay", json={}, headers={"Idempotency-Key": key})
-                return response.status_code
+        async def post(key: str) -> int:
+            response = await client.post("/pay", json={}, headers={"Idempotency-Key": key})
+            return response.status_code
 
-            assert await post("warm") == 201  # the statements are prepared: one exchange each
-            link.hold()  # the INSERT runs and commits; its reply is late
-            asyncio.get_running_loop().call_later(1.0, link.release)
-            assert await post("late") == 503
-            assert runs == [1]
-            row = await store.get(storage_key("", "POST", "/pay", "late"))
-            assert row is not None, "the INSERT did not commit: nothing to undo"
+        assert await post("warm") == 201  # the statements are prepared: one exchange each
+        link.hold()  # the INSERT runs and commits; its reply is late
+        asyncio.get_running_loop().call_later(1.0, link.release)
+        assert await post("late") == 503
+        assert runs == [1]
+        row = await store.get(storage_key("", "POST", "/pay", "late"))
+        assert row is not None, "the INSERT did not commit: nothing to undo"
 
-            await eventually(lambda: equals(post("late"), 201), message="a retry to run (not 409)")
-            assert runs == [1, 1]
-        finally:
-            await store.aclose()
+        await eventually(lambda: equals(post("late"), 201), message="a retry to run (not 409)")
+        assert runs == [1, 1]
 
 
 async def test_a_take_back_that_commits_as_the_deadline_fires_is_not_undone(
@@ -102,28 +113,20 @@ async def test_a_take_back_that_commits_as_the_deadline_fires_is_not_undone(
     """A handler whose lock vanished takes its key back with its own owner token; a take-back
     whose reply comes after the deadline committed all the same, and must stay: undone (fenced
     by the same token), it would free the key of a handler that still runs."""
-    parts = urlsplit(postgres_dsn)
-    async with LinkProxy(parts.port or 5432, parts.hostname or "127.0.0.1") as link:
-        store = await PostgresStore.connect(
-            link.proxied(postgres_dsn), table=postgres_table, min_size=1, max_size=1
-        )
-        try:
-            await store.create_schema()
-            running = pending("k", "handler")
-            assert (await store.try_acquire("k", running, 30)).acquired
-            assert await store.release("k", "handler")  # the lock vanished
-            link.hold()  # the take-back runs and commits; its reply is late
-            asyncio.get_running_loop().call_later(1.0, link.release)
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0.5):
-                    await store.take_back("k", running, 30)
-            assert not store._undoing, "an undo was made for a take-back"
+    async with behind_a_link(postgres_dsn, postgres_table) as (link, store):
+        running = pending("k", "handler")
+        assert (await store.try_acquire("k", running, 30)).acquired
+        assert await store.release("k", "handler")  # the lock vanished
+        link.hold()  # the take-back runs and commits; its reply is late
+        asyncio.get_running_loop().call_later(1.0, link.release)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await store.take_back("k", running, 30)
+        assert not store._undoing, "an undo was made for a take-back"
 
-            async def back() -> bool:
-                held = await store.get("k")
-                return held is not None and held.owner_token == "handler"
+        async def back() -> bool:
+            held = await store.get("k")
+            return held is not None and held.owner_token == "handler"
 
-            await eventually(back, message="the take-back to be read back once the link flows")
-            assert not (await store.try_acquire("k", pending("k", "retry"), 30)).acquired
-        finally:
-            await store.aclose()
+        await eventually(back, message="the take-back to be read back once the link flows")
+        assert not (await store.try_acquire("k", pending("k", "retry"), 30)).acquired
