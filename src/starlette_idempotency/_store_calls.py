@@ -48,6 +48,7 @@ from starlette_idempotency.stores.base import (
     IdempotencyStore,
     StoreBase,
     leases_on_store_clock,
+    take_back,
 )
 
 _T = TypeVar("_T")
@@ -206,14 +207,9 @@ class BoundedStore:
     def take_back(
         self, key: str, record: IdempotencyRecord, lock_ttl: float
     ) -> Awaitable[AcquireResult]:
-        """The store's ``take_back`` (``try_acquire`` without recovery where it has none),
-        bounded, and counted as ``try_acquire``, which it is."""
-        take_back = getattr(self.store, "take_back", None)
-        if take_back is None:  # a store written to the protocol alone
-            return self._call(
-                "try_acquire", self.store.try_acquire, key, record, lock_ttl, recover=False
-            )
-        return self._call("try_acquire", take_back, key, record, lock_ttl)
+        """:func:`~starlette_idempotency.stores.base.take_back` on the store, bounded, and
+        counted as ``try_acquire``, which it is."""
+        return self._call("try_acquire", take_back, self.store, key, record, lock_ttl)
 
     def get(self, key: str) -> Awaitable[IdempotencyRecord | None]:
         return self._call("get", self.store.get, key)

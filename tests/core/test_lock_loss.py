@@ -29,6 +29,7 @@ from starlette_idempotency.stores import (
     IdempotencyRecord,
     RecordStatus,
 )
+from starlette_idempotency.stores.base import TAKING_BACK
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
 from tests.support.records import pending
@@ -39,17 +40,17 @@ HEADERS = {"Idempotency-Key": "k"}
 
 
 class TakingBack(MemoryStore):
-    """Records each take-back: the one call of a held key that is never undone."""
+    """Records the owner token each acquire is marked as taking back (``None``: none)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.taken_back: list[str] = []
+        self.marks: list[str | None] = []
 
-    async def take_back(
-        self, key: str, record: IdempotencyRecord, lock_ttl: float
+    async def try_acquire(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> AcquireResult:
-        self.taken_back.append(record.owner_token)
-        return await super().take_back(key, record, lock_ttl)
+        self.marks.append(TAKING_BACK.get())
+        return await super().try_acquire(key, pending, lock_ttl, recover=recover)
 
 
 class App:
@@ -95,7 +96,8 @@ async def test_renewal_takes_a_vanished_lock_back_so_a_retry_cannot_run() -> Non
         return record is not None and record.owner_token == held.owner_token
 
     await eventually(back, message="the lock taken back by its owner")
-    assert app.store.taken_back == [held.owner_token]  # the store's take-back, never undone
+    # The acquire, then the take-back, marked so that no store undoes it.
+    assert app.store.marks == [None, held.owner_token]
     retry = await app.client.post("/slow", headers=HEADERS)
     assert retry.status_code == 409
     assert app.lock_lost_notes() == ["reclaimed"]
@@ -145,19 +147,19 @@ async def test_complete_over_a_vanished_lock_stores_and_reports_it() -> None:
 
 
 class ProtocolOnly:
-    """A store written to the protocol alone, without ``StoreBase`` (so no ``take_back``)."""
+    """A store written to the protocol alone, without ``StoreBase``."""
 
     name = "protocol-only"
     supports_recovery = False
 
     def __init__(self) -> None:
         self.inner = MemoryStore()
-        self.acquires: list[bool] = []
+        self.acquires: list[tuple[bool, str | None]] = []
 
     async def try_acquire(
         self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
     ) -> AcquireResult:
-        self.acquires.append(recover)
+        self.acquires.append((recover, TAKING_BACK.get()))
         return await self.inner.try_acquire(key, pending, lock_ttl, recover=recover)
 
     async def finish(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
@@ -181,12 +183,13 @@ class ProtocolOnly:
         await self.inner.aclose()
 
 
-async def test_a_store_without_take_back_is_asked_to_acquire_without_recovery() -> None:
+async def test_a_store_written_to_the_protocol_alone_takes_back_too() -> None:
     store = ProtocolOnly()
     bounded = BoundedStore(store, timeout=1.0, metrics=None, tracer=None)
     record = pending("k", "handler")
     assert (await bounded.take_back("k", record, 30)).acquired
-    assert store.acquires == [False]
+    assert store.acquires == [(False, "handler")]
+    assert TAKING_BACK.get() is None  # the mark lasts the call only
     held = await store.get("k")
     assert held is not None
     assert held.owner_token == "handler"

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from starlette_idempotency import IdempotencyMiddleware, PostgresStore, idempotent, storage_key
+from starlette_idempotency.stores.base import take_back
 from starlette_idempotency.testing._postgres_server import PostgresServer
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
@@ -121,7 +122,7 @@ async def test_a_take_back_that_commits_as_the_deadline_fires_is_not_undone(
         asyncio.get_running_loop().call_later(1.0, link.release)
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.5):
-                await store.take_back("k", running, 30)
+                await take_back(store, "k", running, 30)
         assert not store._undoing, "an undo was made for a take-back"
 
         async def back() -> bool:

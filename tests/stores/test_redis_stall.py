@@ -20,8 +20,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from starlette_idempotency._record import Checkpoint, IdempotencyRecord, dump_record
+from starlette_idempotency.stores import IdempotencyStore
+from starlette_idempotency.stores.base import take_back
 from starlette_idempotency.stores.redis import AcquireStrategy, DriverName, RedisStore
 from starlette_idempotency.stores.redis._driver import Arg
+from starlette_idempotency.testing import FaultyStore
 from starlette_idempotency.testing._redis_server import RedisServer, encode_command
 from tests.support.conditions import eventually
 from tests.support.records import pending
@@ -180,15 +183,18 @@ async def test_a_takeover_abandoned_while_redis_stalls_ends_its_lease(
         await admin.aclose()
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["alone", "wrapped"])
 @DRIVERS
 async def test_a_take_back_cut_short_while_redis_stalls_is_not_undone(
-    server: RedisServer, driver: DriverName
+    server: RedisServer, driver: DriverName, wrapped: bool
 ) -> None:
     """A handler whose lock vanished takes its key back with its own owner token; when that
     write times out in a stall it may still land, and it must stay: undone (fenced by the same
-    token), it would free the key of a handler that still runs, for a retry to run it again."""
+    token), it would free the key of a handler that still runs, for a retry to run it again.
+    Wrapped in another store (``FaultyStore``), which passes the take-back on unknowing."""
     options: dict[str, Any] = GLIDE_OPTIONS if driver == "glide" else {}
     store = RedisStore.from_url(server.url, key_prefix="p", driver=driver, **options)
+    taking: IdempotencyStore = FaultyStore(store) if wrapped else store
     admin = aioredis.from_url(server.url)
     try:
         warm = pending("warm", "w")
@@ -203,7 +209,7 @@ async def test_a_take_back_cut_short_while_redis_stalls_is_not_undone(
             with stalled_for(server):
                 with pytest.raises(TimeoutError):
                     async with asyncio.timeout(CALL_DEADLINE):
-                        await store.take_back(key, running, LOCK_TTL)
+                        await take_back(taking, key, running, LOCK_TTL)
                 assert not store._undoing, "an undo was made for a take-back"
 
             async def back(key: str = key) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import inspect
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -224,6 +225,30 @@ def leases_on_store_clock(store: IdempotencyStore) -> bool:
     return "lease" in parameters
 
 
+#: The owner token of the take-back the running task makes (see :func:`take_back`): a store
+#: whose ``try_acquire`` undoes a write its caller gave up on leaves that token's write alone.
+#: Task-local, so that a store wrapping another (a fault injector, a metrics wrapper) passes it
+#: on without knowing of it.
+TAKING_BACK: ContextVar[str | None] = ContextVar("starlette_idempotency_taking_back", default=None)
+
+
+async def take_back(
+    store: IdempotencyStore, key: str, record: IdempotencyRecord, lock_ttl: float
+) -> AcquireResult:
+    """Write ``record`` back for its owner, whose lock vanished while its handler runs (evicted,
+    deleted, or lapsed while the process stalled): ``store.try_acquire`` without recovery,
+    ``record`` holding the owner's own token, marked as a take-back (:data:`TAKING_BACK`).
+
+    The handler still runs, so a call cut short (cancelled, timed out) must not be undone as an
+    abandoned acquire is: undone, fenced by the same token, it would free the key of a handler
+    that runs, for a retry to run it again."""
+    marked = TAKING_BACK.set(record.owner_token)
+    try:
+        return await store.try_acquire(key, record, lock_ttl, recover=False)
+    finally:
+        TAKING_BACK.reset(marked)
+
+
 class StoreBase(IdempotencyStore):
     """What every store builds on the protocol's primitives; subclass it to write a store.
 
@@ -244,19 +269,6 @@ class StoreBase(IdempotencyStore):
             if await self.finish(key, record, ttl):
                 return True
         return False
-
-    async def take_back(
-        self, key: str, record: IdempotencyRecord, lock_ttl: float
-    ) -> AcquireResult:
-        """Write ``record`` back for its owner, whose lock vanished while its handler runs
-        (evicted, deleted, or lapsed while the process stalled): :meth:`try_acquire` without
-        recovery, ``record`` holding the owner's own token.
-
-        The handler still runs, so a call cut short (cancelled, timed out) is never undone: a
-        store whose ``try_acquire`` undoes a write its caller gave up on overrides this to
-        leave a take-back's alone. The middleware calls ``try_acquire(..., recover=False)`` on
-        a store without this method."""
-        return await self.try_acquire(key, record, lock_ttl, recover=False)
 
     async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         """Deprecated (removed in 0.3.0): :meth:`finish`, the protocol's first spelling for a

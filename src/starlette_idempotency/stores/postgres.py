@@ -97,6 +97,7 @@ from starlette_idempotency.stores._postgres_sql import (
 )
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
+    TAKING_BACK,
     AcquireResult,
     FencedWrite,
     HeldRecord,
@@ -169,8 +170,6 @@ class PostgresStore(StoreBase):
         # Whether statements need an explicit READ COMMITTED transaction (None: not known yet).
         self._explicit_isolation: bool | None = None
         self._undoing: set[asyncio.Task[None]] = set()
-        # The owner tokens of take-backs in flight, whose writes are never undone.
-        self._taking_back: set[str] = set()
 
     @classmethod
     def from_dsn(
@@ -423,18 +422,6 @@ class PostgresStore(StoreBase):
             raise StoreError(f"PostgreSQL try_acquire gave up on key {key!r}: it kept changing")
         return result
 
-    async def take_back(
-        self, key: str, record: IdempotencyRecord, lock_ttl: float
-    ) -> AcquireResult:
-        """:meth:`try_acquire` without recovery, never undone: ``record``'s handler still runs
-        (see ``StoreBase.take_back``), and undoing a take-back that committed would free its
-        key for a retry to run it again."""
-        self._taking_back.add(record.owner_token)
-        try:
-            return await self.try_acquire(key, record, lock_ttl, recover=False)
-        finally:
-            self._taking_back.discard(record.owner_token)
-
     def _undo_abandoned(
         self, key: str, owner_token: str, params: tuple[Any, ...], lock_ttl: float
     ) -> None:
@@ -449,7 +436,7 @@ class PostgresStore(StoreBase):
         leaves an expired row that makes an insert landing even later write nothing. It is
         sent in the background and tried again until ``lock_ttl`` has passed.
         """
-        if owner_token in self._taking_back:
+        if TAKING_BACK.get() == owner_token:  # its handler runs (see stores.base.take_back)
             return
         task = asyncio.get_running_loop().create_task(self._undo(key, params, lock_ttl))
         self._undoing.add(task)

@@ -39,6 +39,7 @@ from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTi
 from starlette_idempotency.stores._lazy_pool import close_at_loop_end, refuse_a_busy_loop
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
+    TAKING_BACK,
     AcquireResult,
     FencedWrite,
     HeldRecord,
@@ -198,8 +199,6 @@ class RedisStore(StoreBase):
         self._acquire = self._acquire_command()
         self._changes = RedisChangeListener(driver.subscription)
         self._undoing: set[asyncio.Task[None]] = set()
-        # The owner tokens of take-backs in flight, whose writes are never undone.
-        self._taking_back: set[str] = set()
         #: What the driver raises, turned into StoreError (timeouts into StoreTimeoutError).
         self._failures = (*driver.errors, *driver.timeouts)
         # What abandons a write that Redis may still run (see _undo_abandoned).
@@ -401,18 +400,6 @@ class RedisStore(StoreBase):
             raise _store_error(self._driver, "try_acquire", key, exc) from exc
         raise StoreError(f"key {key!r} kept vanishing between its acquire and its recovery")
 
-    async def take_back(
-        self, key: str, record: IdempotencyRecord, lock_ttl: float
-    ) -> AcquireResult:
-        """:meth:`try_acquire` without recovery, never undone: ``record``'s handler still runs
-        (see ``StoreBase.take_back``), and undoing a take-back that landed would free its key
-        for a retry to run it again."""
-        self._taking_back.add(record.owner_token)
-        try:
-            return await self.try_acquire(key, record, lock_ttl, recover=False)
-        finally:
-            self._taking_back.discard(record.owner_token)
-
     def _undo_abandoned(self, key: str, owner_token: str, lock_ttl: float) -> None:
         """Undo an acquire (or takeover) whose caller gave up: cancelled by a deadline or a
         client gone, or timed out; the caller will not run the handler.
@@ -427,7 +414,7 @@ class RedisStore(StoreBase):
         batch is undone once the batches in flight have ended: until then one may still send
         it (opening its connection, or redis-py's retry sending its pipeline again).
         """
-        if owner_token in self._taking_back:
+        if TAKING_BACK.get() == owner_token:  # its handler runs (see stores.base.take_back)
             return
         args: list[Arg] = [owner_token, self._prefix + key]
         loop = asyncio.get_running_loop()
