@@ -95,12 +95,17 @@ async def _to_its_end(
     if not ended_by_cancel and cancelled is None:
         task.result()
         return
-    if not task.cancelled() and (error := task.exception()) is not None:
-        # The cancel goes on (with the app's own error as its context, if it raised): raised,
-        # this would hide the one or the other.
-        logger.error("the ending of a cancelled request failed", exc_info=error)
+    # The cancel goes on (with the app's own error as its context, if it raised): raised, the
+    # ending's own failure would hide the one or the other.
+    _report_failure(task)
     if cancelled is not None:
         raise cancelled
+
+
+def _report_failure(ending: asyncio.Task[None]) -> None:
+    """Log what a cancelled request's ending raised, if anything, once it is done."""
+    if not ending.cancelled() and (error := ending.exception()) is not None:
+        logger.error("the ending of a cancelled request failed", exc_info=error)
 
 
 class Lease(KeyOwner):
@@ -566,7 +571,10 @@ class Run(_BodyReplay):
                 # that a cancelled request still settles or frees its key.
                 with anyio.CancelScope(shield=True):
                     failure = sys.exc_info()[1]
-                    await _to_its_end(self._end_abnormally(failure), lease, failure)
+                    try:
+                        await _to_its_end(self._end_abnormally(failure), lease, failure)
+                    finally:
+                        self._let_go_of_sending()
 
     async def send(self, message: Message) -> None:
         """Pass ``message`` on to the client, keeping a copy of the response (up to
@@ -633,13 +641,17 @@ class Run(_BodyReplay):
         elif (sending := self._sending) is not None:
             try:
                 await asyncio.shield(sending)
-            except asyncio.CancelledError:
-                if self._lease.written:  # what it has left to do is send: cut it too
-                    sending.cancel()
-                raise
             finally:
                 if sending.done():
                     self._sending = None
+
+    def _let_go_of_sending(self) -> None:
+        """After the ending: a task still settling and sending apart was cut with it, its
+        outcome written (see _to_its_end); what it is left to send is a cancelled request's."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            sending.cancel()
+            sending.add_done_callback(_report_failure)
 
     async def _settle_and_send(self, final: Message) -> None:
         # What Run.__call__ does itself when the app returned at once: inline there, so that

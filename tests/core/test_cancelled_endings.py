@@ -98,6 +98,12 @@ class Setup:
 
             return JSONResponse({"ok": 1}, status_code=201, background=BackgroundTask(later))
 
+        async def long_background(request: Request) -> Response:
+            self.runs["long-background"] += 1
+            return JSONResponse(
+                {"ok": 1}, status_code=201, background=BackgroundTask(asyncio.Event().wait)
+            )
+
         async def raises(request: Request) -> Response:
             self.runs["raises"] += 1
             raise RuntimeError("the handler failed")
@@ -111,6 +117,7 @@ class Setup:
             "whole": whole,
             "stream-raises": stream_raises,
             "background": background,
+            "long-background": long_background,
             "raises": raises,
         }
         self.app = Starlette(
@@ -314,6 +321,24 @@ async def test_a_client_that_stops_reading_does_not_keep_a_cancelled_request_run
     retry = await setup.retry(route)
     assert retry.headers["x-idempotent-replay"] == "true"
     assert setup.runs[route] == 1
+
+
+async def test_a_cancel_once_the_outcome_is_written_leaves_no_task_sending() -> None:
+    """The app runs its background task, the task settling apart has written the outcome and
+    waits for a client that stopped reading: cancelled, the request ends, and so does it."""
+    setup = Setup()
+    running = setup.start("long-background", client_reads=False)
+    await eventually(lambda: setup.store.written["finish"] == 1, message="the outcome's write")
+    await loop_turns(2)
+    assert sending_tasks(), "the task settling apart waits for the client"
+    running.cancel()
+    assert isinstance(await ended(running), CancelledError)
+    await loop_turns(2)
+    assert not sending_tasks()
+
+
+def sending_tasks() -> list[asyncio.Task[Any]]:
+    return [task for task in asyncio.all_tasks() if "_settle_and_send" in repr(task.get_coro())]
 
 
 async def test_a_slow_outcome_hook_does_not_keep_a_cancelled_request_running() -> None:
