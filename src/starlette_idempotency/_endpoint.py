@@ -34,6 +34,7 @@ import base64
 import functools
 import hashlib
 import inspect
+import logging
 import re
 import weakref
 from collections.abc import Callable
@@ -55,6 +56,8 @@ from starlette_idempotency.errors import (
     IdempotencyError,
     UnguardedRequestError,
 )
+
+logger = logging.getLogger(__name__)
 
 #: Where the middleware records, for every HTTP request it passes on, what it guards it as.
 GUARD_SCOPE_KEY = "starlette_idempotency.guard"
@@ -81,19 +84,21 @@ class Marks(Protocol):
     must_not_start: bool
     #: The outcome is decided: the response ended, or the key was freed.
     decided: bool
+    #: The key was freed for a retry.
+    freed: bool
 
 
 class InvalidCommandMarks:
     """The marks of a request whose body ``fingerprint="validated"`` found invalid: the app
     answers it (its own 422), and the endpoint must not begin unprotected."""
 
-    __slots__ = ("decided", "endpoint_started", "must_not_start", "retryable")
+    __slots__ = ("decided", "endpoint_started", "freed", "must_not_start", "retryable")
 
     def __init__(self) -> None:
         self.endpoint_started = False
         self.retryable = False
         self.must_not_start = True
-        self.decided = False
+        self.decided = self.freed = False
 
 
 class UnprotectedEndpointError(RuntimeError):
@@ -182,20 +187,22 @@ def mark_retryable(request: HTTPConnection) -> None:
     Call it from a handler that refuses a request before writing anything (a duplicate e-mail,
     say), so the client may fix the problem and retry with the same key. Outside a guarded
     request it does nothing. Once the response has ended (from a background task, which runs
-    after it) it raises :class:`~starlette_idempotency.IdempotencyError`: the outcome is
-    decided, and its client may have it.
+    after it) it changes nothing: the outcome is decided, and its client may have it; unless
+    the key was freed already, a warning says so.
     """
     marks: Marks | None = request.scope.get(REQUEST_SCOPE_KEY)
     if marks is None:
         return
     if marks.decided:
         # Honoured, it would free the key of a response its client got, for a retry to run
-        # the handler again; and whether it still could depends on a turn of the loop.
-        raise IdempotencyError(
-            "mark_retryable() came after the outcome of this request was decided (its "
-            "response ended, or its key was freed): call it before the response ends, not "
-            "from a background task, which runs after it"
-        )
+        # the handler again; and whether it still could would depend on a turn of the loop.
+        if not marks.freed:
+            logger.warning(
+                "mark_retryable() came after the response to this request ended, and changes "
+                "nothing: its outcome is decided, and its client may have it. Call it before "
+                "the response ends, not from a background task, which runs after it"
+            )
+        return
     marks.retryable = True
 
 

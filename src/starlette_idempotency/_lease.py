@@ -120,6 +120,7 @@ class Lease(KeyOwner):
         "_store",
         "decided",
         "endpoint_started",
+        "freed",
         "inherited",
         "key",
         "must_not_start",
@@ -156,6 +157,8 @@ class Lease(KeyOwner):
         #: Set once the response has ended, or the key is freed: no recovery point after it
         #: (one from a background task would come between the response and its storing).
         self.decided = False
+        #: Set once the key is freed for a retry (or its lease ended, for a recovery).
+        self.freed = False
         # What the endpoint side reports (see _endpoint.Marks).
         self.endpoint_started = False
         self.retryable = False
@@ -388,7 +391,7 @@ class Lease(KeyOwner):
 
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
-        self.decided = True
+        self.decided = self.freed = True
         if self.written:
             return
         if self.recorded is not None:  # committed with the app's writes: never undone here

@@ -18,7 +18,6 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from starlette_idempotency import (
-    IdempotencyError,
     IdempotencyMiddleware,
     MemoryStore,
     idempotent,
@@ -539,11 +538,12 @@ async def test_a_content_length_that_is_not_one_number_is_400(
 
 
 @pytest.mark.parametrize("turns_first", [0, 1, 2])
-async def test_mark_retryable_after_the_response_ended_is_refused(turns_first: int) -> None:
+async def test_mark_retryable_after_the_response_ended_changes_nothing(
+    turns_first: int, caplog: pytest.LogCaptureFixture
+) -> None:
     """From a background task, after the client got its 201: honoured, it freed the key (so a
     retry ran the handler again) or was ignored, as a turn of the loop fell."""
     runs: list[int] = []
-    refused: list[Exception] = []
 
     async def pay(request: Request) -> Response:
         runs.append(1)
@@ -551,19 +551,42 @@ async def test_mark_retryable_after_the_response_ended_is_refused(turns_first: i
         async def later() -> None:
             for _ in range(turns_first):
                 await asyncio.sleep(0)
-            try:
-                mark_retryable(request)
-            except IdempotencyError as exc:
-                refused.append(exc)
+            mark_retryable(request)
 
         return JSONResponse({"ok": 1}, status_code=201, background=BackgroundTask(later))
 
     app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
     client = make_client(IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: ""))
     headers = {"Idempotency-Key": "k"}
-    assert (await client.post("/pay", json={}, headers=headers)).status_code == 201
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
+        assert (await client.post("/pay", json={}, headers=headers)).status_code == 201
     retry = await client.post("/pay", json={}, headers=headers)
     assert retry.headers["x-idempotent-replay"] == "true"
     assert runs == [1]
-    assert len(refused) == 1
-    assert "before the response ends" in str(refused[0])
+    assert "mark_retryable() came after the response to this request ended" in caplog.text
+
+
+async def test_mark_retryable_in_the_apps_500_handler_is_quietly_redundant(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Starlette runs the handler of an unhandled exception outside the middleware, once the
+    key was freed: the handler's own answer goes out, and nothing warns."""
+
+    async def pay(request: Request) -> Response:
+        raise RuntimeError("boom")
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        mark_retryable(request)  # "any unexpected failure may be retried"
+        return JSONResponse({"error": "internal"}, status_code=500)
+
+    app = Starlette(
+        routes=[Route("/pay", idempotent()(pay), methods=["POST"])],
+        exception_handlers={Exception: on_error},
+    )
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=lambda r: "")
+    client = make_client(app, raise_app_exceptions=False)
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
+        answer = await client.post("/pay", json={}, headers={"Idempotency-Key": "k"})
+    assert answer.status_code == 500
+    assert answer.json() == {"error": "internal"}
+    assert "mark_retryable" not in caplog.text
