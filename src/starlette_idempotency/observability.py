@@ -107,41 +107,47 @@ class MetricsSink(Protocol):
 
 
 class _SinkThatCannotFail:
-    """A metrics sink's calls, each of whose failures is logged: a sink that raises (its
-    backend down, a label it refuses) must not fail the request it counts, nor interrupt the
-    write it times (which would then be made again)."""
+    """A metrics sink's calls, none of whose failures reaches the request: a sink that raises
+    (its backend down, a label it refuses) must not fail the request it counts, nor interrupt
+    the write it times (which would then be made again). The first failure of each method is
+    logged, and the next once it has worked again in between."""
 
     def __init__(self, sink: MetricsSink) -> None:
         self._sink = sink
         self._observe_waiting = getattr(sink, "observe_waiting", None)
+        self._failing: set[str] = set()
+
+    def _call(self, name: str, method: Callable[..., object], *args: Any) -> None:
+        try:
+            method(*args)
+        except Exception:
+            if name not in self._failing:
+                self._failing.add(name)
+                logger.exception(
+                    "the metrics sink's %s() failed; requests go on, and its next failures "
+                    "are not logged until it works again",
+                    name,
+                )
+            return
+        if self._failing:
+            self._failing.discard(name)
 
     def observe_event(self, event: IdempotencyEvent) -> None:
-        try:
-            self._sink.observe_event(event)
-        except Exception:
-            logger.exception("the metrics sink's observe_event() failed; the request goes on")
+        self._call("observe_event", self._sink.observe_event, event)
 
     def observe_store_call(self, store: str, operation: str, seconds: float, ok: bool) -> None:
-        try:
-            self._sink.observe_store_call(store, operation, seconds, ok)
-        except Exception:
-            logger.exception("the metrics sink's observe_store_call() failed; the request goes on")
+        self._call(
+            "observe_store_call", self._sink.observe_store_call, store, operation, seconds, ok
+        )
 
     def observe_processing_timeout(self, endpoint: str, reason: str) -> None:
-        try:
-            self._sink.observe_processing_timeout(endpoint, reason)
-        except Exception:
-            logger.exception(
-                "the metrics sink's observe_processing_timeout() failed; the request goes on"
-            )
+        self._call(
+            "observe_processing_timeout", self._sink.observe_processing_timeout, endpoint, reason
+        )
 
     def observe_waiting(self, delta: int) -> None:
-        if self._observe_waiting is None:
-            return
-        try:
-            self._observe_waiting(delta)
-        except Exception:
-            logger.exception("the metrics sink's observe_waiting() failed; the request goes on")
+        if self._observe_waiting is not None:
+            self._call("observe_waiting", self._observe_waiting, delta)
 
 
 class Observer:
