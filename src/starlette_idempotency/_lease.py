@@ -391,12 +391,13 @@ class Lease(KeyOwner):
 
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
-        self.decided = self.freed = True
+        self.decided = True
         if self.written:
             return
         if self.recorded is not None:  # committed with the app's writes: never undone here
             await self._sent_recorded(status, None)
             return
+        self.freed = True
         if self.record.checkpoints:
             # Recovery points mean a side effect may have happened: keep them for the retry.
             await self._keep_for_recovery(status)

@@ -6,6 +6,7 @@ app runs as uvicorn pods in ``test_transaction_pods``."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,6 +27,7 @@ from starlette_idempotency import (
     idempotency_context,
     idempotency_transaction,
     idempotent,
+    mark_retryable,
 )
 from starlette_idempotency.stores import RecordStatus
 from starlette_idempotency.stores.base import IdempotencyStore
@@ -415,3 +417,44 @@ async def test_a_lapsed_lease_racing_its_takeover_commits_one_payment(
     # The race was run both ways: rounds where the retry took the key over and ran too.
     assert 1 in runs, runs
     assert 2 in runs, runs
+
+
+async def test_mark_retryable_after_a_committed_outcome_warns(
+    postgres_dsn: str, tables: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The transaction committed the outcome, then the handler raised: the ending's release
+    leaves the committed outcome, so the key is not freed, and a mark from the app's handler of
+    the exception (outside the middleware) changes nothing and says so."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    database = Database(postgres_dsn, tables, "asyncpg")
+    runs: list[int] = []
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        runs.append(1)
+
+        async def work(connection: Any, fetchval: Any) -> None:
+            async with idempotency_transaction(request, connection) as tx:
+                await tx.respond(JSONResponse({"paid": 1}, status_code=201))
+
+        await database.in_transaction("read_committed", work)
+        raise RuntimeError("failed after the commit")
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        mark_retryable(request)
+        return JSONResponse({"error": "retry"}, status_code=500)
+
+    app = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])], exception_handlers={Exception: on_error}
+    )
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    headers = {"Idempotency-Key": "k"}
+    async with make_client(app, raise_app_exceptions=False) as client:
+        with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
+            await client.post("/pay", json={}, headers=headers)
+        retry = await client.post("/pay", json={}, headers=headers)
+    await database.aclose()
+    await store.aclose()
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert runs == [1]
+    assert "mark_retryable() came after the response to this request ended" in caplog.text
