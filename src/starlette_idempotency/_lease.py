@@ -121,6 +121,7 @@ class Lease(KeyOwner):
         "decided",
         "endpoint_started",
         "freed",
+        "in_doubt",
         "inherited",
         "key",
         "must_not_start",
@@ -167,6 +168,9 @@ class Lease(KeyOwner):
         self.transaction_open = False
         #: The outcome an idempotency_transaction committed: its status and body.
         self.recorded: tuple[int, bytes] | None = None
+        #: Set when an idempotency_transaction's commit may or may not have happened: nothing
+        #: more is written for the request, and its lock lapses (see _transaction).
+        self.in_doubt = False
         #: Set once the outcome is written or the key freed, before its event: a settle that a
         #: cancel cut short after its write is not written or reported twice when run again.
         self.written = False
@@ -249,7 +253,7 @@ class Lease(KeyOwner):
         renew)."""
         if self.transaction_open:  # its row is locked: nobody can take the key over
             return True
-        if self.recorded is not None:  # the transaction finished the record
+        if self.recorded is not None or self.in_doubt:  # finished, or to lapse
             return False
         policy = self._route.policy
         renewed = await self._store.renew(
@@ -304,6 +308,9 @@ class Lease(KeyOwner):
             return
         if self.recorded is not None:
             await self._sent_recorded(status, body)
+            return
+        if self.in_doubt:
+            await self._leave_in_doubt(status)
             return
         outcome = self.outcome(status, raw_headers, body)
         if outcome is None:
@@ -389,6 +396,19 @@ class Lease(KeyOwner):
             OutcomeResult.COMPLETED if recorded_status < 400 else OutcomeResult.FAILED, status
         )
 
+    async def _leave_in_doubt(self, status: int | None) -> None:
+        """Write nothing for a request whose idempotency_transaction may have committed: a
+        release would delete the record it committed, a finish would overwrite it. Its lock
+        lapses, as a crashed pod's does, and a retry then finds what committed."""
+        self._wrote()
+        logger.error(
+            "the idempotency_transaction of idempotency key %r ended without knowing whether "
+            "it committed; the key is left locked until its lock expires (lock_ttl_seconds), "
+            "and a retry then gets the committed response, or runs again if nothing committed",
+            self._events.shown_key,
+        )
+        await self._events.ended(OutcomeResult.LOCK_LOST, status, "in_doubt")
+
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
         self.decided = True
@@ -396,6 +416,9 @@ class Lease(KeyOwner):
             return
         if self.recorded is not None:  # committed with the app's writes: never undone here
             await self._sent_recorded(status, None)
+            return
+        if self.in_doubt:
+            await self._leave_in_doubt(status)
             return
         self.freed = True
         if self.record.checkpoints:

@@ -21,6 +21,7 @@ driver.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, Protocol
@@ -36,11 +37,17 @@ from starlette_idempotency.stores._postgres_sql import Statement, TableQueries
 
 __all__ = ["IdempotencyTransaction", "idempotency_transaction"]
 
+logger = logging.getLogger(__name__)
+
 
 class _Connection(Protocol):
     """The app's connection, as the transaction uses it."""
 
     def in_transaction(self) -> bool: ...
+
+    def in_savepoint(self) -> bool: ...
+
+    def still_open(self) -> bool: ...
 
     async def begin(self) -> None: ...
 
@@ -71,6 +78,12 @@ class _Asyncpg(_Opened):
     def in_transaction(self) -> bool:
         return bool(self._connection.is_in_transaction())
 
+    def in_savepoint(self) -> bool:
+        return False  # asyncpg tells no one: the docs ask not to join inside a savepoint
+
+    def still_open(self) -> bool:
+        return bool(self._connection.is_in_transaction())
+
     async def begin(self) -> None:
         self._transaction = self._connection.transaction()
         await self._transaction.start()
@@ -85,6 +98,12 @@ class _SQLAlchemy(_Opened):
 
     def in_transaction(self) -> bool:
         return bool(self._connection.in_transaction())
+
+    def in_savepoint(self) -> bool:
+        return bool(self._connection.in_nested_transaction())
+
+    def still_open(self) -> bool:
+        return bool(self._transaction.is_active)
 
     async def begin(self) -> None:
         self._transaction = await self._connection.begin()
@@ -108,6 +127,19 @@ def _sqlstate(exc: BaseException) -> str | None:
         if isinstance(sqlstate, str):
             return sqlstate
     return None
+
+
+#: SQLSTATE classes that do not say the server rolled the transaction back: the connection
+#: lost (``08``: asyncpg raises it for a connection closed mid-statement), the server shut
+#: down or the backend terminated (``57``), an internal error (``XX``).
+_IN_DOUBT_CLASSES = ("08", "57", "XX")
+
+
+def _commit_in_doubt(exc: BaseException) -> bool:
+    """Whether a commit that raised ``exc`` may have committed: any failure but the server's
+    refusal (a serialization failure, a deferred constraint), which rolled it back."""
+    sqlstate = _sqlstate(exc)
+    return sqlstate is None or sqlstate.startswith(_IN_DOUBT_CLASSES)
 
 
 def _adapt(connection: object) -> _Connection:
@@ -196,21 +228,49 @@ class IdempotencyTransaction:
             raise IdempotencyError(f"{what} after tx.respond(): the outcome is written")
         if not self._lease.transaction_open:
             raise IdempotencyError(f"{what} outside its idempotency_transaction block")
+        if self._opened and not self._connection.still_open():
+            raise self._ended_by_app()
+
+    def _ended_by_app(self) -> IdempotencyError:
+        """The transaction this block opened was committed or rolled back by the app inside
+        it: what it committed is not known here, so nothing more is written for the request
+        and its lock lapses (a retry then finds what committed)."""
+        self._lease.in_doubt = True
+        return IdempotencyError(
+            f"the transaction idempotency_transaction opened for idempotency key "
+            f"{self._lease.key!r} was committed or rolled back inside the block: the block "
+            "commits it as it ends, with the record. Remove the commit() (or rollback()) "
+            "from the block; the key is left locked until its lock expires"
+        )
 
     async def _run(self, statement: Statement) -> Any:
         return await self._connection.fetchval(self._queries.sql[statement.query], statement.args)
 
     async def __aenter__(self) -> IdempotencyTransaction:
         lease = self._lease
-        if lease.transaction_open or lease.recorded is not None:
+        if lease.transaction_open or lease.recorded is not None or lease.in_doubt:
             raise IdempotencyError(
                 f"idempotency key {lease.key!r} is already in an idempotency_transaction: "
                 "one transaction writes a request's outcome"
+            )
+        if lease.decided:
+            # A background task's, say: the key may be freed already, and a release would
+            # then delete what this transaction commits.
+            raise IdempotencyError(
+                f"idempotency_transaction for idempotency key {lease.key!r} after its "
+                "response ended or its key was freed: open it in the endpoint, before it "
+                "returns its response"
             )
         connection = self._connection
         if not connection.in_transaction():
             await connection.begin()
             self._opened = True
+        elif connection.in_savepoint():
+            raise IdempotencyError(
+                "idempotency_transaction inside a savepoint (begin_nested()): rolled back to "
+                "the savepoint, the record would be undone while the transaction's other "
+                "writes commit. Open it in the top-level transaction"
+            )
         lease.transaction_open = True
         try:
             try:
@@ -255,6 +315,29 @@ class IdempotencyTransaction:
             "to the store's database, or build the store on the app's (PostgresStore(pool))"
         )
 
+    async def _end(self, *, committing: bool) -> None:
+        """Commit (or roll back) the transaction this block opened. A commit that ends
+        without the server's answer (the connection lost, a cancel, a timeout) may have
+        committed: the lease is then left in doubt, so that no release deletes a record that
+        did commit; one the server refused (a SQLSTATE) rolled back, and the key is freed as
+        for any failure."""
+        connection = self._connection
+        if not connection.still_open():
+            error = self._ended_by_app()
+            if committing:
+                raise error
+            logger.error("%s", error)  # the block's own exception goes on
+            return
+        if not committing:
+            await connection.rollback()
+            return
+        try:
+            await connection.commit()
+        except BaseException as exc:
+            if _commit_in_doubt(exc):
+                self._lease.in_doubt = True
+            raise
+
     async def __aexit__(
         self,
         kind: type[BaseException] | None,
@@ -264,10 +347,7 @@ class IdempotencyTransaction:
         lease = self._lease
         try:
             if self._opened:
-                if kind is None:
-                    await self._connection.commit()
-                else:
-                    await self._connection.rollback()
+                await self._end(committing=kind is None)
         finally:
             lease.transaction_open = False
         if kind is not None:

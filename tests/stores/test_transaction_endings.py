@@ -1,0 +1,361 @@
+"""How an ``idempotency_transaction`` the library opened ends decides what the lease writes
+after it: a commit that may have landed leaves nothing to delete its record, a commit the
+server refused frees the key, and a transaction the app ended itself, or opened where it would
+not hold, is refused with what to change. In-process against the real PostgreSQL, on each
+driver's connection (asyncpg, SQLAlchemy's AsyncConnection and AsyncSession)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import asyncpg  # type: ignore[import-untyped]
+import httpx
+import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from starlette_idempotency import (
+    IdempotencyError,
+    IdempotencyMiddleware,
+    PostgresStore,
+    idempotency_transaction,
+    idempotent,
+)
+from tests.stores.transaction_app import first_value, sqlalchemy_url
+from tests.support.conditions import eventually
+from tests.support.cutting_proxy import CuttingProxy
+from tests.support.guarded import make_client
+from tests.support.link_proxy import LinkProxy
+
+pytestmark = pytest.mark.postgres
+
+DRIVERS = ("asyncpg", "sqlalchemy", "session")
+
+#: What a handler does on its connection in the block, once its outcome is written:
+#: ``hook(request, connection)``.
+Hook = Callable[[Request, Any], Awaitable[None]]
+
+Fetchval = Callable[..., Awaitable[Any]]
+
+
+@contextlib.asynccontextmanager
+async def connected(driver: str, dsn: str) -> AsyncIterator[tuple[Any, Fetchval]]:
+    """A connection of ``driver``'s with no transaction open, so that the block opens (and
+    commits) one, and a ``fetchval`` on it."""
+    if driver == "asyncpg":
+        connection = await asyncpg.connect(dsn)
+        try:
+            yield connection, connection.fetchval
+        finally:
+            await connection.close()
+        return
+    engine = create_async_engine(sqlalchemy_url(dsn), pool_size=1)
+    try:
+        if driver == "sqlalchemy":
+            async with engine.connect() as sa_connection:
+
+                async def fetchval(sql: str, *args: Any) -> Any:
+                    return first_value(await sa_connection.exec_driver_sql(sql, args))
+
+                yield sa_connection, fetchval
+        else:
+            async with AsyncSession(engine) as session:
+
+                async def session_fetchval(sql: str, *args: Any) -> Any:
+                    raw = await session.connection()
+                    return first_value(await raw.exec_driver_sql(sql, args))
+
+                yield session, session_fetchval
+    finally:
+        await engine.dispose()
+
+
+def paying_app(store: PostgresStore, dsn: str, driver: str, table: str, hook: Hook) -> Starlette:
+    """``POST /pay``: a payment row and the 201 outcome in one transaction the block opens on
+    a connection to ``dsn``; ``hook`` runs in the block after ``tx.respond()``."""
+
+    async def pay(request: Request) -> Response:
+        key = request.headers["idempotency-key"]
+        async with (
+            connected(driver, dsn) as (connection, fetchval),
+            idempotency_transaction(request, connection) as tx,
+        ):
+            await fetchval(
+                f"INSERT INTO {table}_payments (idempotency_key, amount, pod) "
+                "VALUES ($1, '9.99', '')",
+                key,
+            )
+            response = await tx.respond(JSONResponse({"paid": key}, status_code=201))
+            await hook(request, connection)
+            return response
+
+    app = Starlette(routes=[Route("/pay", idempotent(lock_ttl_seconds=30)(pay), methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def client_of(app: Starlette, store: PostgresStore) -> AsyncIterator[httpx.AsyncClient]:
+    async with make_client(app, raise_app_exceptions=False) as client:
+        yield client
+    await store.aclose()
+
+
+async def payments(sql: Any, table: str, key: str) -> int:
+    count: int = await sql.fetchval(
+        f"SELECT count(*) FROM {table}_payments WHERE idempotency_key = $1", key
+    )
+    return count
+
+
+async def status_of(sql: Any, table: str, key: str) -> str | None:
+    status: str | None = await sql.fetchval(
+        f"SELECT status FROM {table} WHERE idempotency_key = $1", key
+    )
+    return status
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_commit_whose_reply_is_lost_is_replayed_not_run_again(
+    driver: str,
+    proxy: CuttingProxy,
+    postgres_dsn: str,
+    tables: str,
+    sql: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server commits the payment and the Completed record, and the connection dies before
+    its answer: the request fails, and the retry is replayed. Freeing the key there deleted
+    the committed record by its owner token, and the retry paid again."""
+
+    async def lose_the_commits_reply(request: Request, connection: Any) -> None:
+        if "x-lose-commit-reply" in request.headers:  # the first attempt only
+            proxy.arm("reply")
+
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    app = paying_app(store, proxy.proxied(postgres_dsn), driver, tables, lose_the_commits_reply)
+    headers = {"Idempotency-Key": "lost-reply"}
+    async with client_of(app, store) as client:
+        with caplog.at_level(logging.ERROR):
+            first = await client.post(
+                "/pay", json={}, headers={**headers, "X-Lose-Commit-Reply": "1"}
+            )
+        assert proxy.cuts_done == 1
+        assert first.status_code == 500
+        assert "ended without knowing whether it committed" in caplog.text
+        assert await status_of(sql, tables, "lost-reply") == "Completed"
+        retry = await client.post("/pay", json={}, headers=headers)
+    assert retry.status_code == 201
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert await payments(sql, tables, "lost-reply") == 1
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_request_cancelled_after_its_commit_landed_is_replayed(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The server has committed, its reply is late (held back), and the request is cancelled
+    (a timeout, the server shutting down) while the commit waits for it: the retry is
+    replayed. Freeing the key there deleted the committed record, and the retry paid again."""
+    async with LinkProxy(urlsplit(postgres_dsn).port or 5432) as link:
+
+        async def hold_the_commits_reply(request: Request, connection: Any) -> None:
+            if "x-hold-commit-reply" in request.headers:
+                link.hold()
+
+        store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+        app = paying_app(store, link.proxied(postgres_dsn), driver, tables, hold_the_commits_reply)
+
+        async def committed() -> bool:
+            return await status_of(sql, tables, "cancelled") == "Completed"
+
+        async def cancelled_once_committed(scope: Any, receive: Any, send: Any) -> None:
+            running = asyncio.ensure_future(app(scope, receive, send))
+            if (b"x-hold-commit-reply", b"1") in scope["headers"]:
+                await eventually(committed, message="the commit to land")
+                running.cancel()
+                link.release()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+            if running.cancelled():
+                await JSONResponse({}, status_code=503)(scope, receive, send)
+
+        headers = {"Idempotency-Key": "cancelled"}
+        async with client_of(cancelled_once_committed, store) as client:  # type: ignore[arg-type]
+            first = await client.post(
+                "/pay", json={}, headers={**headers, "X-Hold-Commit-Reply": "1"}
+            )
+            assert first.status_code == 503
+            retry = await client.post("/pay", json={}, headers=headers)
+    assert retry.status_code == 201
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert await payments(sql, tables, "cancelled") == 1
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_commit_the_server_refuses_frees_the_key(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """A deferred constraint fails at COMMIT: the server rolled it all back and said so, so the
+    key is freed and the retry runs (once)."""
+    await sql.execute(
+        f"CREATE TABLE {tables}_deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);"
+        f"INSERT INTO {tables}_deferred VALUES (1)"
+    )
+
+    async def break_a_deferred_constraint(request: Request, connection: Any) -> None:
+        if "x-conflict" in request.headers:
+            statement = f"INSERT INTO {tables}_deferred VALUES (1)"
+            if driver == "asyncpg":
+                await connection.execute(statement)
+            elif driver == "sqlalchemy":
+                await connection.exec_driver_sql(statement)
+            else:
+                await (await connection.connection()).exec_driver_sql(statement)
+
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    app = paying_app(store, postgres_dsn, driver, tables, break_a_deferred_constraint)
+    headers = {"Idempotency-Key": "refused"}
+    try:
+        async with client_of(app, store) as client:
+            first = await client.post("/pay", json={}, headers={**headers, "X-Conflict": "1"})
+            assert first.status_code == 500
+            assert await status_of(sql, tables, "refused") is None
+            retry = await client.post("/pay", json={}, headers=headers)
+    finally:
+        await sql.execute(f"DROP TABLE {tables}_deferred")
+    assert retry.status_code == 201
+    assert "x-idempotent-replay" not in retry.headers
+    assert await payments(sql, tables, "refused") == 1
+
+
+async def _commit(driver: str, connection: Any) -> None:
+    if driver == "asyncpg":
+        await connection.execute("COMMIT")
+    else:
+        await connection.commit()
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_commit_of_the_apps_in_the_block_is_refused_and_deletes_nothing(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """``session.commit()`` in the block, after ``tx.respond()``: the record committed with the
+    payment. The block refuses it, and the retry is replayed; freeing the key deleted the
+    record, and every retry paid again."""
+
+    async def commit_in_the_block(request: Request, connection: Any) -> None:
+        await _commit(driver, connection)
+
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    app = paying_app(store, postgres_dsn, driver, tables, commit_in_the_block)
+    headers = {"Idempotency-Key": "committed-inside"}
+    with pytest.raises(IdempotencyError, match="committed or rolled back inside the block"):
+        async with make_client(app) as client:
+            await client.post("/pay", json={}, headers=headers)
+    async with client_of(app, store) as client:
+        retry = await client.post("/pay", json={}, headers=headers)
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert await payments(sql, tables, "committed-inside") == 1
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_commit_before_the_outcome_leaves_the_key_locked(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The app commits its payment, then calls ``tx.respond()``: refused, and the key stays
+    locked (409) rather than freed for a retry that would pay again at once."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+
+    async def pay(request: Request) -> Response:
+        async with (
+            connected(driver, postgres_dsn) as (connection, fetchval),
+            idempotency_transaction(request, connection) as tx,
+        ):
+            await fetchval(
+                f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                "VALUES ('early', '9.99', '')"
+            )
+            await _commit(driver, connection)
+            return await tx.respond(JSONResponse({}, status_code=201))
+
+    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    headers = {"Idempotency-Key": "early"}
+    async with client_of(app, store) as client:
+        first = await client.post("/pay", json={}, headers=headers)
+        retry = await client.post("/pay", json={}, headers=headers)
+    assert first.status_code == 500
+    assert retry.status_code == 409
+    assert await status_of(sql, tables, "early") == "InProgress"
+    assert await payments(sql, tables, "early") == 1
+
+
+async def test_a_transaction_after_the_response_is_refused(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """From a background task, after a 500 freed the key: refused before it writes. Let through,
+    its commit raced the release, which deleted its Completed record by the owner token."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    refused: list[BaseException] = []
+
+    async def pay_later(request: Request) -> None:
+        try:
+            async with (
+                connected("asyncpg", postgres_dsn) as (connection, fetchval),
+                idempotency_transaction(request, connection) as tx,
+            ):
+                await fetchval(
+                    f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                    "VALUES ('later', '9.99', '')"
+                )
+                await tx.respond(JSONResponse({}, status_code=201))
+        except IdempotencyError as exc:
+            refused.append(exc)
+
+    async def pay(request: Request) -> Response:
+        return JSONResponse({}, status_code=500, background=BackgroundTask(pay_later, request))
+
+    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    async with client_of(app, store) as client:
+        first = await client.post("/pay", json={}, headers={"Idempotency-Key": "later"})
+    assert first.status_code == 500
+    assert len(refused) == 1
+    assert "after its response ended" in str(refused[0])
+    assert await payments(sql, tables, "later") == 0
+
+
+@pytest.mark.parametrize("driver", ["sqlalchemy", "session"])
+async def test_a_transaction_in_a_savepoint_is_refused(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """Inside ``begin_nested()``: a rollback to the savepoint would undo the record while the
+    outer transaction's writes commit, and the retry would run them again."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+
+    async def pay(request: Request) -> Response:
+        async with (
+            connected(driver, postgres_dsn) as (connection, _),
+            connection.begin(),
+            connection.begin_nested(),
+            idempotency_transaction(request, connection) as tx,
+        ):
+            return await tx.respond(JSONResponse({}, status_code=201))
+
+    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    with pytest.raises(IdempotencyError, match="inside a savepoint"):
+        async with make_client(app) as client:
+            await client.post("/pay", json={}, headers={"Idempotency-Key": "nested"})
+    await store.aclose()
+    assert await status_of(sql, tables, "nested") is None
