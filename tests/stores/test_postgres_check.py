@@ -215,3 +215,49 @@ async def test_unreachable_server_is_one_error_never_an_exception(
         assert finding.message.startswith(f"{store.describe()} is unreachable: ")
     finally:
         await store.aclose()
+
+
+async def test_a_role_that_cannot_write_the_table_is_an_error(
+    durable_store: PostgresStore, postgres_dsn: str, postgres_table: str, sql: Any
+) -> None:
+    """Reaching the table is not enough: a role that may only read it fails every request."""
+    await durable_store.create_schema()
+    role = f"{postgres_table}_reader"
+    await sql.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        await sql.execute(f"GRANT SELECT ON {postgres_table} TO {role}")
+        await sql.execute(f"GRANT SELECT ON {postgres_table}_operations TO {role}")
+        parts = urlsplit(postgres_dsn)
+        as_reader = urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rpartition('@')[2]}"))
+        reader = await open_store(as_reader, postgres_table, **DURABLE)
+        try:
+            [error] = await errors(reader)
+        finally:
+            await reader.aclose()
+    finally:
+        await sql.execute(f"DROP OWNED BY {role}; DROP ROLE {role}")
+    assert "refuses what every request does" in error.message
+    assert "permission denied" in error.message
+    assert "Grant the store's role SELECT, INSERT, UPDATE and DELETE" in error.message
+
+
+async def test_a_table_without_its_primary_key_is_an_error(
+    durable_store: PostgresStore, postgres_table: str, sql: Any
+) -> None:
+    await durable_store.create_schema()
+    constraint = await sql.fetchval(
+        "SELECT conname FROM pg_constraint WHERE conrelid = $1::regclass AND contype = 'p'",
+        postgres_table,
+    )
+    await sql.execute(f"ALTER TABLE {postgres_table} DROP CONSTRAINT {constraint}")
+    [error] = await errors(durable_store)
+    assert "ON CONFLICT" in error.message
+    assert "migrate --sql" in error.message
+
+
+async def test_the_check_leaves_no_row_behind(
+    durable_store: PostgresStore, postgres_table: str, sql: Any
+) -> None:
+    await durable_store.create_schema()
+    await durable_store.check()
+    assert await sql.fetchval(f"SELECT count(*) FROM {postgres_table}") == 0

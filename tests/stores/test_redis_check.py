@@ -180,3 +180,40 @@ async def test_a_cluster_is_checked_on_every_primary(
     (persistence,) = warnings(findings, "append-only")
     every_node = ", ".join(sorted(f"127.0.0.1:{port}" for port in redis_cluster.ports))
     assert f"(on {every_node})" in persistence
+
+
+@DRIVERS
+async def test_a_user_that_cannot_run_the_scripts_is_an_error(
+    server: RedisServer, driver: DriverName
+) -> None:
+    """Such a user acquires (SET NX) and then fails every outcome's write: each retry would
+    run the handler again once the lock lapsed. Reaching Redis is not enough to be ready."""
+    admin = aioredis.from_url(server.url)
+    await admin.acl_setuser(
+        "noscripts",
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-evalsha", "-eval"],
+    )
+    store = RedisStore.from_url(f"redis://noscripts:pw@127.0.0.1:{server.port}/0", driver=driver)
+    try:
+        errors = [finding for finding in await store.check() if finding.level == "error"]
+    finally:
+        await store.aclose()
+        await admin.aclose()
+    [error] = errors
+    assert "refuses what every request does" in error.message
+    assert "evalsha" in error.message.lower()
+    assert "+@scripting" in error.message
+
+
+@DRIVERS
+async def test_the_check_leaves_no_key_behind(store: RedisStore, server: RedisServer) -> None:
+    await store.check()
+    admin = aioredis.from_url(server.url)
+    try:
+        assert await admin.keys("*") == []
+    finally:
+        await admin.aclose()

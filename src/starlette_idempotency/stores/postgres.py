@@ -95,6 +95,7 @@ from starlette_idempotency.stores._postgres_sql import (
     row_params,
     schema_sql,
 )
+from starlette_idempotency.stores._round_trip import refused_round_trip
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     TAKING_BACK,
@@ -551,12 +552,22 @@ class PostgresStore(StoreBase):
             )
         except StoreError as exc:
             return [StoreFinding("error", f"{self.describe()} is unreachable: {exc}")]
-        return findings(
+        found = findings(
             row,
             table=self._table_name,
             claims_table=self.queries.operations.replace('"', ""),
             location=self._location,
         )
+        if any(finding.level == "error" for finding in found):
+            return found
+        refused = await refused_round_trip(
+            self,
+            self.describe(),
+            f"Grant the store's role SELECT, INSERT, UPDATE and DELETE on {self._table_name}, "
+            "and give the table the shape `starlette-idempotency migrate --sql` prints (its "
+            "primary key, its column types)",
+        )
+        return found if refused is None else [refused, *found]
 
     async def in_progress(self, *, stuck: bool = False, limit: int = 1000) -> list[HeldRecord]:
         """Live ``InProgress`` records under the store's prefix, oldest first, at most ``limit``

@@ -37,6 +37,7 @@ from starlette_idempotency._record import (
 )
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.stores._lazy_pool import close_at_loop_end, refuse_a_busy_loop
+from starlette_idempotency.stores._round_trip import refused_round_trip
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     TAKING_BACK,
@@ -296,7 +297,18 @@ class RedisStore(StoreBase):
         """
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        return await check_redis(self._driver, self.describe())
+        where = self.describe()
+        findings = await check_redis(self._driver, where)
+        if any(finding.level == "error" for finding in findings):
+            return findings
+        refused = await refused_round_trip(
+            self,
+            where,
+            "Allow the store's Redis user, on a primary, the commands it sends (GET, SET, "
+            "EVALSHA, SCRIPT LOAD, PUBLISH, SUBSCRIBE: ACL categories +@read +@write "
+            f"+@scripting +@pubsub) on the keys and channels {self._prefix}*",
+        )
+        return findings if refused is None else [refused, *findings]
 
     async def _enter_loop(self) -> None:
         """Called by the first operation in an event loop (an identity check per operation).
