@@ -82,6 +82,8 @@ class Marks(Protocol):
     retryable: bool
     #: The endpoint must not begin (its body is no valid command, and no key was acquired).
     must_not_start: bool
+    #: The response started: its status is the outcome's (see :func:`mark_retryable`).
+    started: bool
     #: The outcome is decided: the response ended, or the key was freed.
     decided: bool
     #: The key was freed for a retry.
@@ -92,13 +94,13 @@ class InvalidCommandMarks:
     """The marks of a request whose body ``fingerprint="validated"`` found invalid: the app
     answers it (its own 422), and the endpoint must not begin unprotected."""
 
-    __slots__ = ("decided", "endpoint_started", "freed", "must_not_start", "retryable")
+    __slots__ = ("decided", "endpoint_started", "freed", "must_not_start", "retryable", "started")
 
     def __init__(self) -> None:
         self.endpoint_started = False
         self.retryable = False
         self.must_not_start = True
-        self.decided = self.freed = False
+        self.started = self.decided = self.freed = False
 
 
 class UnprotectedEndpointError(RuntimeError):
@@ -186,21 +188,21 @@ def mark_retryable(request: HTTPConnection) -> None:
 
     Call it from a handler that refuses a request before writing anything (a duplicate e-mail,
     say), so the client may fix the problem and retry with the same key. Outside a guarded
-    request it does nothing. Once the response has ended (from a background task, which runs
-    after it) it changes nothing: the outcome is decided, and its client may have it; unless
-    the key was freed already, a warning says so.
+    request it does nothing. Once the response has started (from a streamed body, or a
+    background task, which runs after it) it changes nothing: the outcome is decided, and its
+    client may have it; unless the key was freed already, a warning says so.
     """
     marks: Marks | None = request.scope.get(REQUEST_SCOPE_KEY)
     if marks is None:
         return
-    if marks.decided:
-        # Honoured, it would free the key of a response its client got, for a retry to run
-        # the handler again; and whether it still could would depend on a turn of the loop.
+    if marks.started or marks.decided:
+        # Honoured, it would free the key of a response its client has (or is getting), for a
+        # retry to run the handler again.
         if not marks.freed:
             logger.warning(
-                "mark_retryable() came after the response to this request ended, and changes "
-                "nothing: its outcome is decided, and its client may have it. Call it before "
-                "the response ends, not from a background task, which runs after it"
+                "mark_retryable() came after the response to this request started, and "
+                "changes nothing: its outcome is decided, and its client may have it. Call it "
+                "before the response starts, not from a streamed body or a background task"
             )
         return
     marks.retryable = True

@@ -128,6 +128,7 @@ class Lease(KeyOwner):
         "record",
         "recorded",
         "retryable",
+        "started",
         "store_key",
         "transaction_open",
         "written",
@@ -164,6 +165,8 @@ class Lease(KeyOwner):
         self.endpoint_started = False
         self.retryable = False
         self.must_not_start = False
+        #: Set once the response starts: a retryable mark after it changes nothing.
+        self.started = False
         #: An idempotency_transaction holds the record's row (see _transaction).
         self.transaction_open = False
         #: The outcome an idempotency_transaction committed: its status and body.
@@ -611,6 +614,7 @@ class Run(_BodyReplay):
         if self.ended:  # something after the last chunk (trailers): that goes out first
             await self._release_final()
         elif kind == "http.response.start":
+            self._lease.started = True
             self.status = status = message["status"]
             self.raw_headers = headers = list(message.get("headers", ()))
             # A response of a declared length (or of none: 204, 304) is held until its first

@@ -13,7 +13,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
@@ -563,7 +563,36 @@ async def test_mark_retryable_after_the_response_ended_changes_nothing(
     retry = await client.post("/pay", json={}, headers=headers)
     assert retry.headers["x-idempotent-replay"] == "true"
     assert runs == [1]
-    assert "mark_retryable() came after the response to this request ended" in caplog.text
+    assert "mark_retryable() came after the response to this request started" in caplog.text
+
+
+async def test_mark_retryable_from_a_streamed_body_changes_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Between two chunks of a 200 the client is already getting: honoured, it freed the key,
+    and the retry of a response the client got whole ran the handler again."""
+    runs: list[int] = []
+
+    async def export(request: Request) -> Response:
+        runs.append(1)
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b"part one\n"
+            mark_retryable(request)
+            yield b"part two\n"
+
+        return StreamingResponse(body(), media_type="text/plain")
+
+    app = Starlette(routes=[Route("/export", idempotent()(export), methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: ""))
+    headers = {"Idempotency-Key": "k"}
+    with caplog.at_level(logging.WARNING, logger="starlette_idempotency"):
+        first = await client.post("/export", json={}, headers=headers)
+    retry = await client.post("/export", json={}, headers=headers)
+    assert first.text == retry.text == "part one\npart two\n"
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert runs == [1]
+    assert "mark_retryable() came after the response to this request started" in caplog.text
 
 
 async def test_mark_retryable_in_the_apps_500_handler_is_quietly_redundant(

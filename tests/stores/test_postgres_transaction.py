@@ -457,4 +457,4 @@ async def test_mark_retryable_after_a_committed_outcome_warns(
     await store.aclose()
     assert retry.headers["x-idempotent-replay"] == "true"
     assert runs == [1]
-    assert "mark_retryable() came after the response to this request ended" in caplog.text
+    assert "mark_retryable() came after the response to this request started" in caplog.text
