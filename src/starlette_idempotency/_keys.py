@@ -19,7 +19,9 @@ header can carry (quoted, for spaces and commas). ``key_format`` narrows them fu
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -272,6 +274,10 @@ class KeySource:
             )
             return problem, None
         value = field_at(parsed.value, self.json_path)
+        if type(value) is float and parsed.by_orjson:
+            # orjson reads an integer beyond 64 bits as a float; the standard library whole.
+            with contextlib.suppress(ValueError, RecursionError):
+                value = field_at(json.loads(body), self.json_path)
         if value is _NOT_FOUND or value is None:
             return None, parsed
         if isinstance(value, int) and not isinstance(value, bool):

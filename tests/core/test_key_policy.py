@@ -171,6 +171,31 @@ async def test_an_optional_body_source_runs_a_request_without_a_key_unprotected(
     assert runs == ["{'other': 1}"] * 2  # the body reached the app whole, each time
 
 
+@pytest.mark.parametrize("number", ["18446744073709551616", "-9223372036854775809", str(10**40)])
+async def test_an_integer_field_beyond_64_bits_is_a_key(number: str) -> None:
+    """orjson reads such an integer as a float: the webhook was refused 400, "not float"."""
+    runs: list[str] = []
+    _, client = app_with(runs, key_from=KeySource.json_field("data.id"))
+    body = f'{{"data": {{"id": {number}}}}}'
+    headers = {"content-type": "application/json"}
+    first = await client.post("/hook", content=body, headers=headers)
+    retry = await client.post("/hook", content=body, headers=headers)
+    assert first.status_code == 201, first.text
+    assert retry.headers["x-idempotent-replay"] == "true"
+    other = await client.post("/hook", content=body.replace(number, number + "1"), headers=headers)
+    assert other.status_code == 201
+    assert "x-idempotent-replay" not in other.headers
+    assert len(runs) == 2
+
+
+async def test_a_float_field_is_still_refused() -> None:
+    runs: list[str] = []
+    _, client = app_with(runs, key_from=KeySource.json_field("id"))
+    response = await client.post("/hook", json={"id": 1.5})
+    assert response.status_code == 400
+    assert "must be a string or an integer, not float" in response.json()["error"]
+
+
 async def test_a_header_source_is_parsed_as_the_key_header_is() -> None:
     runs: list[str] = []
     _, client = app_with(runs, key_from=KeySource.header("webhook-id"))
