@@ -20,6 +20,7 @@ import base64
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -72,7 +73,9 @@ def add_key_commands(
         "--route",
         required=True,
         metavar="TEMPLATE",
-        help="the route's path template, as the app declares it (/payments/{payment_id})",
+        help="the route's path template, as the app declares it (/payments/{payment_id}); "
+        "under a Host route, the host and the template (api.example.com/payments); for a "
+        "route given operation=, that name",
     )
     one.add_argument("--method", default="POST", help="the request's method (POST)")
     one.add_argument(
@@ -121,7 +124,7 @@ def add_key_commands(
     )
     resolve.add_argument(
         "--ttl-hours",
-        type=float,
+        type=_positive(float),
         default=DEFAULT_RESOLVED_TTL / 3600,
         help=f"how long retries get the response ({DEFAULT_RESOLVED_TTL / 3600:g})",
     )
@@ -134,8 +137,24 @@ def add_key_commands(
         help="only those whose lease ran out: a dead handler's record, held for recovery",
     )
     listing.add_argument(
-        "--limit", type=int, default=_LIST_LIMIT, help=f"at most this many ({_LIST_LIMIT})"
+        "--limit",
+        type=_positive(int),
+        default=_LIST_LIMIT,
+        help=f"at most this many ({_LIST_LIMIT})",
     )
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse ``type``: ``kind(text)``, refused unless a finite number above 0."""
+
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a number above 0, not {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid ..." message
+    return parse
 
 
 async def run_key_command(store: RedisStore | PostgresStore, args: argparse.Namespace) -> str:
@@ -171,7 +190,12 @@ async def run_key_command(store: RedisStore | PostgresStore, args: argparse.Name
 async def _record(store: RedisStore | PostgresStore, key: str) -> IdempotencyRecord:
     record = await store.get(key)
     if record is None:
-        raise CommandFailed(f"no record under {key!r} in {store.describe()}")
+        raise CommandFailed(
+            f"no record under {key!r} in {store.describe()}: check --key-prefix, --scope, "
+            "--method and --route (under a Host route it is the host and the template, "
+            "api.example.com/payments; with operation= it is that name). `list` prints the "
+            "routes of the records in progress"
+        )
     return record
 
 

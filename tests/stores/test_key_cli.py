@@ -260,6 +260,7 @@ async def test_delete_frees_the_key_for_the_next_retry(setup: Setup) -> None:
     missing = await setup.cli("show", *ADDRESS, "/payments", "no-such-key")
     assert missing.code == 1
     assert "no record under 'acme:POST:/payments:no-such-key'" in missing.err
+    assert "check --key-prefix, --scope, --method and --route" in missing.err
 
 
 async def test_bad_usage_is_status_2(setup: Setup) -> None:
@@ -274,3 +275,20 @@ async def test_bad_usage_is_status_2(setup: Setup) -> None:
     )
     assert cookie.code == 2
     assert "set-cookie: this header is never stored" in cookie.err
+
+
+@pytest.mark.parametrize("ttl_hours", ["0", "-1", "nan", "inf"])
+async def test_a_resolve_that_would_delete_the_record_is_refused(
+    setup: Setup, ttl_hours: str
+) -> None:
+    """``--ttl-hours -1`` reported the record resolved, and deleted it: the retry that
+    ``on_recovery="hold"`` held back then ran the handler again."""
+    assert (await setup.pay("k-5", "/charges")).status_code == 502
+    refused = await setup.cli(
+        "resolve", *ADDRESS, "/charges", "k-5", "--status", "201", "--ttl-hours", ttl_hours
+    )
+    assert refused.code == 2
+    assert "--ttl-hours: must be a number above 0" in refused.err
+    held = await setup.pay("k-5", "/charges")
+    assert held.status_code == 202
+    assert (await setup.cli("list", "--limit", "0")).code == 2

@@ -71,6 +71,12 @@ def test_location_of_a_dsn_never_shows_credentials(monkeypatch: pytest.MonkeyPat
     )
     assert location_of("postgresql://app@db", {"port": 7000}) == "db:7000/app"  # db = user
     assert location_of("postgresql://db/payments", {"database": "other"}) == "db:5432/other"
+    for not_a_url in (
+        "postgresql//app:s3cret@db.internal/payments",  # a colon missing
+        "app:s3cret@db.internal/payments",
+        "host=db.internal password=s3cret dbname=payments",
+    ):
+        assert location_of(not_a_url, {}) == "(a DSN that is not a postgresql:// URL)"
     monkeypatch.setenv("PGHOST", "from-env")
     monkeypatch.setenv("PGDATABASE", "envdb")
     assert location_of("postgresql://", {}) == "from-env:5432/envdb"

@@ -132,6 +132,9 @@ def location_of(dsn: str | None, options: Mapping[str, Any]) -> str:
     fields: dict[str, str] = {}
     if dsn:
         parts = urlsplit(dsn)
+        if parts.scheme not in ("postgres", "postgresql"):
+            # Not a URL asyncpg reads: its parts could be anything, a password among them.
+            return "(a DSN that is not a postgresql:// URL)"
         fields.update(parse_qsl(parts.query))
         if hosts := unquote(parts.netloc.rpartition("@")[2]):
             fields["host"] = hosts

@@ -259,7 +259,11 @@ class StoreBase(IdempotencyStore):
         self, key: str, response: StoredResponse, ttl: float = DEFAULT_RESOLVED_TTL
     ) -> bool:
         """Finish the record under ``key`` with ``response``, whoever holds it (for operators
-        and reconcilers). Returns false when there is no record to resolve."""
+        and reconcilers), kept ``ttl`` seconds. Returns false when there is no record to
+        resolve. Raises ``ValueError`` for a ``ttl`` that is not a positive number: the record
+        would be gone at once, and the retry it was held for would run again."""
+        if not ttl > 0 or ttl == float("inf"):
+            raise ValueError(f"resolve() needs a ttl of a positive number of seconds, not {ttl!r}")
         status = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
         for _ in range(3):
             current = await self.get(key)
