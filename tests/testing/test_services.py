@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from starlette_idempotency.testing import _services as services
+from starlette_idempotency.testing._postgres_server import PostgresServer
 from starlette_idempotency.testing._redis_server import RedisServer, redis_command
 from starlette_idempotency.testing._services import (
     Choice,
@@ -274,3 +275,28 @@ def test_a_local_server_is_started_and_stopped() -> None:
         assert redis_command(port, "PING") == b"+PONG\r\n"
     with pytest.raises(ConnectionRefusedError):
         redis_command(port, "PING")
+
+
+@pytest.mark.redis
+def test_a_redis_server_never_adopts_another_on_its_port() -> None:
+    """Another server answered PING on the port while this one failed to bind: the test then
+    ran against the other one, and froze or stopped nothing of its own."""
+    with RedisServer() as other:
+        taken = RedisServer(port=other.port)
+        try:
+            with pytest.raises(RuntimeError, match="Address already in use"):
+                taken.start()
+        finally:
+            taken.close()
+        assert redis_command(other.port, "PING") == b"+PONG\r\n"
+
+
+@pytest.mark.postgres
+def test_a_postgres_server_never_adopts_another_on_its_port() -> None:
+    with PostgresServer() as other:
+        taken = PostgresServer(port=other.port, startup_timeout=2)
+        try:
+            with pytest.raises(TimeoutError, match="Address already in use"):
+                taken.start()
+        finally:
+            taken.close()

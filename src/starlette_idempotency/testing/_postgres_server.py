@@ -93,6 +93,15 @@ class PostgresServer(Managed):
             return ""
 
     def _accepting(self) -> bool:
+        # This server's own word that it is ready on its port (postmaster.pid: the port on
+        # its 4th line, the state on its 8th): another PostgreSQL on the port would answer
+        # pg_isready while this one has yet to find the port taken and exit.
+        try:
+            lines = (self._datadir / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return False
+        if len(lines) < 8 or lines[3].strip() != str(self.port) or lines[7].strip() != "ready":
+            return False
         done = subprocess.run(
             [self._pg_isready, "-q", "-h", "127.0.0.1", "-p", str(self.port), "-t", "1"],
             capture_output=True,
@@ -139,6 +148,7 @@ class PostgresServer(Managed):
             tail = self.log_tail()
             with contextlib.suppress(RuntimeError):
                 self.stop(mode="immediate")
+            self.running = False  # or never was: another server held the port
             raise TimeoutError(f"{exc}; server log:\n{tail}") from exc
         return self
 

@@ -136,7 +136,12 @@ class RedisServer(Managed):
         if self._proc is not None and self._proc.poll() is not None:
             log = (self.directory / "redis.log").read_text(errors="replace")
             raise RuntimeError(f"redis-server on port {self.port} exited:\n{log}")
-        return _answers_ping(self.port)
+        if not _answers_ping(self.port):
+            return False
+        # Another server on the port answers too, while this one has yet to find the port
+        # taken and exit: only its own process id says it is this one.
+        assert self._proc is not None
+        return f"process_id:{self._proc.pid}\r\n".encode() in self.command("INFO", "server")
 
     def stop(self) -> None:
         """Stop the server; :meth:`start` brings it back on the same port."""
