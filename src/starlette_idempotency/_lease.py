@@ -122,6 +122,7 @@ class Lease(KeyOwner):
         "endpoint_started",
         "freed",
         "in_doubt",
+        "in_the_apps_transaction",
         "inherited",
         "key",
         "must_not_start",
@@ -171,6 +172,9 @@ class Lease(KeyOwner):
         self.transaction_open = False
         #: The outcome an idempotency_transaction committed: its status and body.
         self.recorded: tuple[int, bytes] | None = None
+        #: ``recorded`` was written in a transaction of the app's, which commits it (or, on a
+        #: serialization failure, say, rolls it back and runs again: see _transaction).
+        self.in_the_apps_transaction = False
         #: Set when an idempotency_transaction's commit may or may not have happened: nothing
         #: more is written for the request, and its lock lapses (see _transaction).
         self.in_doubt = False

@@ -47,9 +47,13 @@ class _Connection(Protocol):
 
     def in_savepoint(self) -> bool: ...
 
-    def still_open(self) -> bool: ...
+    def ended_by_app(self) -> bool: ...
+
+    def can_commit(self) -> bool: ...
 
     async def begin(self) -> None: ...
+
+    async def flush(self) -> None: ...
 
     async def commit(self) -> None: ...
 
@@ -64,6 +68,10 @@ class _Opened:
     def __init__(self, connection: Any) -> None:
         self._connection = connection
         self._transaction: Any = None
+
+    async def flush(self) -> None:
+        """Send what the driver holds back until the commit (a session's pending ORM writes):
+        a failure then commits nothing."""
 
     async def commit(self) -> None:
         await self._transaction.commit()
@@ -81,8 +89,16 @@ class _Asyncpg(_Opened):
     def in_savepoint(self) -> bool:
         return False  # asyncpg tells no one: the docs ask not to join inside a savepoint
 
-    def still_open(self) -> bool:
-        return bool(self._connection.is_in_transaction())
+    def ended_by_app(self) -> bool:
+        connection = self._connection
+        return not connection.is_closed() and not connection.is_in_transaction()
+
+    def can_commit(self) -> bool:
+        return not self._connection.is_closed()
+
+    async def rollback(self) -> None:
+        if not self._connection.is_closed():  # else the server rolled back as it ended
+            await self._transaction.rollback()
 
     async def begin(self) -> None:
         self._transaction = self._connection.transaction()
@@ -102,11 +118,19 @@ class _SQLAlchemy(_Opened):
     def in_savepoint(self) -> bool:
         return bool(self._connection.in_nested_transaction())
 
-    def still_open(self) -> bool:
+    def ended_by_app(self) -> bool:
+        # A failed flush deactivates a session's transaction without ending it: still ours.
+        return self._connection.get_transaction() is not self._transaction
+
+    def can_commit(self) -> bool:
         return bool(self._transaction.is_active)
 
     async def begin(self) -> None:
         self._transaction = await self._connection.begin()
+
+    async def flush(self) -> None:
+        if hasattr(self._connection, "flush"):  # an AsyncSession
+            await self._connection.flush()
 
     async def fetchval(self, sql: str, args: tuple[Any, ...]) -> Any:
         connection = self._connection
@@ -228,10 +252,10 @@ class IdempotencyTransaction:
             raise IdempotencyError(f"{what} after tx.respond(): the outcome is written")
         if not self._lease.transaction_open:
             raise IdempotencyError(f"{what} outside its idempotency_transaction block")
-        if self._opened and not self._connection.still_open():
-            raise self._ended_by_app()
+        if self._opened and self._connection.ended_by_app():
+            raise self._refuse_the_apps_end()
 
-    def _ended_by_app(self) -> IdempotencyError:
+    def _refuse_the_apps_end(self) -> IdempotencyError:
         """The transaction this block opened was committed or rolled back by the app inside
         it: what it committed is not known here, so nothing more is written for the request
         and its lock lapses (a retry then finds what committed)."""
@@ -248,7 +272,10 @@ class IdempotencyTransaction:
 
     async def __aenter__(self) -> IdempotencyTransaction:
         lease = self._lease
-        if lease.transaction_open or lease.recorded is not None or lease.in_doubt:
+        # A block again after one in a transaction of the app's: the app's retry of that
+        # transaction (a serialization failure). Its fence finds whether the first committed.
+        again = lease.recorded is not None and lease.in_the_apps_transaction
+        if lease.transaction_open or lease.in_doubt or (lease.recorded is not None and not again):
             raise IdempotencyError(
                 f"idempotency key {lease.key!r} is already in an idempotency_transaction: "
                 "one transaction writes a request's outcome"
@@ -283,6 +310,7 @@ class IdempotencyTransaction:
                 raise
             if fenced is None:
                 raise await self._lost()
+            lease.recorded = None  # still InProgress: what an earlier block wrote rolled back
         except BaseException:
             lease.transaction_open = False
             if self._opened:
@@ -295,12 +323,13 @@ class IdempotencyTransaction:
         or is gone), or the connection is not on the store's database."""
         lease = self._lease
         found = await lease.store.get(lease.store_key)
-        if (
-            found is not None
-            and found.owner_token == lease.record.owner_token
-            and found.status is RecordStatus.IN_PROGRESS
-        ):
-            return self._elsewhere()
+        if found is not None and found.owner_token == lease.record.owner_token:
+            if found.status is RecordStatus.IN_PROGRESS:
+                return self._elsewhere()
+            return IdempotencyError(
+                f"the outcome of idempotency key {lease.key!r} is committed already, by an "
+                "earlier idempotency_transaction of this request: one transaction writes it"
+            )
         return LockLostError(
             f"the lock for idempotency key {lease.key!r} was taken over (its lease lapsed) "
             "before the transaction: nothing written in it may commit, and another attempt "
@@ -319,11 +348,12 @@ class IdempotencyTransaction:
         """Commit (or roll back) the transaction this block opened. A commit that ends
         without the server's answer (the connection lost, a cancel, a timeout) may have
         committed: the lease is then left in doubt, so that no release deletes a record that
-        did commit; one the server refused (a SQLSTATE) rolled back, and the key is freed as
-        for any failure."""
+        did commit. One the server refused rolled back, and one that could not be sent (the
+        connection closed before, a session's flush failed) committed nothing: the key is
+        freed as for any failure."""
         connection = self._connection
-        if not connection.still_open():
-            error = self._ended_by_app()
+        if connection.ended_by_app():
+            error = self._refuse_the_apps_end()
             if committing:
                 raise error
             logger.error("%s", error)  # the block's own exception goes on
@@ -331,10 +361,12 @@ class IdempotencyTransaction:
         if not committing:
             await connection.rollback()
             return
+        await connection.flush()
+        sent = connection.can_commit()
         try:
             await connection.commit()
         except BaseException as exc:
-            if _commit_in_doubt(exc):
+            if sent and _commit_in_doubt(exc):
                 self._lease.in_doubt = True
             raise
 
@@ -356,6 +388,7 @@ class IdempotencyTransaction:
         # writes from now on builds on it, and an outcome is never written again.
         if self._responded is not None:
             lease.recorded = self._responded
+            lease.in_the_apps_transaction = not self._opened
         elif self._record is not None:
             lease.record = self._record
 

@@ -16,7 +16,10 @@ from urllib.parse import urlsplit
 import asyncpg  # type: ignore[import-untyped]
 import httpx
 import pytest
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm.exc import StaleDataError
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -29,6 +32,7 @@ from starlette_idempotency import (
     PostgresStore,
     idempotency_transaction,
     idempotent,
+    mark_retryable,
 )
 from tests.stores.transaction_app import first_value, sqlalchemy_url
 from tests.support.conditions import eventually
@@ -124,6 +128,13 @@ async def status_of(sql: Any, table: str, key: str) -> str | None:
     return status
 
 
+async def assert_replayed_once(retry: httpx.Response, sql: Any, table: str, key: str) -> None:
+    """``retry`` got the committed 201 again, and one payment stands."""
+    assert retry.status_code == 201
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert await payments(sql, table, key) == 1
+
+
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_a_commit_whose_reply_is_lost_is_replayed_not_run_again(
     driver: str,
@@ -154,9 +165,7 @@ async def test_a_commit_whose_reply_is_lost_is_replayed_not_run_again(
         assert "ended without knowing whether it committed" in caplog.text
         assert await status_of(sql, tables, "lost-reply") == "Completed"
         retry = await client.post("/pay", json={}, headers=headers)
-    assert retry.status_code == 201
-    assert retry.headers["x-idempotent-replay"] == "true"
-    assert await payments(sql, tables, "lost-reply") == 1
+    await assert_replayed_once(retry, sql, tables, "lost-reply")
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -196,9 +205,7 @@ async def test_a_request_cancelled_after_its_commit_landed_is_replayed(
             )
             assert first.status_code == 503
             retry = await client.post("/pay", json={}, headers=headers)
-    assert retry.status_code == 201
-    assert retry.headers["x-idempotent-replay"] == "true"
-    assert await payments(sql, tables, "cancelled") == 1
+    await assert_replayed_once(retry, sql, tables, "cancelled")
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -264,8 +271,7 @@ async def test_a_commit_of_the_apps_in_the_block_is_refused_and_deletes_nothing(
             await client.post("/pay", json={}, headers=headers)
     async with client_of(app, store) as client:
         retry = await client.post("/pay", json={}, headers=headers)
-    assert retry.headers["x-idempotent-replay"] == "true"
-    assert await payments(sql, tables, "committed-inside") == 1
+    await assert_replayed_once(retry, sql, tables, "committed-inside")
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -359,3 +365,187 @@ async def test_a_transaction_in_a_savepoint_is_refused(
             await client.post("/pay", json={}, headers={"Idempotency-Key": "nested"})
     await store.aclose()
     assert await status_of(sql, tables, "nested") is None
+
+
+def account_model(table: str) -> type[Any]:
+    """An ORM model of ``{table}_accounts``, versioned (``version_id_col``) as an app guarding
+    against lost updates does."""
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Account(Base):
+        __tablename__ = f"{table}_accounts"
+        id: Mapped[int] = mapped_column(primary_key=True)
+        balance: Mapped[int]
+        version: Mapped[int] = mapped_column()
+        __mapper_args__ = {"version_id_col": version}  # noqa: RUF012 - SQLAlchemy's own
+
+    return Account
+
+
+@contextlib.asynccontextmanager
+async def accounts(postgres_dsn: str, table: str) -> AsyncIterator[tuple[Any, type[Any]]]:
+    """An engine, and the model of a table of one account (id 1) it holds."""
+    model = account_model(table)
+    engine = create_async_engine(sqlalchemy_url(postgres_dsn))
+    try:
+        async with engine.begin() as connection:
+            await connection.run_sync(model.metadata.create_all)
+        async with AsyncSession(engine) as session:
+            session.add(model(id=1, balance=100))
+            await session.commit()
+        yield engine, model
+        async with engine.begin() as connection:
+            await connection.run_sync(model.metadata.drop_all)
+    finally:
+        await engine.dispose()
+
+
+async def test_a_flush_that_fails_in_the_block_frees_the_key(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """A session's failed flush deactivates its transaction without ending it: the app's own
+    commit or rollback it is not, and nothing committed. The app answers 409 and marks it
+    retryable, and the retry runs; taken for the app's commit, the key stayed locked."""
+    runs: list[int] = []
+    async with accounts(postgres_dsn, tables) as (engine, model):
+
+        async def open_account(request: Request) -> Response:
+            runs.append(1)
+            async with AsyncSession(engine) as session:
+                try:
+                    async with idempotency_transaction(request, session) as tx:
+                        session.add(model(id=1, balance=0))  # taken: the flush fails
+                        await session.flush()
+                        return await tx.respond(JSONResponse({}, status_code=201))
+                except IntegrityError:
+                    mark_retryable(request)
+                    return JSONResponse({"error": "taken"}, status_code=409)
+
+        store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+        app = Starlette(routes=[Route("/open", idempotent()(open_account), methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store)
+        headers = {"Idempotency-Key": "flush"}
+        async with client_of(app, store) as client:
+            first = await client.post("/open", json={}, headers=headers)
+            retry = await client.post("/open", json={}, headers=headers)
+    assert first.status_code == retry.status_code == 409
+    assert retry.json() == {"error": "taken"}
+    assert runs == [1, 1]
+    assert await status_of(sql, tables, "flush") is None
+
+
+async def test_a_flush_that_fails_as_the_block_ends_frees_the_key(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The block's commit flushes a stale update first (``StaleDataError``, no SQLSTATE): no
+    COMMIT went out, so the key is freed and the retry runs, rather than waiting out the
+    lock."""
+    runs: list[int] = []
+    async with accounts(postgres_dsn, tables) as (engine, model):
+
+        async def withdraw(request: Request) -> Response:
+            runs.append(1)
+            try:
+                async with (
+                    AsyncSession(engine) as session,
+                    idempotency_transaction(request, session) as tx,
+                ):
+                    account = await session.get(model, 1)
+                    assert account is not None
+                    if len(runs) == 1:  # another writer updates the account meanwhile
+                        await sql.execute(f"UPDATE {tables}_accounts SET version = version + 1")
+                    account.balance -= 10
+                    return await tx.respond(JSONResponse({}, status_code=201))
+            except StaleDataError:
+                mark_retryable(request)
+                return JSONResponse({"error": "changed meanwhile"}, status_code=409)
+
+        store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+        app = Starlette(routes=[Route("/withdraw", idempotent()(withdraw), methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store)
+        headers = {"Idempotency-Key": "stale"}
+        async with client_of(app, store) as client:
+            first = await client.post("/withdraw", json={}, headers=headers)
+            assert await status_of(sql, tables, "stale") is None
+            retry = await client.post("/withdraw", json={}, headers=headers)
+    assert first.status_code == 409
+    assert retry.status_code == 201
+    assert runs == [1, 1]
+
+
+async def test_a_commit_on_a_connection_closed_before_it_frees_the_key(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """asyncpg refuses to send COMMIT on a closed connection, and says so: nothing committed,
+    the key is freed at once and the retry runs (once)."""
+
+    async def close_the_connection(request: Request, connection: Any) -> None:
+        if "x-close" in request.headers:
+            connection.terminate()
+
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    app = paying_app(store, postgres_dsn, "asyncpg", tables, close_the_connection)
+    headers = {"Idempotency-Key": "closed"}
+    with pytest.raises(asyncpg.InterfaceError, match="connection is closed"):
+        async with make_client(app) as raising:
+            await raising.post("/pay", json={}, headers={**headers, "X-Close": "1"})
+    assert await status_of(sql, tables, "closed") is None
+    async with client_of(app, store) as client:
+        retry = await client.post("/pay", json={}, headers=headers)
+    assert retry.status_code == 201
+    assert "x-idempotent-replay" not in retry.headers
+    assert await payments(sql, tables, "closed") == 1
+
+
+async def test_the_apps_retry_of_its_own_transaction_may_enter_the_block_again(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The app's transaction, joined by the block, fails at its commit (a deferred constraint,
+    as a serialization failure would) and the app runs it again: the second block is let in
+    (it was refused as "already in an idempotency_transaction"), and its outcome stays."""
+    await sql.execute(
+        f"CREATE TABLE {tables}_deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);"
+        f"INSERT INTO {tables}_deferred VALUES (1)"
+    )
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    attempts: list[int] = []
+
+    async def pay(request: Request) -> Response:
+        connection = await asyncpg.connect(postgres_dsn)
+        try:
+            for attempt in range(2):
+                attempts.append(attempt)
+                try:
+                    async with (
+                        connection.transaction(),
+                        idempotency_transaction(request, connection) as tx,
+                    ):
+                        await connection.execute(
+                            f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                            "VALUES ('again', '9.99', '')"
+                        )
+                        if attempt == 0:
+                            await connection.execute(f"INSERT INTO {tables}_deferred VALUES (1)")
+                        response = await tx.respond(JSONResponse({}, status_code=201))
+                    return response
+                except asyncpg.UniqueViolationError:
+                    continue
+            raise AssertionError("unreachable")
+        finally:
+            await connection.close()
+
+    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    headers = {"Idempotency-Key": "again"}
+    try:
+        async with client_of(app, store) as client:
+            first = await client.post("/pay", json={}, headers=headers)
+            retry = await client.post("/pay", json={}, headers=headers)
+    finally:
+        await sql.execute(f"DROP TABLE {tables}_deferred")
+    assert first.status_code == 201, first.text
+    assert attempts == [0, 1]
+    assert await status_of(sql, tables, "again") == "Completed"
+    await assert_replayed_once(retry, sql, tables, "again")
