@@ -37,7 +37,11 @@ from starlette_idempotency._record import (
     record_to_dict,
 )
 from starlette_idempotency.errors import ConfigurationError
-from starlette_idempotency.stores.base import DEFAULT_RESOLVED_TTL, HeldRecord
+from starlette_idempotency.stores.base import (
+    DEFAULT_RESOLVED_TTL,
+    RESOLVED_TTL_RANGE,
+    HeldRecord,
+)
 
 if TYPE_CHECKING:
     from starlette_idempotency.stores.postgres import PostgresStore
@@ -124,7 +128,7 @@ def add_key_commands(
     )
     resolve.add_argument(
         "--ttl-hours",
-        type=_positive(float),
+        type=_within(float, RESOLVED_TTL_RANGE[0] / 3600, RESOLVED_TTL_RANGE[1] / 3600),
         default=DEFAULT_RESOLVED_TTL / 3600,
         help=f"how long retries get the response ({DEFAULT_RESOLVED_TTL / 3600:g})",
     )
@@ -138,19 +142,22 @@ def add_key_commands(
     )
     listing.add_argument(
         "--limit",
-        type=_positive(int),
+        type=_within(int, 1),
         default=_LIST_LIMIT,
         help=f"at most this many ({_LIST_LIMIT})",
     )
 
 
-def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
-    """An argparse ``type``: ``kind(text)``, refused unless a finite number above 0."""
+def _within(
+    kind: Callable[[str], float], lowest: float, highest: float = sys.float_info.max
+) -> Callable[[str], float]:
+    """An argparse ``type``: ``kind(text)``, refused unless from ``lowest`` to ``highest``."""
 
     def parse(text: str) -> float:
         value = kind(text)
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a number above 0, not {text}")
+        if not lowest <= value <= highest:
+            limit = "" if highest == sys.float_info.max else f" to {highest:g}"
+            raise argparse.ArgumentTypeError(f"must be {lowest:g}{limit}, not {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid ..." message

@@ -71,10 +71,16 @@ def test_location_of_a_dsn_never_shows_credentials(monkeypatch: pytest.MonkeyPat
     )
     assert location_of("postgresql://app@db", {"port": 7000}) == "db:7000/app"  # db = user
     assert location_of("postgresql://db/payments", {"database": "other"}) == "db:5432/other"
+    assert location_of("postgresql://app:s3cret@[::1]:6543/payments", {}) == "[::1]:6543/payments"
     for not_a_url in (
         "postgresql//app:s3cret@db.internal/payments",  # a colon missing
         "app:s3cret@db.internal/payments",
         "host=db.internal password=s3cret dbname=payments",
+        # A password with an unescaped /, ? or # ends urlsplit's address early.
+        "postgresql://app:s3/cret@db.internal:6543/payments",
+        "postgresql://app:s3?cret@db.internal/payments",
+        "postgresql://app:s3#cret@db.internal/payments",
+        "postgresql://app:12/34@db.internal/payments",
     ):
         assert location_of(not_a_url, {}) == "(a DSN that is not a postgresql:// URL)"
     monkeypatch.setenv("PGHOST", "from-env")

@@ -12,11 +12,13 @@ import re
 import select
 from collections.abc import Mapping
 from typing import Any, NoReturn, Protocol
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 
 _HOST_PORT = re.compile(r"(.+):(\d+)")
+#: One host of a URL's address: a name or IPv4 address, or an IPv6 one in brackets, and a port.
+_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.%\w]*\]|[^:\[\]]*)(:\d*)?")
 
 # FATAL errors that a backend raises only from an interrupt check: pg_terminate_backend and a
 # smart or fast shutdown (57P01 admin_shutdown), idle_session_timeout (57P05). See never_ran
@@ -126,14 +128,26 @@ def may_have_run(exc: BaseException | None) -> bool:
     return isinstance(exc, asyncpg.ConnectionDoesNotExistError) and not never_ran(exc)
 
 
+def _readable(parts: SplitResult) -> bool:
+    """Whether a DSN split into ``parts`` is a ``postgresql://`` URL whose address is where
+    urlsplit found it: an unescaped ``/``, ``?`` or ``#`` in a password ends the address
+    early, leaving part of the password as a port and the rest, ``@host`` and all, after."""
+    if parts.scheme not in ("postgres", "postgresql"):
+        return False
+    if "@" in parts.path or "@" in parts.query or "@" in parts.fragment:
+        return False
+    address = parts.netloc.rpartition("@")[2]
+    return all(_ADDRESS.fullmatch(host) is not None for host in address.split(","))
+
+
 def location_of(dsn: str | None, options: Mapping[str, Any]) -> str:
     """``host:port/database`` for messages, as the connect options, then the ``dsn`` URL,
     then the libpq environment give them; never the user or password."""
     fields: dict[str, str] = {}
     if dsn:
         parts = urlsplit(dsn)
-        if parts.scheme not in ("postgres", "postgresql"):
-            # Not a URL asyncpg reads: its parts could be anything, a password among them.
+        if not _readable(parts):
+            # Its parts could be anything, a password among them.
             return "(a DSN that is not a postgresql:// URL)"
         fields.update(parse_qsl(parts.query))
         if hosts := unquote(parts.netloc.rpartition("@")[2]):

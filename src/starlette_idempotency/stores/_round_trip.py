@@ -5,6 +5,10 @@ Reaching the server says little about whether it lets the store work. A Redis AC
 ``EVALSHA`` acquires (``SET NX``) and then refuses every outcome's write, so each retry runs
 the handler again once the lock lapses; a PostgreSQL role without ``UPDATE``, or a table
 without its primary key, fails every request. Only doing it finds these.
+
+Once it has worked, a store does not do it again (:class:`RoundTrip`): then the requests
+themselves show a store that stopped working (counted, and alerted on), and a readiness probe
+stays as cheap as it was, not three round trips more on every probe of every pod.
 """
 
 from __future__ import annotations
@@ -23,12 +27,39 @@ _CHECK_TTL_SECONDS = 10.0
 _CHECK_KEY = "__idempotency_check__"
 
 
-async def refused_round_trip(
-    store: IdempotencyStore, where: str, advice: str
-) -> StoreFinding | None:
-    """An ``error`` when ``store`` (at ``where``) refuses or fails what every request sends,
-    ending with ``advice``; ``None`` when the acquire, the write and the release all went
-    through."""
+class RoundTrip:
+    """A store's round trip, until it has once worked."""
+
+    __slots__ = ("_advice", "_store", "_timeout", "worked")
+
+    def __init__(self, store: IdempotencyStore, advice: str, timeout: float) -> None:
+        self._store = store
+        self._advice = advice
+        self._timeout = timeout
+        self.worked = False
+
+    async def finding(self, where: str) -> StoreFinding | None:
+        """An ``error`` when the store (at ``where``) refuses or fails what every request
+        sends, ending with the advice; ``None`` once it has worked."""
+        if self.worked:
+            return None
+        cause = await _failure(self._store, self._timeout)
+        self.worked = cause is None
+        if cause is None:
+            return None
+        return StoreFinding(
+            "error",
+            f"{where} refuses what every request does (an acquire, the outcome's write and a "
+            f"release, tried on a key of the check's own): {cause}. {self._advice}",
+        )
+
+
+async def _failure(
+    store: IdempotencyStore,
+    timeout: float,  # noqa: ASYNC109 - no answer is a failure to report, not to raise
+) -> str | None:
+    """What went wrong when ``store`` acquired, finished and released a key of its own
+    within ``timeout`` seconds; ``None`` when nothing did."""
     token = os.urandom(16).hex()
     key = f"{_CHECK_KEY}:{token}"
     now = time.time()
@@ -44,18 +75,12 @@ async def refused_round_trip(
         RecordStatus.COMPLETED, StoredResponse(204, (), b""), now + _CHECK_TTL_SECONDS
     )
     try:
-        async with asyncio.timeout(ROUND_TRIP_TIMEOUT_SECONDS):
+        async with asyncio.timeout(timeout):
             await store.try_acquire(key, pending, _CHECK_TTL_SECONDS, recover=False)
             await store.finish(key, finished, _CHECK_TTL_SECONDS)
             await store.release(key, token)
     except TimeoutError:
-        cause = f"no answer within {ROUND_TRIP_TIMEOUT_SECONDS:g} s"
+        return f"no answer within {timeout:g} s"
     except Exception as exc:  # a check reports what went wrong, whatever it is
-        cause = str(exc).strip() or type(exc).__name__
-    else:
-        return None
-    return StoreFinding(
-        "error",
-        f"{where} refuses what every request does (an acquire, the outcome's write and a "
-        f"release, tried on a key of the check's own): {cause}. {advice}",
-    )
+        return str(exc).strip() or type(exc).__name__
+    return None

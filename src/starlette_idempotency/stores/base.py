@@ -25,6 +25,9 @@ from starlette_idempotency._record import IdempotencyRecord, RecordStatus, Store
 
 DEFAULT_KEY_PREFIX = "idempotency"
 DEFAULT_RESOLVED_TTL = 24 * 3600.0
+#: The range of :meth:`StoreBase.resolve`'s ``ttl``: a shorter one lets the record go before
+#: any retry comes (which then runs again); a longer one is no date the stores can keep.
+RESOLVED_TTL_RANGE = (1.0, 100 * 365 * 24 * 3600.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,10 +263,14 @@ class StoreBase(IdempotencyStore):
     ) -> bool:
         """Finish the record under ``key`` with ``response``, whoever holds it (for operators
         and reconcilers), kept ``ttl`` seconds. Returns false when there is no record to
-        resolve. Raises ``ValueError`` for a ``ttl`` that is not a positive number: the record
-        would be gone at once, and the retry it was held for would run again."""
-        if not ttl > 0 or ttl == float("inf"):
-            raise ValueError(f"resolve() needs a ttl of a positive number of seconds, not {ttl!r}")
+        resolve. Raises ``ValueError`` for a ``ttl`` outside :data:`RESOLVED_TTL_RANGE` (a
+        second to a hundred years): shorter, the record would be gone before the retry it was
+        held for, which would run again."""
+        shortest, longest = RESOLVED_TTL_RANGE
+        if not shortest <= ttl <= longest:
+            raise ValueError(
+                f"resolve() keeps a record {shortest:g} to {longest:g} seconds, not {ttl!r}"
+            )
         status = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
         for _ in range(3):
             current = await self.get(key)

@@ -95,7 +95,7 @@ from starlette_idempotency.stores._postgres_sql import (
     row_params,
     schema_sql,
 )
-from starlette_idempotency.stores._round_trip import refused_round_trip
+from starlette_idempotency.stores._round_trip import ROUND_TRIP_TIMEOUT_SECONDS, RoundTrip
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     TAKING_BACK,
@@ -171,6 +171,13 @@ class PostgresStore(StoreBase):
         # Whether statements need an explicit READ COMMITTED transaction (None: not known yet).
         self._explicit_isolation: bool | None = None
         self._undoing: set[asyncio.Task[None]] = set()
+        self._round_trip = RoundTrip(
+            self,
+            f"Grant the store's role SELECT, INSERT, UPDATE and DELETE on {table}, and give "
+            "the table the shape `starlette-idempotency migrate --sql` prints (its primary "
+            "key, its column types)",
+            ROUND_TRIP_TIMEOUT_SECONDS,
+        )
 
     @classmethod
     def from_dsn(
@@ -560,13 +567,7 @@ class PostgresStore(StoreBase):
         )
         if any(finding.level == "error" for finding in found):
             return found
-        refused = await refused_round_trip(
-            self,
-            self.describe(),
-            f"Grant the store's role SELECT, INSERT, UPDATE and DELETE on {self._table_name}, "
-            "and give the table the shape `starlette-idempotency migrate --sql` prints (its "
-            "primary key, its column types)",
-        )
+        refused = await self._round_trip.finding(self.describe())
         return found if refused is None else [refused, *found]
 
     async def in_progress(self, *, stuck: bool = False, limit: int = 1000) -> list[HeldRecord]:

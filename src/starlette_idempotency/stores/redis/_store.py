@@ -37,7 +37,7 @@ from starlette_idempotency._record import (
 )
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.stores._lazy_pool import close_at_loop_end, refuse_a_busy_loop
-from starlette_idempotency.stores._round_trip import refused_round_trip
+from starlette_idempotency.stores._round_trip import ROUND_TRIP_TIMEOUT_SECONDS, RoundTrip
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     TAKING_BACK,
@@ -207,6 +207,14 @@ class RedisStore(StoreBase):
             asyncio.CancelledError,
             *driver.timeouts,
         )
+        self._round_trip = RoundTrip(
+            self,
+            "Allow the store's Redis user, on a primary, the commands it sends (GET, SET, "
+            "EVALSHA, SCRIPT LOAD, PUBLISH, SUBSCRIBE: ACL categories +@read +@write "
+            f"+@scripting +@pubsub) on the keys and channels {self._prefix}*",
+            # The acquire and the write each wait for the replicas (WAIT) when told to.
+            ROUND_TRIP_TIMEOUT_SECONDS + (2 * wait_timeout_ms / 1000 if wait_replicas else 0),
+        )
 
     @classmethod
     def from_url(
@@ -301,13 +309,7 @@ class RedisStore(StoreBase):
         findings = await check_redis(self._driver, where)
         if any(finding.level == "error" for finding in findings):
             return findings
-        refused = await refused_round_trip(
-            self,
-            where,
-            "Allow the store's Redis user, on a primary, the commands it sends (GET, SET, "
-            "EVALSHA, SCRIPT LOAD, PUBLISH, SUBSCRIBE: ACL categories +@read +@write "
-            f"+@scripting +@pubsub) on the keys and channels {self._prefix}*",
-        )
+        refused = await self._round_trip.finding(where)
         return findings if refused is None else [refused, *findings]
 
     async def _enter_loop(self) -> None:
