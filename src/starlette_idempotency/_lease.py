@@ -260,12 +260,19 @@ class Lease(KeyOwner):
         renew)."""
         if self.transaction_open:  # its row is locked: nobody can take the key over
             return True
-        if self.recorded is not None or self.in_doubt:  # finished, or to lapse
+        if self.in_doubt:  # to lapse
             return False
+        if self.recorded is not None and not self.in_the_apps_transaction:
+            return False  # the transaction finished the record
         policy = self._route.policy
         renewed = await self._store.renew(
             self.store_key, self.record, policy.lock_ttl_seconds, policy.ttl_seconds
         )
+        if self.recorded is not None:
+            # The app's transaction, which writes the outcome, has ended (a renewal waits for
+            # the row while it is open): committed, the record is finished and there is
+            # nothing to renew or take back; rolled back, its retry runs the block again.
+            return renewed
         return renewed or await self._reclaim()
 
     async def _reclaim(self) -> bool:

@@ -21,6 +21,7 @@ driver.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import replace
 from types import TracebackType
@@ -48,8 +49,6 @@ class _Connection(Protocol):
     def in_savepoint(self) -> bool: ...
 
     def ended_by_app(self) -> bool: ...
-
-    def can_commit(self) -> bool: ...
 
     async def begin(self) -> None: ...
 
@@ -93,9 +92,6 @@ class _Asyncpg(_Opened):
         connection = self._connection
         return not connection.is_closed() and not connection.is_in_transaction()
 
-    def can_commit(self) -> bool:
-        return not self._connection.is_closed()
-
     async def rollback(self) -> None:
         if not self._connection.is_closed():  # else the server rolled back as it ended
             await self._transaction.rollback()
@@ -121,9 +117,6 @@ class _SQLAlchemy(_Opened):
     def ended_by_app(self) -> bool:
         # A failed flush deactivates a session's transaction without ending it: still ours.
         return self._connection.get_transaction() is not self._transaction
-
-    def can_commit(self) -> bool:
-        return bool(self._transaction.is_active)
 
     async def begin(self) -> None:
         self._transaction = await self._connection.begin()
@@ -153,10 +146,11 @@ def _sqlstate(exc: BaseException) -> str | None:
     return None
 
 
-#: SQLSTATE classes that do not say the server rolled the transaction back: the connection
-#: lost (``08``: asyncpg raises it for a connection closed mid-statement), the server shut
-#: down or the backend terminated (``57``), an internal error (``XX``).
-_IN_DOUBT_CLASSES = ("08", "57", "XX")
+#: SQLSTATEs that do not say the server rolled the transaction back: the connection lost
+#: (class ``08``: asyncpg raises it for a connection closed mid-statement), the server shut
+#: down or the backend terminated (``57P``; a cancelled statement, ``57014``, did roll back),
+#: an internal error (class ``XX``).
+_IN_DOUBT_CLASSES = ("08", "57P", "XX")
 
 
 def _commit_in_doubt(exc: BaseException) -> bool:
@@ -319,17 +313,22 @@ class IdempotencyTransaction:
         return self
 
     async def _lost(self) -> Exception:
-        """Why the fence found no row of this request's: the key was taken over (or finished,
-        or is gone), or the connection is not on the store's database."""
+        """Why the fence found no row of this request's: an earlier block finished it (in this
+        transaction, or in one of the app's that committed), the key was taken over (or is
+        gone), or the connection is not on the store's database."""
         lease = self._lease
-        found = await lease.store.get(lease.store_key)
-        if found is not None and found.owner_token == lease.record.owner_token:
-            if found.status is RecordStatus.IN_PROGRESS:
-                return self._elsewhere()
+        if lease.recorded is not None:  # this transaction's earlier block finished the row
             return IdempotencyError(
-                f"the outcome of idempotency key {lease.key!r} is committed already, by an "
-                "earlier idempotency_transaction of this request: one transaction writes it"
+                f"idempotency key {lease.key!r} is already in an idempotency_transaction: "
+                "one transaction writes a request's outcome"
             )
+        found = await lease.store.get(lease.store_key)
+        if (
+            found is not None
+            and found.owner_token == lease.record.owner_token
+            and found.status is RecordStatus.IN_PROGRESS
+        ):
+            return self._elsewhere()
         return LockLostError(
             f"the lock for idempotency key {lease.key!r} was taken over (its lease lapsed) "
             "before the transaction: nothing written in it may commit, and another attempt "
@@ -348,9 +347,9 @@ class IdempotencyTransaction:
         """Commit (or roll back) the transaction this block opened. A commit that ends
         without the server's answer (the connection lost, a cancel, a timeout) may have
         committed: the lease is then left in doubt, so that no release deletes a record that
-        did commit. One the server refused rolled back, and one that could not be sent (the
-        connection closed before, a session's flush failed) committed nothing: the key is
-        freed as for any failure."""
+        did commit. One the server refused rolled back, and one never sent (a session's flush
+        failed, a statement in the transaction failed, the connection had closed) committed
+        nothing: the key is freed as for any failure."""
         connection = self._connection
         if connection.ended_by_app():
             error = self._refuse_the_apps_end()
@@ -361,12 +360,20 @@ class IdempotencyTransaction:
         if not committing:
             await connection.rollback()
             return
-        await connection.flush()
-        sent = connection.can_commit()
+        try:
+            await connection.flush()
+            # A statement that failed in the transaction, its error caught by the app, leaves
+            # it aborted, and PostgreSQL answers its COMMIT with a ROLLBACK that no driver
+            # raises: this fails instead (25P02), as it does on a connection closed already.
+            await connection.fetchval("SELECT 1", ())
+        except BaseException:
+            with contextlib.suppress(Exception):  # that failure is the one to raise
+                await connection.rollback()
+            raise
         try:
             await connection.commit()
         except BaseException as exc:
-            if sent and _commit_in_doubt(exc):
+            if _commit_in_doubt(exc):
                 self._lease.in_doubt = True
             raise
 

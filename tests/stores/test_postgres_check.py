@@ -81,6 +81,8 @@ def test_location_of_a_dsn_never_shows_credentials(monkeypatch: pytest.MonkeyPat
         "postgresql://app:s3?cret@db.internal/payments",
         "postgresql://app:s3#cret@db.internal/payments",
         "postgresql://app:12/34@db.internal/payments",
+        "postgresql://app:[s3cret]@db.internal/payments",  # urlsplit raises: not IPv6
+        "postgresql://app:s3cret]@db.internal/payments",
     ):
         assert location_of(not_a_url, {}) == "(a DSN that is not a postgresql:// URL)"
     monkeypatch.setenv("PGHOST", "from-env")

@@ -150,7 +150,7 @@ async def test_a_commit_whose_reply_is_lost_is_replayed_not_run_again(
 
     async def lose_the_commits_reply(request: Request, connection: Any) -> None:
         if "x-lose-commit-reply" in request.headers:  # the first attempt only
-            proxy.arm("reply")
+            proxy.arm("reply", on=b"COMMIT")
 
     store = PostgresStore.from_dsn(postgres_dsn, table=tables)
     app = paying_app(store, proxy.proxied(postgres_dsn), driver, tables, lose_the_commits_reply)
@@ -179,7 +179,7 @@ async def test_a_request_cancelled_after_its_commit_landed_is_replayed(
 
         async def hold_the_commits_reply(request: Request, connection: Any) -> None:
             if "x-hold-commit-reply" in request.headers:
-                link.hold()
+                link.hold(on=b"COMMIT")
 
         store = PostgresStore.from_dsn(postgres_dsn, table=tables)
         app = paying_app(store, link.proxied(postgres_dsn), driver, tables, hold_the_commits_reply)
@@ -475,20 +475,27 @@ async def test_a_flush_that_fails_as_the_block_ends_frees_the_key(
     assert runs == [1, 1]
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
 async def test_a_commit_on_a_connection_closed_before_it_frees_the_key(
-    postgres_dsn: str, tables: str, sql: Any
+    driver: str, postgres_dsn: str, tables: str, sql: Any
 ) -> None:
-    """asyncpg refuses to send COMMIT on a closed connection, and says so: nothing committed,
+    """No COMMIT goes out on a closed connection, and the driver says so: nothing committed,
     the key is freed at once and the retry runs (once)."""
 
     async def close_the_connection(request: Request, connection: Any) -> None:
-        if "x-close" in request.headers:
+        if "x-close" not in request.headers:
+            return
+        if driver == "asyncpg":
             connection.terminate()
+            return
+        if driver == "session":
+            connection = await connection.connection()
+        (await connection.get_raw_connection()).driver_connection.terminate()
 
     store = PostgresStore.from_dsn(postgres_dsn, table=tables)
-    app = paying_app(store, postgres_dsn, "asyncpg", tables, close_the_connection)
+    app = paying_app(store, postgres_dsn, driver, tables, close_the_connection)
     headers = {"Idempotency-Key": "closed"}
-    with pytest.raises(asyncpg.InterfaceError, match="connection is closed"):
+    with pytest.raises(Exception, match="connection is closed"):
         async with make_client(app) as raising:
             await raising.post("/pay", json={}, headers={**headers, "X-Close": "1"})
     assert await status_of(sql, tables, "closed") is None
@@ -549,3 +556,171 @@ async def test_the_apps_retry_of_its_own_transaction_may_enter_the_block_again(
     assert attempts == [0, 1]
     assert await status_of(sql, tables, "again") == "Completed"
     await assert_replayed_once(retry, sql, tables, "again")
+
+
+async def _execute(driver: str, connection: Any, statement: str) -> None:
+    if driver == "asyncpg":
+        await connection.execute(statement)
+    elif driver == "sqlalchemy":
+        await connection.exec_driver_sql(statement)
+    else:
+        await (await connection.connection()).exec_driver_sql(statement)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_transaction_a_caught_error_aborted_commits_nothing_and_says_so(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """After ``tx.respond()`` a statement fails and the app catches its error: the transaction
+    is aborted, and PostgreSQL answers its COMMIT with a ROLLBACK that no driver raises. The
+    block raises instead, and the key is freed; the client was answered 201 for a payment
+    that never committed, reported COMPLETED, and its retry got 409."""
+
+    async def fail_a_statement_quietly(request: Request, connection: Any) -> None:
+        if "x-fail" in request.headers:
+            with contextlib.suppress(Exception):  # the app's handling of its own error
+                await _execute(driver, connection, "SELECT 1/0")
+
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    app = paying_app(store, postgres_dsn, driver, tables, fail_a_statement_quietly)
+    headers = {"Idempotency-Key": "aborted"}
+    async with client_of(app, store) as client:
+        first = await client.post("/pay", json={}, headers={**headers, "X-Fail": "1"})
+        assert first.status_code == 500
+        assert await status_of(sql, tables, "aborted") is None
+        assert await payments(sql, tables, "aborted") == 0
+        retry = await client.post("/pay", json={}, headers=headers)
+    assert retry.status_code == 201
+    assert "x-idempotent-replay" not in retry.headers
+    assert await payments(sql, tables, "aborted") == 1
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_commit_the_server_cancels_frees_the_key(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """``pg_cancel_backend`` while COMMIT runs a deferred trigger: the server rolled back and
+    said so (57014), so the key is freed at once, not held for its lock TTL."""
+    await sql.execute(
+        f"CREATE TABLE {tables}_slow (v int);"
+        f"CREATE FUNCTION {tables}_sleep() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN PERFORM pg_sleep(30); RETURN NULL; END $$;"
+        f"CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON {tables}_slow "
+        f"DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {tables}_sleep()"
+    )
+
+    async def slow_down_the_commit(request: Request, connection: Any) -> None:
+        if "x-slow" in request.headers:
+            await _execute(driver, connection, f"INSERT INTO {tables}_slow VALUES (1)")
+
+    async def committing() -> int | None:
+        pid: int | None = await sql.fetchval(
+            "SELECT pid FROM pg_stat_activity WHERE state = 'active' AND query ILIKE 'COMMIT%'"
+            " AND pid <> pg_backend_pid()"
+        )
+        return pid
+
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    app = paying_app(store, postgres_dsn, driver, tables, slow_down_the_commit)
+    headers = {"Idempotency-Key": "cancelled-by-server"}
+    try:
+        async with client_of(app, store) as client:
+            first = asyncio.create_task(
+                client.post("/pay", json={}, headers={**headers, "X-Slow": "1"})
+            )
+            pid = await eventually(committing, message="the COMMIT to run its trigger")
+            await sql.execute("SELECT pg_cancel_backend($1)", pid)
+            assert (await first).status_code == 500
+            assert await status_of(sql, tables, "cancelled-by-server") is None
+            retry = await client.post("/pay", json={}, headers=headers)
+    finally:
+        await sql.execute(f"DROP TABLE {tables}_slow; DROP FUNCTION {tables}_sleep()")
+    assert retry.status_code == 201
+    assert await payments(sql, tables, "cancelled-by-server") == 1
+
+
+async def test_two_blocks_in_one_transaction_of_the_apps_are_refused(
+    postgres_dsn: str, tables: str
+) -> None:
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+
+    async def pay(request: Request) -> Response:
+        connection = await asyncpg.connect(postgres_dsn)
+        try:
+            async with connection.transaction():
+                async with idempotency_transaction(request, connection) as tx:
+                    await tx.respond(JSONResponse({}, status_code=201))
+                async with idempotency_transaction(request, connection) as tx:
+                    return await tx.respond(JSONResponse({}, status_code=201))
+        finally:
+            await connection.close()
+
+    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    with pytest.raises(IdempotencyError, match="already in an idempotency_transaction"):
+        async with make_client(app) as client:
+            await client.post("/pay", json={}, headers={"Idempotency-Key": "twice"})
+    await store.aclose()
+
+
+async def test_the_lock_is_renewed_while_the_app_runs_its_transaction_again(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """Between the app's failed commit and its next attempt (a backoff, say), the lock is
+    still renewed: its renewal stopped for good at the first block, the lock lapsed, and a
+    retry ran the handler beside it."""
+    await sql.execute(
+        f"CREATE TABLE {tables}_deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);"
+        f"INSERT INTO {tables}_deferred VALUES (1)"
+    )
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    failed, go_on = asyncio.Event(), asyncio.Event()
+
+    async def pay(request: Request) -> Response:
+        connection = await asyncpg.connect(postgres_dsn)
+        try:
+            for attempt in range(2):
+                try:
+                    async with (
+                        connection.transaction(),
+                        idempotency_transaction(request, connection) as tx,
+                    ):
+                        await connection.execute(
+                            f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                            "VALUES ('renewed', '9.99', '')"
+                        )
+                        if attempt == 0:
+                            await connection.execute(f"INSERT INTO {tables}_deferred VALUES (1)")
+                        response = await tx.respond(JSONResponse({}, status_code=201))
+                    return response
+                except asyncpg.UniqueViolationError:
+                    failed.set()
+                    await go_on.wait()  # the app's backoff
+            raise AssertionError("unreachable")
+        finally:
+            await connection.close()
+
+    async def lock_outlived(deadline: float) -> bool:
+        expires = await sql.fetchval(
+            f"SELECT extract(epoch FROM expires_at) FROM {tables} WHERE idempotency_key = $1",
+            "renewed",
+        )
+        return float(expires) > deadline
+
+    app = Starlette(routes=[Route("/pay", idempotent(lock_ttl_seconds=1)(pay), methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    headers = {"Idempotency-Key": "renewed"}
+    try:
+        async with client_of(app, store) as client:
+            first = asyncio.create_task(client.post("/pay", json={}, headers=headers))
+            await eventually(failed.is_set, message="the app's first commit to fail")
+            lapse = float(await sql.fetchval("SELECT extract(epoch FROM now())")) + 1.5
+            await eventually(lambda: lock_outlived(lapse), message="the lock to be renewed")
+            assert (await client.post("/pay", json={}, headers=headers)).status_code == 409
+            go_on.set()
+            assert (await first).status_code == 201
+            retry = await client.post("/pay", json={}, headers=headers)
+    finally:
+        go_on.set()  # a failed assertion leaves no handler waiting
+        await sql.execute(f"DROP TABLE {tables}_deferred")
+    await assert_replayed_once(retry, sql, tables, "renewed")

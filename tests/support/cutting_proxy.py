@@ -31,6 +31,7 @@ class CuttingProxy:
         self.connections = 0
         self.cuts_done = 0
         self._armed: Cut | None = None
+        self._on: bytes | None = None  # the bytes of the request to cut, when given
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -51,12 +52,14 @@ class CuttingProxy:
         """``dsn`` pointed at this proxy."""
         return proxied(dsn, self.port)
 
-    def arm(self, cut: Cut) -> None:
-        """Cut the next exchange of any connection (one cut only)."""
+    def arm(self, cut: Cut, *, on: bytes | None = None) -> None:
+        """Cut the next exchange of any connection (one cut only); with ``on``, the next whose
+        request holds those bytes (``b"COMMIT"``)."""
         self._armed = cut
+        self._on = on
 
     def _take(self, cut: Cut) -> bool:
-        if self._armed != cut:
+        if self._armed != cut or self._on is not None:
             return False
         self._armed = None
         self.cuts_done += 1
@@ -86,6 +89,8 @@ class CuttingProxy:
         client: asyncio.StreamWriter,
     ) -> None:
         while data := await client_in.read(65536):
+            if self._on is not None and self._on in data:
+                self._on = None  # this exchange is the one to cut
             if self._take("request"):
                 client.transport.abort()
                 server.transport.abort()

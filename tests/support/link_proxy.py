@@ -33,6 +33,7 @@ class LinkProxy:
         self.port = 0
         self._open = asyncio.Event()
         self._open.set()
+        self._hold_on: bytes | None = None  # see hold()
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -49,9 +50,13 @@ class LinkProxy:
         """``dsn`` pointed at this proxy."""
         return proxied(dsn, self.port)
 
-    def hold(self) -> None:
-        """Keep back what the upstream sends from now on."""
-        self._open.clear()
+    def hold(self, *, on: bytes | None = None) -> None:
+        """Keep back what the upstream sends from now on; with ``on``, from the moment a
+        client sends those bytes (``b"COMMIT"``): its reply is the first kept back."""
+        if on is None:
+            self._open.clear()
+        else:
+            self._hold_on = on
 
     def release(self) -> None:
         """Forward what was kept back, and everything after it."""
@@ -88,7 +93,7 @@ class LinkProxy:
         self._writers += [client, server]
         try:
             await asyncio.gather(
-                self._pipe(client_in, server, None), self._pipe(server_in, client, self._open)
+                self._requests(client_in, server), self._replies(server_in, client)
             )
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass  # cut, or closed by either end (a cut task ends quietly: it is ours)
@@ -97,13 +102,19 @@ class LinkProxy:
             for writer in (client, server):
                 writer.transport.abort()
 
-    @staticmethod
-    async def _pipe(
-        source: asyncio.StreamReader, sink: asyncio.StreamWriter, gate: asyncio.Event | None
-    ) -> None:
+    async def _requests(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
         while data := await source.read(65536):
-            if gate is not None:
-                await gate.wait()
+            if self._hold_on is not None and self._hold_on in data:
+                self._hold_on = None
+                self._open.clear()  # before the request goes: its reply is held
+            sink.write(data)
+            with contextlib.suppress(ConnectionError):
+                await sink.drain()
+        sink.transport.abort()
+
+    async def _replies(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        while data := await source.read(65536):
+            await self._open.wait()
             sink.write(data)
             with contextlib.suppress(ConnectionError):
                 await sink.drain()

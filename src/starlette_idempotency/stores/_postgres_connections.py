@@ -17,6 +17,8 @@ from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 
 _HOST_PORT = re.compile(r"(.+):(\d+)")
+#: What messages show of a DSN that is not a readable URL: its parts could be anything.
+_UNREADABLE_DSN = "(a DSN that is not a postgresql:// URL)"
 #: One host of a URL's address: a name or IPv4 address, or an IPv6 one in brackets, and a port.
 _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.%\w]*\]|[^:\[\]]*)(:\d*)?")
 
@@ -145,10 +147,12 @@ def location_of(dsn: str | None, options: Mapping[str, Any]) -> str:
     then the libpq environment give them; never the user or password."""
     fields: dict[str, str] = {}
     if dsn:
-        parts = urlsplit(dsn)
+        try:
+            parts = urlsplit(dsn)
+        except ValueError:  # brackets urlsplit reads as an IPv6 address, in a password say
+            return _UNREADABLE_DSN
         if not _readable(parts):
-            # Its parts could be anything, a password among them.
-            return "(a DSN that is not a postgresql:// URL)"
+            return _UNREADABLE_DSN
         fields.update(parse_qsl(parts.query))
         if hosts := unquote(parts.netloc.rpartition("@")[2]):
             fields["host"] = hosts

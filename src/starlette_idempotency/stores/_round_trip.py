@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from contextvars import ContextVar
 
 from starlette_idempotency._record import IdempotencyRecord, RecordStatus, StoredResponse
 from starlette_idempotency.stores.base import IdempotencyStore, StoreFinding
@@ -25,6 +26,10 @@ ROUND_TRIP_TIMEOUT_SECONDS = 2.0
 #: How long the check's record lives if the check is cut short before its release.
 _CHECK_TTL_SECONDS = 10.0
 _CHECK_KEY = "__idempotency_check__"
+
+#: Set while a store does the check's round trip: a store may leave out what asks nothing of
+#: its permissions and only takes time (``RedisStore``'s wait for its replicas).
+IN_ROUND_TRIP: ContextVar[bool] = ContextVar("IN_ROUND_TRIP", default=False)
 
 
 class RoundTrip:
@@ -74,6 +79,7 @@ async def _failure(
     finished = pending.finished(
         RecordStatus.COMPLETED, StoredResponse(204, (), b""), now + _CHECK_TTL_SECONDS
     )
+    marked = IN_ROUND_TRIP.set(True)
     try:
         async with asyncio.timeout(timeout):
             await store.try_acquire(key, pending, _CHECK_TTL_SECONDS, recover=False)
@@ -83,4 +89,6 @@ async def _failure(
         return f"no answer within {timeout:g} s"
     except Exception as exc:  # a check reports what went wrong, whatever it is
         return str(exc).strip() or type(exc).__name__
+    finally:
+        IN_ROUND_TRIP.reset(marked)
     return None

@@ -37,7 +37,11 @@ from starlette_idempotency._record import (
 )
 from starlette_idempotency.errors import ConfigurationError, StoreError, StoreTimeoutError
 from starlette_idempotency.stores._lazy_pool import close_at_loop_end, refuse_a_busy_loop
-from starlette_idempotency.stores._round_trip import ROUND_TRIP_TIMEOUT_SECONDS, RoundTrip
+from starlette_idempotency.stores._round_trip import (
+    IN_ROUND_TRIP,
+    ROUND_TRIP_TIMEOUT_SECONDS,
+    RoundTrip,
+)
 from starlette_idempotency.stores.base import (
     DEFAULT_KEY_PREFIX,
     TAKING_BACK,
@@ -212,8 +216,7 @@ class RedisStore(StoreBase):
             "Allow the store's Redis user, on a primary, the commands it sends (GET, SET, "
             "EVALSHA, SCRIPT LOAD, PUBLISH, SUBSCRIBE: ACL categories +@read +@write "
             f"+@scripting +@pubsub) on the keys and channels {self._prefix}*",
-            # The acquire and the write each wait for the replicas (WAIT) when told to.
-            ROUND_TRIP_TIMEOUT_SECONDS + (2 * wait_timeout_ms / 1000 if wait_replicas else 0),
+            ROUND_TRIP_TIMEOUT_SECONDS,
         )
 
     @classmethod
@@ -543,7 +546,7 @@ class RedisStore(StoreBase):
         self, waiting: ReplicaWaitingDriver, skey: str, value: bytes, px: int
     ) -> Any:
         # Retries: the SET NX GET fallback, a key lapsing between SET NX and GET.
-        replicas, timeout_ms = self._wait_replicas, self._wait_timeout_ms
+        replicas, timeout_ms = self._replica_wait()
         for _ in range(3):
             if self._acquire_strategy == "lua":
                 reply, acknowledged = await waiting.run_script_and_wait(
@@ -568,7 +571,7 @@ class RedisStore(StoreBase):
                             continue
                         return reply
             if reply is None:
-                self._check_replicas(skey, acknowledged, "the lock")
+                self._check_replicas(skey, acknowledged, replicas, "the lock")
             return reply
         raise StoreError(f"key {skey!r} kept expiring between SET NX and GET")
 
@@ -579,19 +582,27 @@ class RedisStore(StoreBase):
         args += [pending.owner_token, str(px), "1" if recover else "0"]
         if self._waiting is None:
             return await self._driver.scripts["recover"]([skey], args)
+        replicas, timeout_ms = self._replica_wait()
         reply, acknowledged = await self._waiting.run_script_and_wait(
-            "recover", skey, args, replicas=self._wait_replicas, timeout_ms=self._wait_timeout_ms
+            "recover", skey, args, replicas=replicas, timeout_ms=timeout_ms
         )
         if reply and reply[0]:
-            self._check_replicas(skey, acknowledged, "the lock")
+            self._check_replicas(skey, acknowledged, replicas, "the lock")
         return reply
 
-    def _check_replicas(self, skey: str, acknowledged: int, what: str) -> None:
-        if acknowledged < self._wait_replicas:
+    def _replica_wait(self) -> tuple[int, int]:
+        """How many replicas a write waits for, and how long: none for the check's round trip,
+        which asks whether the store may write, not whether its replicas keep up."""
+        if IN_ROUND_TRIP.get():
+            return 0, 0
+        return self._wait_replicas, self._wait_timeout_ms
+
+    def _check_replicas(self, skey: str, acknowledged: int, replicas: int, what: str) -> None:
+        if acknowledged < replicas:
             logger.warning(
                 "%d of %d Redis replicas acknowledged %s on %r within %d ms",
                 acknowledged,
-                self._wait_replicas,
+                replicas,
                 what,
                 skey,
                 self._wait_timeout_ms,
@@ -623,15 +634,12 @@ class RedisStore(StoreBase):
                         loop.call_soon(batch.turn.clear)
                     written = await self._driver.scripts["finish"]([skey], args)
             else:
+                replicas, timeout_ms = self._replica_wait()
                 written, acknowledged = await self._waiting.run_script_and_wait(
-                    "finish",
-                    skey,
-                    args,
-                    replicas=self._wait_replicas,
-                    timeout_ms=self._wait_timeout_ms,
+                    "finish", skey, args, replicas=replicas, timeout_ms=timeout_ms
                 )
                 if written:
-                    self._check_replicas(skey, acknowledged, "the response")
+                    self._check_replicas(skey, acknowledged, replicas, "the response")
         except self._failures as exc:
             raise _store_error(self._driver, "finish", key, exc) from exc
         return FencedWrite(int(written))
