@@ -83,6 +83,19 @@ async def connected(driver: str, dsn: str) -> AsyncIterator[tuple[Any, Fetchval]
         await engine.dispose()
 
 
+def guarded(
+    store: PostgresStore,
+    endpoint: Callable[[Request], Awaitable[Response]],
+    path: str = "/pay",
+    **policy: Any,
+) -> Starlette:
+    """``endpoint`` at ``POST path``, decorated ``@idempotent(**policy)``, behind the
+    middleware on ``store``."""
+    app = Starlette(routes=[Route(path, idempotent(**policy)(endpoint), methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    return app
+
+
 def paying_app(store: PostgresStore, dsn: str, driver: str, table: str, hook: Hook) -> Starlette:
     """``POST /pay``: a payment row and the 201 outcome in one transaction the block opens on
     a connection to ``dsn``; ``hook`` runs in the block after ``tx.respond()``."""
@@ -102,9 +115,7 @@ def paying_app(store: PostgresStore, dsn: str, driver: str, table: str, hook: Ho
             await hook(request, connection)
             return response
 
-    app = Starlette(routes=[Route("/pay", idempotent(lock_ttl_seconds=30)(pay), methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store)
-    return app
+    return guarded(store, pay, lock_ttl_seconds=30)
 
 
 @contextlib.asynccontextmanager
@@ -208,38 +219,78 @@ async def test_a_request_cancelled_after_its_commit_landed_is_replayed(
     await assert_replayed_once(retry, sql, tables, "cancelled")
 
 
+@contextlib.asynccontextmanager
+async def a_deferred_conflict(sql: Any, table: str) -> AsyncIterator[str]:
+    """A statement that fails only at COMMIT: an insert into a deferred unique column (as a
+    serialization failure would, the server refuses the commit and rolls it back)."""
+    await sql.execute(
+        f"CREATE TABLE {table}_deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);"
+        f"INSERT INTO {table}_deferred VALUES (1)"
+    )
+    try:
+        yield f"INSERT INTO {table}_deferred VALUES (1)"
+    finally:
+        await sql.execute(f"DROP TABLE {table}_deferred")
+
+
+def retrying_app(
+    store: PostgresStore,
+    dsn: str,
+    table: str,
+    conflict: str,
+    backoff: Callable[[], Awaitable[None]],
+) -> Starlette:
+    """``POST /pay`` running its own transaction, joined by the block, twice: the first fails
+    at its commit (``conflict``), and after ``backoff`` the second commits the payment."""
+
+    async def pay(request: Request) -> Response:
+        key = request.headers["idempotency-key"]
+        connection = await asyncpg.connect(dsn)
+        try:
+            for attempt in range(2):
+                try:
+                    async with (
+                        connection.transaction(),
+                        idempotency_transaction(request, connection) as tx,
+                    ):
+                        await connection.execute(
+                            f"INSERT INTO {table}_payments (idempotency_key, amount, pod) "
+                            "VALUES ($1, '9.99', '')",
+                            key,
+                        )
+                        if attempt == 0:
+                            await connection.execute(conflict)
+                        response = await tx.respond(JSONResponse({}, status_code=201))
+                    return response
+                except asyncpg.UniqueViolationError:
+                    await backoff()
+            raise AssertionError("unreachable")
+        finally:
+            await connection.close()
+
+    return guarded(store, pay, lock_ttl_seconds=1)
+
+
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_a_commit_the_server_refuses_frees_the_key(
     driver: str, postgres_dsn: str, tables: str, sql: Any
 ) -> None:
     """A deferred constraint fails at COMMIT: the server rolled it all back and said so, so the
     key is freed and the retry runs (once)."""
-    await sql.execute(
-        f"CREATE TABLE {tables}_deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);"
-        f"INSERT INTO {tables}_deferred VALUES (1)"
-    )
+    async with a_deferred_conflict(sql, tables) as conflict:
 
-    async def break_a_deferred_constraint(request: Request, connection: Any) -> None:
-        if "x-conflict" in request.headers:
-            statement = f"INSERT INTO {tables}_deferred VALUES (1)"
-            if driver == "asyncpg":
-                await connection.execute(statement)
-            elif driver == "sqlalchemy":
-                await connection.exec_driver_sql(statement)
-            else:
-                await (await connection.connection()).exec_driver_sql(statement)
+        async def break_a_deferred_constraint(request: Request, connection: Any) -> None:
+            if "x-conflict" in request.headers:
+                await _execute(driver, connection, conflict)
 
-    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
-    app = paying_app(store, postgres_dsn, driver, tables, break_a_deferred_constraint)
-    headers = {"Idempotency-Key": "refused"}
-    try:
+        store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+        app = paying_app(store, postgres_dsn, driver, tables, break_a_deferred_constraint)
+        headers = {"Idempotency-Key": "refused"}
         async with client_of(app, store) as client:
             first = await client.post("/pay", json={}, headers={**headers, "X-Conflict": "1"})
             assert first.status_code == 500
             assert await status_of(sql, tables, "refused") is None
             retry = await client.post("/pay", json={}, headers=headers)
-    finally:
-        await sql.execute(f"DROP TABLE {tables}_deferred")
     assert retry.status_code == 201
     assert "x-idempotent-replay" not in retry.headers
     assert await payments(sql, tables, "refused") == 1
@@ -294,8 +345,7 @@ async def test_a_commit_before_the_outcome_leaves_the_key_locked(
             await _commit(driver, connection)
             return await tx.respond(JSONResponse({}, status_code=201))
 
-    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store)
+    app = guarded(store, pay)
     headers = {"Idempotency-Key": "early"}
     async with client_of(app, store) as client:
         first = await client.post("/pay", json={}, headers=headers)
@@ -331,8 +381,7 @@ async def test_a_transaction_after_the_response_is_refused(
     async def pay(request: Request) -> Response:
         return JSONResponse({}, status_code=500, background=BackgroundTask(pay_later, request))
 
-    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store)
+    app = guarded(store, pay)
     async with client_of(app, store) as client:
         first = await client.post("/pay", json={}, headers={"Idempotency-Key": "later"})
     assert first.status_code == 500
@@ -358,8 +407,7 @@ async def test_a_transaction_in_a_savepoint_is_refused(
         ):
             return await tx.respond(JSONResponse({}, status_code=201))
 
-    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store)
+    app = guarded(store, pay)
     with pytest.raises(IdempotencyError, match="inside a savepoint"):
         async with make_client(app) as client:
             await client.post("/pay", json={}, headers={"Idempotency-Key": "nested"})
@@ -424,8 +472,7 @@ async def test_a_flush_that_fails_in_the_block_frees_the_key(
                     return JSONResponse({"error": "taken"}, status_code=409)
 
         store = PostgresStore.from_dsn(postgres_dsn, table=tables)
-        app = Starlette(routes=[Route("/open", idempotent()(open_account), methods=["POST"])])
-        app.add_middleware(IdempotencyMiddleware, store=store)
+        app = guarded(store, open_account, path="/open")
         headers = {"Idempotency-Key": "flush"}
         async with client_of(app, store) as client:
             first = await client.post("/open", json={}, headers=headers)
@@ -463,8 +510,7 @@ async def test_a_flush_that_fails_as_the_block_ends_frees_the_key(
                 return JSONResponse({"error": "changed meanwhile"}, status_code=409)
 
         store = PostgresStore.from_dsn(postgres_dsn, table=tables)
-        app = Starlette(routes=[Route("/withdraw", idempotent()(withdraw), methods=["POST"])])
-        app.add_middleware(IdempotencyMiddleware, store=store)
+        app = guarded(store, withdraw, path="/withdraw")
         headers = {"Idempotency-Key": "stale"}
         async with client_of(app, store) as client:
             first = await client.post("/withdraw", json={}, headers=headers)
@@ -512,48 +558,20 @@ async def test_the_apps_retry_of_its_own_transaction_may_enter_the_block_again(
     """The app's transaction, joined by the block, fails at its commit (a deferred constraint,
     as a serialization failure would) and the app runs it again: the second block is let in
     (it was refused as "already in an idempotency_transaction"), and its outcome stays."""
-    await sql.execute(
-        f"CREATE TABLE {tables}_deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);"
-        f"INSERT INTO {tables}_deferred VALUES (1)"
-    )
+    backoffs: list[int] = []
+
+    async def backoff() -> None:
+        backoffs.append(1)
+
     store = PostgresStore.from_dsn(postgres_dsn, table=tables)
-    attempts: list[int] = []
-
-    async def pay(request: Request) -> Response:
-        connection = await asyncpg.connect(postgres_dsn)
-        try:
-            for attempt in range(2):
-                attempts.append(attempt)
-                try:
-                    async with (
-                        connection.transaction(),
-                        idempotency_transaction(request, connection) as tx,
-                    ):
-                        await connection.execute(
-                            f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
-                            "VALUES ('again', '9.99', '')"
-                        )
-                        if attempt == 0:
-                            await connection.execute(f"INSERT INTO {tables}_deferred VALUES (1)")
-                        response = await tx.respond(JSONResponse({}, status_code=201))
-                    return response
-                except asyncpg.UniqueViolationError:
-                    continue
-            raise AssertionError("unreachable")
-        finally:
-            await connection.close()
-
-    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store)
     headers = {"Idempotency-Key": "again"}
-    try:
+    async with a_deferred_conflict(sql, tables) as conflict:
+        app = retrying_app(store, postgres_dsn, tables, conflict, backoff)
         async with client_of(app, store) as client:
             first = await client.post("/pay", json={}, headers=headers)
             retry = await client.post("/pay", json={}, headers=headers)
-    finally:
-        await sql.execute(f"DROP TABLE {tables}_deferred")
     assert first.status_code == 201, first.text
-    assert attempts == [0, 1]
+    assert backoffs == [1]
     assert await status_of(sql, tables, "again") == "Completed"
     await assert_replayed_once(retry, sql, tables, "again")
 
@@ -655,8 +673,7 @@ async def test_two_blocks_in_one_transaction_of_the_apps_are_refused(
         finally:
             await connection.close()
 
-    app = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store)
+    app = guarded(store, pay)
     with pytest.raises(IdempotencyError, match="already in an idempotency_transaction"):
         async with make_client(app) as client:
             await client.post("/pay", json={}, headers={"Idempotency-Key": "twice"})
@@ -669,36 +686,11 @@ async def test_the_lock_is_renewed_while_the_app_runs_its_transaction_again(
     """Between the app's failed commit and its next attempt (a backoff, say), the lock is
     still renewed: its renewal stopped for good at the first block, the lock lapsed, and a
     retry ran the handler beside it."""
-    await sql.execute(
-        f"CREATE TABLE {tables}_deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);"
-        f"INSERT INTO {tables}_deferred VALUES (1)"
-    )
-    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
     failed, go_on = asyncio.Event(), asyncio.Event()
 
-    async def pay(request: Request) -> Response:
-        connection = await asyncpg.connect(postgres_dsn)
-        try:
-            for attempt in range(2):
-                try:
-                    async with (
-                        connection.transaction(),
-                        idempotency_transaction(request, connection) as tx,
-                    ):
-                        await connection.execute(
-                            f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
-                            "VALUES ('renewed', '9.99', '')"
-                        )
-                        if attempt == 0:
-                            await connection.execute(f"INSERT INTO {tables}_deferred VALUES (1)")
-                        response = await tx.respond(JSONResponse({}, status_code=201))
-                    return response
-                except asyncpg.UniqueViolationError:
-                    failed.set()
-                    await go_on.wait()  # the app's backoff
-            raise AssertionError("unreachable")
-        finally:
-            await connection.close()
+    async def backoff() -> None:
+        failed.set()
+        await go_on.wait()
 
     async def lock_outlived(deadline: float) -> bool:
         expires = await sql.fetchval(
@@ -707,20 +699,20 @@ async def test_the_lock_is_renewed_while_the_app_runs_its_transaction_again(
         )
         return float(expires) > deadline
 
-    app = Starlette(routes=[Route("/pay", idempotent(lock_ttl_seconds=1)(pay), methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store)
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
     headers = {"Idempotency-Key": "renewed"}
-    try:
-        async with client_of(app, store) as client:
-            first = asyncio.create_task(client.post("/pay", json={}, headers=headers))
-            await eventually(failed.is_set, message="the app's first commit to fail")
-            lapse = float(await sql.fetchval("SELECT extract(epoch FROM now())")) + 1.5
-            await eventually(lambda: lock_outlived(lapse), message="the lock to be renewed")
-            assert (await client.post("/pay", json={}, headers=headers)).status_code == 409
-            go_on.set()
-            assert (await first).status_code == 201
-            retry = await client.post("/pay", json={}, headers=headers)
-    finally:
-        go_on.set()  # a failed assertion leaves no handler waiting
-        await sql.execute(f"DROP TABLE {tables}_deferred")
+    async with a_deferred_conflict(sql, tables) as conflict:
+        app = retrying_app(store, postgres_dsn, tables, conflict, backoff)
+        try:
+            async with client_of(app, store) as client:
+                first = asyncio.create_task(client.post("/pay", json={}, headers=headers))
+                await eventually(failed.is_set, message="the app's first commit to fail")
+                lapse = float(await sql.fetchval("SELECT extract(epoch FROM now())")) + 1.5
+                await eventually(lambda: lock_outlived(lapse), message="the lock to be renewed")
+                assert (await client.post("/pay", json={}, headers=headers)).status_code == 409
+                go_on.set()
+                assert (await first).status_code == 201
+                retry = await client.post("/pay", json={}, headers=headers)
+        finally:
+            go_on.set()  # a failed assertion leaves no handler waiting
     await assert_replayed_once(retry, sql, tables, "renewed")
