@@ -362,10 +362,7 @@ class IdempotencyTransaction:
             return
         try:
             await connection.flush()
-            # A statement that failed in the transaction, its error caught by the app, leaves
-            # it aborted, and PostgreSQL answers its COMMIT with a ROLLBACK that no driver
-            # raises: this fails instead (25P02), as it does on a connection closed already.
-            await connection.fetchval("SELECT 1", ())
+            await self._still_committable()
         except BaseException:
             with contextlib.suppress(Exception):  # that failure is the one to raise
                 await connection.rollback()
@@ -377,6 +374,13 @@ class IdempotencyTransaction:
                 self._lease.in_doubt = True
             raise
 
+    async def _still_committable(self) -> None:
+        """Raise unless the transaction can still commit. A statement that failed in it, its
+        error caught by the app, leaves it aborted, and PostgreSQL answers its COMMIT with a
+        ROLLBACK that no driver raises: this fails instead (25P02), as it does on a
+        connection closed already."""
+        await self._connection.fetchval("SELECT 1", ())
+
     async def __aexit__(
         self,
         kind: type[BaseException] | None,
@@ -387,6 +391,8 @@ class IdempotencyTransaction:
         try:
             if self._opened:
                 await self._end(committing=kind is None)
+            elif kind is None:  # the app's transaction commits the outcome: if it still can
+                await self._still_committable()
         finally:
             lease.transaction_open = False
         if kind is not None:

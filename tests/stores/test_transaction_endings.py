@@ -716,3 +716,31 @@ async def test_the_lock_is_renewed_while_the_app_runs_its_transaction_again(
         finally:
             go_on.set()  # a failed assertion leaves no handler waiting
     await assert_replayed_once(retry, sql, tables, "renewed")
+
+
+async def test_a_joined_transaction_a_caught_error_aborted_is_refused_at_the_blocks_end(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """In the app's own transaction: the app would commit it after the block, and PostgreSQL
+    would answer with a ROLLBACK no driver raises. The block's end raises instead, so the
+    client is not told 201 for a payment that never committed, and the key is freed."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+
+    async def pay(request: Request) -> Response:
+        connection = await asyncpg.connect(postgres_dsn)
+        try:
+            async with connection.transaction():
+                async with idempotency_transaction(request, connection) as tx:
+                    response = await tx.respond(JSONResponse({}, status_code=201))
+                    with contextlib.suppress(asyncpg.DivisionByZeroError):
+                        await connection.execute("SELECT 1/0")
+                return response
+        finally:
+            await connection.close()
+
+    headers = {"Idempotency-Key": "joined-aborted"}
+    with pytest.raises(asyncpg.InFailedSQLTransactionError):
+        async with make_client(guarded(store, pay)) as client:
+            await client.post("/pay", json={}, headers=headers)
+    await store.aclose()
+    assert await status_of(sql, tables, "joined-aborted") is None
