@@ -218,6 +218,7 @@ async def test_a_user_that_cannot_run_the_scripts_is_an_error(
     assert "refuses what every request does" in error.message
     assert "evalsha" in error.message.lower()
     assert "+@scripting" in error.message
+    assert "on the keys and channels idempotency* (" in error.message  # the claims' too
 
 
 async def test_waiting_for_missing_replicas_is_not_a_refusal(

@@ -215,7 +215,8 @@ class RedisStore(StoreBase):
             self,
             "Allow the store's Redis user, on a primary, the commands it sends (GET, SET, "
             "EVALSHA, SCRIPT LOAD, PUBLISH, SUBSCRIBE: ACL categories +@read +@write "
-            f"+@scripting +@pubsub) on the keys and channels {self._prefix}*",
+            f"+@scripting +@pubsub) on the keys and channels {key_prefix}* (the records "
+            f"under {self._prefix}, the operation claims under {self._claims_prefix})",
             ROUND_TRIP_TIMEOUT_SECONDS,
         )
 
