@@ -318,13 +318,8 @@ class Lease(KeyOwner):
         captured whole), or release the key: a status ``release_statuses`` frees (by default
         5xx, 408, 429), a retryable mark, a status from before the endpoint."""
         self.decided = True
-        if self.written:
-            return
-        if self.recorded is not None:
-            await self._sent_recorded(status, body)
-            return
-        if self.in_doubt:
-            await self._leave_in_doubt(status)
+        if self.written or self.recorded is not None or self.in_doubt:
+            await self._nothing_to_write(status, body)
             return
         outcome = self.outcome(status, raw_headers, body)
         if outcome is None:
@@ -362,6 +357,16 @@ class Lease(KeyOwner):
         await self._events.ended(
             OutcomeResult.COMPLETED if status < 400 else OutcomeResult.FAILED, status, note
         )
+
+    async def _nothing_to_write(self, status: int | None, body: bytes | None) -> None:
+        """The end of a request that writes nothing more: its outcome is written, committed
+        with the app's writes (never undone here), or in doubt."""
+        if self.written:
+            return
+        if self.recorded is not None:
+            await self._sent_recorded(status, body)
+        elif self.in_doubt:
+            await self._leave_in_doubt(status)
 
     def outcome(
         self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes | None
@@ -426,13 +431,8 @@ class Lease(KeyOwner):
     async def release(self, status: int | None) -> None:
         """Free the key for a retry (keeping its recovery points, if it has any)."""
         self.decided = True
-        if self.written:
-            return
-        if self.recorded is not None:  # committed with the app's writes: never undone here
-            await self._sent_recorded(status, None)
-            return
-        if self.in_doubt:
-            await self._leave_in_doubt(status)
+        if self.written or self.recorded is not None or self.in_doubt:
+            await self._nothing_to_write(status, None)
             return
         self.freed = True
         if self.record.checkpoints:
