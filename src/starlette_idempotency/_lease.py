@@ -102,6 +102,10 @@ async def _to_its_end(
         raise cancelled
 
 
+def _shown_status(status: int | None) -> str:
+    return "no response" if status is None else f"status {status}"
+
+
 def _report_failure(ending: asyncio.Task[None]) -> None:
     """Log what a cancelled request's ending raised, if anything, once it is done."""
     if not ending.cancelled() and (error := ending.exception()) is not None:
@@ -366,7 +370,11 @@ class Lease(KeyOwner):
         if self.recorded is not None:
             await self._sent_recorded(status, body)
         elif self.in_doubt:
-            await self._leave_in_doubt(status)
+            await self._leave_in_doubt(
+                status,
+                f"the idempotency_transaction of idempotency key {self._events.shown_key!r} "
+                "ended without knowing whether it committed",
+            )
 
     def outcome(
         self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes | None
@@ -398,33 +406,43 @@ class Lease(KeyOwner):
     async def _sent_recorded(self, status: int | None, body: bytes | None) -> None:
         """The response going out after an idempotency_transaction committed the outcome: it
         is not written again; one that differs from the committed one is an error of the
-        app's (retries are answered with the committed one)."""
+        app's (retries are answered with the committed one). When the block joined a
+        transaction of the app's, whose commit is not seen here, another status (an exception,
+        a 500) says that commit may have failed: the outcome is then in doubt."""
         assert self.recorded is not None
-        self._wrote()
         recorded_status, recorded_body = self.recorded
+        if status != recorded_status and self.in_the_apps_transaction:
+            await self._leave_in_doubt(
+                status,
+                f"the request of idempotency key {self._events.shown_key!r} was answered with "
+                f"{_shown_status(status)}, not the status {recorded_status} its "
+                "idempotency_transaction recorded in the app's transaction: that transaction "
+                "may not have committed",
+            )
+            return
+        self._wrote()
         if status != recorded_status or (body is not None and body != recorded_body):
             logger.error(
                 "the response to idempotency key %r (%s) differs from the one its "
                 "idempotency_transaction committed (%s); retries are answered with the "
                 "committed one. Return the response tx.respond() returned, unchanged",
                 self._events.shown_key,
-                "no response" if status is None else f"status {status}",
+                _shown_status(status),
                 f"status {recorded_status}",
             )
         await self._events.ended(
             OutcomeResult.COMPLETED if recorded_status < 400 else OutcomeResult.FAILED, status
         )
 
-    async def _leave_in_doubt(self, status: int | None) -> None:
+    async def _leave_in_doubt(self, status: int | None, why: str) -> None:
         """Write nothing for a request whose idempotency_transaction may have committed: a
         release would delete the record it committed, a finish would overwrite it. Its lock
         lapses, as a crashed pod's does, and a retry then finds what committed."""
         self._wrote()
         logger.error(
-            "the idempotency_transaction of idempotency key %r ended without knowing whether "
-            "it committed; the key is left locked until its lock expires (lock_ttl_seconds), "
-            "and a retry then gets the committed response, or runs again if nothing committed",
-            self._events.shown_key,
+            "%s; the key is left locked until its lock expires (lock_ttl_seconds), and a retry "
+            "then gets the committed response, or runs again if nothing committed",
+            why,
         )
         await self._events.ended(OutcomeResult.LOCK_LOST, status, "in_doubt")
 

@@ -27,8 +27,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from starlette_idempotency import (
+    EventHook,
     IdempotencyError,
+    IdempotencyEvent,
     IdempotencyMiddleware,
+    OutcomeResult,
     PostgresStore,
     idempotency_transaction,
     idempotent,
@@ -87,12 +90,13 @@ def guarded(
     store: PostgresStore,
     endpoint: Callable[[Request], Awaitable[Response]],
     path: str = "/pay",
+    on_event: EventHook | None = None,
     **policy: Any,
 ) -> Starlette:
     """``endpoint`` at ``POST path``, decorated ``@idempotent(**policy)``, behind the
     middleware on ``store``."""
     app = Starlette(routes=[Route(path, idempotent(**policy)(endpoint), methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store)
+    app.add_middleware(IdempotencyMiddleware, store=store, on_event=on_event)
     return app
 
 
@@ -239,15 +243,19 @@ def retrying_app(
     table: str,
     conflict: str,
     backoff: Callable[[], Awaitable[None]],
+    *,
+    attempts: int = 2,
+    on_event: EventHook | None = None,
 ) -> Starlette:
-    """``POST /pay`` running its own transaction, joined by the block, twice: the first fails
-    at its commit (``conflict``), and after ``backoff`` the second commits the payment."""
+    """``POST /pay`` running its own transaction, joined by the block, up to ``attempts``
+    times: the first fails at its commit (``conflict``), and after ``backoff`` the second
+    commits the payment. The last attempt's failure is raised."""
 
     async def pay(request: Request) -> Response:
         key = request.headers["idempotency-key"]
         connection = await asyncpg.connect(dsn)
         try:
-            for attempt in range(2):
+            for attempt in range(attempts):
                 try:
                     async with (
                         connection.transaction(),
@@ -263,12 +271,14 @@ def retrying_app(
                         response = await tx.respond(JSONResponse({}, status_code=201))
                     return response
                 except asyncpg.UniqueViolationError:
+                    if attempt == attempts - 1:
+                        raise
                     await backoff()
             raise AssertionError("unreachable")
         finally:
             await connection.close()
 
-    return guarded(store, pay, lock_ttl_seconds=1)
+    return guarded(store, pay, on_event=on_event, lock_ttl_seconds=1)
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -574,6 +584,43 @@ async def test_the_apps_retry_of_its_own_transaction_may_enter_the_block_again(
     assert backoffs == [1]
     assert await status_of(sql, tables, "again") == "Completed"
     await assert_replayed_once(retry, sql, tables, "again")
+
+
+async def test_a_joined_transaction_whose_commit_fails_is_in_doubt_not_completed(
+    postgres_dsn: str, tables: str, sql: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The app's transaction, joined by the block, fails at its commit and the app gives up
+    (a 500). The outcome the block recorded rolled back with it: the request is reported in
+    doubt (it was COMPLETED, with an error blaming the app's response), and its lock lapses;
+    a retry then runs the payment, once."""
+    events: list[IdempotencyEvent] = []
+
+    async def never() -> None:
+        raise AssertionError("one attempt: no backoff")
+
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    headers = {"Idempotency-Key": "given-up"}
+    async with a_deferred_conflict(sql, tables) as conflict:
+        app = retrying_app(
+            store, postgres_dsn, tables, conflict, never, attempts=1, on_event=events.append
+        )
+        async with client_of(app, store) as client:
+            first = await client.post("/pay", json={}, headers=headers)
+            assert first.status_code == 500
+            assert await status_of(sql, tables, "given-up") == "InProgress"
+            assert await payments(sql, tables, "given-up") == 0
+
+            async def retried() -> httpx.Response | None:
+                retry = await client.post("/pay", json={}, headers=headers)
+                return None if retry.status_code == 409 else retry
+
+            retry = await eventually(retried, message="the lock to lapse")
+    outcomes = [(e.result, e.note) for e in events if e.event == "idempotency_outcome"]
+    assert outcomes[0] == (OutcomeResult.LOCK_LOST, "in_doubt")
+    assert "may not have committed" in caplog.text
+    assert "differs from the one" not in caplog.text
+    assert retry.status_code == 500  # the conflict stands: the app fails again, and gives up
+    assert await payments(sql, tables, "given-up") == 0
 
 
 async def _execute(driver: str, connection: Any, statement: str) -> None:
