@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -231,28 +232,54 @@ async def test_unreachable_server_is_one_error_never_an_exception(
         await store.aclose()
 
 
+@contextlib.asynccontextmanager
+async def a_reader(dsn: str, table: str, sql: Any) -> AsyncIterator[str]:
+    """The DSN of a role that may only read ``table`` (and its claims), for the block."""
+    role = f"{table}_reader"
+    await sql.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        await sql.execute(f"GRANT SELECT ON {table} TO {role}")
+        await sql.execute(f"GRANT SELECT ON {table}_operations TO {role}")
+        parts = urlsplit(dsn)
+        yield urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rpartition('@')[2]}"))
+    finally:
+        await sql.execute(f"DROP OWNED BY {role}; DROP ROLE {role}")
+
+
 async def test_a_role_that_cannot_write_the_table_is_an_error(
     durable_store: PostgresStore, postgres_dsn: str, postgres_table: str, sql: Any
 ) -> None:
     """Reaching the table is not enough: a role that may only read it fails every request."""
     await durable_store.create_schema()
-    role = f"{postgres_table}_reader"
-    await sql.execute(f"CREATE ROLE {role} LOGIN")
-    try:
-        await sql.execute(f"GRANT SELECT ON {postgres_table} TO {role}")
-        await sql.execute(f"GRANT SELECT ON {postgres_table}_operations TO {role}")
-        parts = urlsplit(postgres_dsn)
-        as_reader = urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rpartition('@')[2]}"))
+    async with a_reader(postgres_dsn, postgres_table, sql) as as_reader:
         reader = await open_store(as_reader, postgres_table, **DURABLE)
         try:
             [error] = await errors(reader)
         finally:
             await reader.aclose()
-    finally:
-        await sql.execute(f"DROP OWNED BY {role}; DROP ROLE {role}")
     assert "refuses what every request does" in error.message
     assert "permission denied" in error.message
     assert "Grant the store's role SELECT, INSERT, UPDATE and DELETE" in error.message
+
+
+async def test_a_pool_handed_over_later_is_checked_again(
+    durable_store: PostgresStore, postgres_dsn: str, postgres_table: str, sql: Any
+) -> None:
+    """The round trip that once worked is not tried again, but on the pool it worked on: a
+    new lifespan's pool may log in as another role (a reader, here)."""
+    await durable_store.create_schema()
+    store = PostgresStore(table=postgres_table)
+    settings = {"server_settings": DURABLE, "min_size": 1, "max_size": 1}
+    async with asyncpg.create_pool(postgres_dsn, **settings) as writer:
+        store.use_pool(writer)
+        assert await errors(store) == []
+    async with (
+        a_reader(postgres_dsn, postgres_table, sql) as as_reader,
+        asyncpg.create_pool(as_reader, **settings) as reader,
+    ):
+        store.use_pool(reader)
+        [error] = await errors(store)
+    assert "permission denied" in error.message
 
 
 async def test_a_table_without_its_primary_key_is_an_error(

@@ -256,6 +256,8 @@ class PostgresStore(StoreBase):
                 "this PostgresStore already uses a pool, which is still open: hand it one "
                 "pool (use_pool once per lifespan, after the previous lifespan closed its pool)"
             )
+        if pool is not self._pool:  # another pool may reach another database, as another role
+            self._round_trip.worked = False
         self._pool = pool
         self._location = pool_location(pool)
 
