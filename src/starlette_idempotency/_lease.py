@@ -135,6 +135,7 @@ class Lease(KeyOwner):
         "retryable",
         "started",
         "store_key",
+        "taken_over",
         "transaction_open",
         "written",
     )
@@ -185,6 +186,8 @@ class Lease(KeyOwner):
         #: Set once the outcome is written or the key freed, before its event: a settle that a
         #: cancel cut short after its write is not written or reported twice when run again.
         self.written = False
+        #: Set while another request holds the key this one's lock lost (reported once).
+        self.taken_over = False
         # The ending of a cancelled request, to cancel once the outcome is written.
         self._cut: asyncio.Task[None] | None = None
 
@@ -260,8 +263,8 @@ class Lease(KeyOwner):
 
     async def renew(self) -> bool:
         """Extend the lock (for a record with recovery points, its lease), taking the key back
-        if it vanished; false once another request holds it (then there is nothing left to
-        renew)."""
+        if it vanished or another request let it go; false once there is nothing left to renew
+        (another request stored the key's outcome, or this one's is committed or in doubt)."""
         if self.transaction_open:  # its row is locked: nobody can take the key over
             return True
         if self.in_doubt:  # to lapse
@@ -280,11 +283,15 @@ class Lease(KeyOwner):
         return renewed or await self._reclaim()
 
     async def _reclaim(self) -> bool:
-        """Take back the key with this request's own owner token if nobody holds it.
+        """Take back the key with this request's own owner token if nobody holds it; whether
+        to try again at the next renewal.
 
         The lock can vanish while its handler runs: evicted under ``maxmemory``, deleted by an
         operator, expired while the process was frozen. Until it is back, a retry could run
         the handler a second time, so it is taken back at once and reported as ``LOCK_LOST``.
+        Another request holding it may let it go before this handler ends (an acquire whose
+        request gave up, undone; a release; a lapse): until that request's outcome is stored,
+        each renewal tries again.
         """
         policy = self._route.policy
         lock_ttl = policy.lock_ttl_seconds
@@ -294,13 +301,18 @@ class Lease(KeyOwner):
         # Never undone if cut short, as an abandoned acquire is: this handler still runs.
         result = await self._store.take_back(self.store_key, record, lock_ttl)
         if not result.acquired:
-            logger.warning(
-                "the lock for idempotency key %r was taken over by another request while its "
-                "handler ran; its response will not be stored",
-                self._events.shown_key,
-            )
-            await self._events.lock_lost("lock_lost", "taken_over")
-            return False
+            if not self.taken_over:
+                self.taken_over = True
+                logger.warning(
+                    "the lock for idempotency key %r was taken over by another request while "
+                    "its handler ran; its response will not be stored unless that request "
+                    "lets the key go first",
+                    self._events.shown_key,
+                )
+                await self._events.lock_lost("lock_lost", "taken_over")
+            holder = result.record
+            return holder is None or holder.status is RecordStatus.IN_PROGRESS
+        self.taken_over = False
         self.record = record
         if record.checkpoints:  # back to the retention time that keeps recovery points
             await self._save_progress(

@@ -79,9 +79,9 @@ class LockRenewal:
         started: float,
         context: contextvars.Context,
     ) -> None:
-        """Call ``renew`` now and every third of ``lock.lock_ttl`` until it answers false (the
-        key is held by someone else) or :meth:`stop`, in the request's ``context`` (tracing
-        spans, log correlation); ``started`` is when the lock was taken (loop time)."""
+        """Call ``renew`` now and every third of ``lock.lock_ttl`` until it answers false
+        (nothing left to renew) or :meth:`stop`, in the request's ``context`` (tracing spans,
+        log correlation); ``started`` is when the lock was taken (loop time)."""
         self._renew = renew
         self._events = events
         self._observer = observer
@@ -107,7 +107,7 @@ class LockRenewal:
                     self._events.shown_error(exc),
                 )
             else:
-                if not held:  # another request holds the key; renew reported it
+                if not held:  # nothing left to renew; renew reported why
                     return
             await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
 

@@ -28,6 +28,7 @@ from starlette_idempotency.stores import (
     FencedWrite,
     IdempotencyRecord,
     RecordStatus,
+    StoredResponse,
 )
 from starlette_idempotency.stores.base import TAKING_BACK
 from tests.support.conditions import eventually
@@ -108,10 +109,8 @@ async def test_renewal_takes_a_vanished_lock_back_so_a_retry_cannot_run() -> Non
     assert app.runs == 1
 
 
-async def test_renewal_leaves_a_key_another_request_took() -> None:
-    app = App()
-    first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
-    await eventually(lambda: app.runs == 1, message="the handler to start")
+async def taken_by_another(app: App) -> IdempotencyRecord:
+    """The held key deleted and acquired by another request; the lock it took."""
     held = await app.delete_the_lock()
     now = time.time()
     other = IdempotencyRecord(
@@ -124,12 +123,69 @@ async def test_renewal_leaves_a_key_another_request_took() -> None:
     )
     assert (await app.store.try_acquire(KEY, other, 30)).acquired
     await eventually(lambda: "taken_over" in app.lock_lost_notes(), message="LOCK_LOST")
+    return held
+
+
+async def test_renewal_leaves_a_key_another_request_took() -> None:
+    app = App()
+    first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
+    await eventually(lambda: app.runs == 1, message="the handler to start")
+    await taken_by_another(app)
     app.release.set()
     assert (await first).status_code == 200
     current = await app.store.get(KEY)
     assert current is not None
     assert current.owner_token == "another-request"
     assert current.status is RecordStatus.IN_PROGRESS
+
+
+async def test_renewal_takes_back_a_key_the_other_request_lets_go() -> None:
+    """Another request's lock on the key goes while this handler still runs (an acquire whose
+    request gave up, undone; a release): renewal goes on trying, takes the key back, and a
+    retry gets 409 rather than running the handler a second time."""
+    app = App()
+    first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
+    await eventually(lambda: app.runs == 1, message="the handler to start")
+    held = await taken_by_another(app)
+    assert await app.store.release(KEY, "another-request")
+
+    async def back() -> bool:
+        record = await app.store.get(KEY)
+        return record is not None and record.owner_token == held.owner_token
+
+    await eventually(back, message="the lock taken back by its owner")
+    retry = await app.client.post("/slow", headers=HEADERS)
+    assert retry.status_code == 409
+    assert app.lock_lost_notes() == ["taken_over", "reclaimed"]
+    app.release.set()
+    assert (await first).status_code == 200
+    replay = await app.client.post("/slow", headers=HEADERS)
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert app.runs == 1
+
+
+async def test_renewal_stops_once_the_other_request_stored_the_outcome() -> None:
+    """Once the request that took the key stored its outcome, there is nothing to take
+    back: renewal ends, and the outcome stays the other request's."""
+    app = App()
+    first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
+    await eventually(lambda: app.runs == 1, message="the handler to start")
+    await taken_by_another(app)
+    other = await app.store.get(KEY)
+    assert other is not None
+    done = other.finished(RecordStatus.COMPLETED, StoredResponse(201, (), b"{}"), time.time() + 60)
+    assert await app.store.finish(KEY, done, 60)
+    calls = len(app.store.marks)
+    # The next renewal finds the outcome; in two intervals more, none tries again.
+    await eventually(lambda: len(app.store.marks) > calls, message="a take-back tried")
+    await asyncio.sleep(LOCK_TTL * 2 / 3)
+    assert len(app.store.marks) == calls + 1
+    app.release.set()
+    assert (await first).status_code == 200
+    current = await app.store.get(KEY)
+    assert current is not None
+    assert current.owner_token == "another-request"
+    assert app.lock_lost_notes() == ["taken_over", "taken_over"]
 
 
 async def test_complete_over_a_vanished_lock_stores_and_reports_it() -> None:
