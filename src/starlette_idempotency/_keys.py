@@ -472,11 +472,25 @@ class KeyScopeResolver:
         if not getattr(user, "is_authenticated", False):
             self._warn_once(_ANONYMOUS_WARNING)
             return ""
+        # Imported here: an app with no user in its scopes never loads it.
+        from starlette.authentication import SimpleUser
+
+        if isinstance(user, SimpleUser):  # its username is who it is; it has no identity
+            return str(user.username)
         try:
             identity = user.identity
         except (AttributeError, NotImplementedError):
             identity = None
-        return str(identity or getattr(user, "display_name", "") or "")
+        if identity is None or identity == "":
+            # A display name is not unique: two users of one name would share their keys, and
+            # each could be answered with the other's stored responses.
+            raise ConfigurationError(
+                f"the authenticated user in scope['user'] ({type(user).__qualname__}) has no "
+                "identity, so the idempotency keys of its requests cannot be scoped to it: give "
+                "the user class an identity property (a unique id), or pass key_scope= to "
+                "IdempotencyMiddleware"
+            )
+        return str(identity)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:

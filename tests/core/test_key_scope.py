@@ -8,14 +8,19 @@ from collections import Counter
 import pytest
 from fastapi import FastAPI
 from starlette.applications import Starlette
-from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
+from starlette.authentication import (
+    AuthCredentials,
+    AuthenticationBackend,
+    BaseUser,
+    SimpleUser,
+)
 from starlette.exceptions import HTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
 from tests.support.guarded import make_client
 
 
@@ -49,6 +54,66 @@ async def test_authenticated_user_scopes_keys() -> None:
     assert alice_again.json() == alice.json()
     assert alice_again.headers["x-idempotent-replay"] == "true"
     assert sorted(key.split(":")[0] for key in store.records()) == ["alice", "bob"]
+
+
+class NamedUser(BaseUser):
+    """A user with a display name and no identity (``BaseUser.identity`` raises)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @property
+    def is_authenticated(self) -> bool:
+        return True
+
+    @property
+    def display_name(self) -> str:
+        return self.name
+
+
+class IdentifiedUser(NamedUser):
+    def __init__(self, name: str, identity: object) -> None:
+        super().__init__(name)
+        self._identity = identity
+
+    @property
+    def identity(self) -> str:
+        return self._identity  # type: ignore[return-value]  # a falsy id (0) is one too
+
+
+class UserFromHeaders(AuthenticationBackend):
+    """``x-name`` as the display name; ``x-id``, when sent, as the identity."""
+
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, BaseUser]:
+        name, identity = conn.headers["x-name"], conn.headers.get("x-id")
+        user = NamedUser(name) if identity is None else IdentifiedUser(name, int(identity))
+        return AuthCredentials(["authenticated"]), user
+
+
+def authenticated(runs: Counter[str]) -> tuple[Starlette, MemoryStore]:
+    app = build(runs)
+    store = MemoryStore()
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    app.add_middleware(AuthenticationMiddleware, backend=UserFromHeaders())
+    return app, store
+
+
+async def test_two_users_of_one_name_never_share_keys() -> None:
+    """A display name is no identity: two accounts named alike would read each other's
+    stored responses. A user with an identity (0 is one) is scoped by it; one without is
+    refused with what to change."""
+    runs: Counter[str] = Counter()
+    app, store = authenticated(runs)
+    client = make_client(app, raise_app_exceptions=False)
+    smiths = [
+        await client.post("/pay", headers={"Idempotency-Key": "k", "x-name": "J Smith", "x-id": i})
+        for i in ("0", "1")
+    ]
+    assert [r.json()["n"] for r in smiths] == [1, 2]
+    assert sorted(key.split(":")[0] for key in store.records()) == ["0", "1"]
+    with pytest.raises(ConfigurationError, match=r"has no identity.*key_scope="):
+        await make_client(app).post("/pay", headers={"Idempotency-Key": "k", "x-name": "J Smith"})
+    assert runs["pay"] == 2
 
 
 async def test_key_scope_callable_sync_and_async() -> None:
