@@ -39,6 +39,7 @@ import re
 import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar, Unpack, cast, overload
 
 from starlette.requests import HTTPConnection
@@ -64,8 +65,20 @@ GUARD_SCOPE_KEY = "starlette_idempotency.guard"
 #: The scope the innermost guard passed on, for the ``@idempotent`` wrapper of its request to
 #: find: set by the middleware for each HTTP request, and reset when the app returns.
 GUARDED_SCOPE: ContextVar[Scope] = ContextVar("starlette_idempotency.guarded_scope")
-#: The guard's mark for a request whose method it does not guard (a GET, say).
-METHOD_NOT_GUARDED: Final = "method not guarded"
+
+
+@dataclass(frozen=True, slots=True)
+class PassedOn:
+    """The guard's mark for a request it passed on unguarded: the methods an ``@idempotent``
+    endpoint may still run for."""
+
+    methods: frozenset[str]
+
+
+#: The guard's mark for a request whose method it does not guard (a GET, say): an
+#: ``@idempotent`` endpoint runs for it only as a method that changes nothing (RFC 9110), not
+#: as the PUT a route added later serves, or the POST a method override makes of it.
+METHOD_NOT_GUARDED: Final = PassedOn(frozenset({"GET", "HEAD", "OPTIONS", "TRACE"}))
 #: Where a guarded request's :class:`Marks` are (its :class:`IdempotencyContext`, once it owns
 #: its key).
 REQUEST_SCOPE_KEY = "starlette_idempotency.request"
@@ -132,6 +145,15 @@ def _refusal(handler: Any, scope: Any, mark: Any) -> UnguardedRequestError:
             "route (app.add_middleware(IdempotencyMiddleware, store=...)), or to an app that "
             "mounts it; an app under test needs it too"
         )
+    elif isinstance(mark, PassedOn):
+        cause = (
+            "IdempotencyMiddleware passed the request on as one of a method it does not guard, "
+            "and it reached the handler as an unsafe one: a middleware inside "
+            "IdempotencyMiddleware changed its method (a method override: add "
+            "IdempotencyMiddleware inside it), or the route serves the handler for a method "
+            "the middleware does not guard (add it to the middleware's methods=, or take it "
+            "off the route)"
+        )
     elif mark is None:
         cause = (
             "IdempotencyMiddleware saw the request but found no guarded route for it, so "
@@ -161,7 +183,8 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
     """Called by the ``@idempotent`` wrapper ``handler`` as it starts, with its arguments.
 
     Refused unless the guard of the request it runs for (:data:`GUARDED_SCOPE`) guarded it as
-    a request to this very wrapper, or passed it on because its method is not guarded. With no
+    a request to this very wrapper, or passed it on because its method is not guarded and it
+    runs for a safe one (a GET, not a PUT a method override made of it). With no
     guard in the context, a call that brings a request a router dispatched is refused; any
     other runs (a unit test's direct call).
     """
@@ -173,9 +196,11 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
             raise _refusal(handler, request.scope, _UNSEEN)
         return
     mark = scope.get(GUARD_SCOPE_KEY)
-    if mark is not handler and mark is not METHOD_NOT_GUARDED:
+    if mark is not handler:
         request = _request_in(args, kwargs)
-        raise _refusal(handler, scope if request is None else request.scope, mark)
+        seen = scope if request is None else request.scope
+        if not isinstance(mark, PassedOn) or seen["method"] not in mark.methods:
+            raise _refusal(handler, seen, mark)
     marks: Marks | None = scope.get(REQUEST_SCOPE_KEY)
     if marks is not None:
         if marks.must_not_start:

@@ -16,7 +16,12 @@ from typing import Any, TypeVar, Unpack, cast
 from starlette.middleware.exceptions import ExceptionMiddleware
 
 from starlette_idempotency._claims import ServedOperation, claimable, code_name
-from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, GUARDED_SCOPE, METHOD_NOT_GUARDED
+from starlette_idempotency._endpoint import (
+    GUARD_SCOPE_KEY,
+    GUARDED_SCOPE,
+    METHOD_NOT_GUARDED,
+    REQUEST_SCOPE_KEY,
+)
 from starlette_idempotency._kept_response import ResponseEncryption, ResponseKeeper
 from starlette_idempotency._keys import KeyScope, KeyScopeResolver
 from starlette_idempotency._openapi.documenter import OpenAPIDocumenter
@@ -29,7 +34,7 @@ from starlette_idempotency._options import (
 )
 from starlette_idempotency._renewal import LockRenewals
 from starlette_idempotency._request import GuardedRequest
-from starlette_idempotency._responses import ErrorFormat, ErrorResponder
+from starlette_idempotency._responses import ErrorFormat, ErrorResponder, Problem
 from starlette_idempotency._routing import (
     RouteResolver,
     iter_routes,
@@ -383,11 +388,28 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
                 return
             await self.app(scope, receive, send)
             return
+        outer = GUARDED_SCOPE.get(None)
+        if outer is not None and REQUEST_SCOPE_KEY in outer:
+            # The guard of an app mounting this one owns the request's key: one request, one
+            # guard (a second would mark the endpoint's start on its own lease alone).
+            await self.app(scope, receive, send)
+            return
         # The mark tells an @idempotent endpoint that a guard saw its request, and as what;
         # the context variable, how to find it (the endpoint's own arguments need not hold it).
         token = GUARDED_SCOPE.set(scope)
         try:
-            if scope["method"] not in self._methods:
+            method = scope["method"]
+            if method not in self._methods:
+                if method.upper() in self._methods:
+                    # "post": an app that reads methods case-blind would run it unguarded.
+                    await self._services.errors.send(
+                        send,
+                        Problem.INVALID_REQUEST,
+                        f"The method {method} is {method.upper()} in another case: send it "
+                        "in upper case",
+                        request_headers=scope["headers"],
+                    )
+                    return
                 scope[GUARD_SCOPE_KEY] = METHOD_NOT_GUARDED
                 await self.app(scope, receive, send)
                 return

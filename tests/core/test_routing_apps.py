@@ -9,11 +9,12 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from starlette_idempotency import IdempotencyMiddleware, MemoryStore
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from tests.support.guarded import make_client
 from tests.support.routing import Endpoints, assert_behaviour
 
@@ -69,6 +70,39 @@ async def test_sub_app_wrapped_directly_and_mounted_in_a_parent() -> None:
     endpoints = Endpoints()
     mounted = IdempotencyMiddleware(sub_app(endpoints), store=MemoryStore())
     await check_sub_app(parent_of(mounted, endpoints), endpoints)
+
+
+@pytest.mark.parametrize("status", [201, 402])
+async def test_a_guarded_sub_app_mounted_in_a_guarded_parent_is_guarded_once(
+    status: int,
+) -> None:
+    """Two pods, each a parent guarded on the shared store mounting a sub-app guarded on a
+    store of its process: the parent's guard owns the key, and the sub-app's passes the
+    request on. A second guard marked the endpoint's start on its own lease alone, so the
+    parent's took every outcome for one from before the endpoint and freed the key: a retry
+    on the other pod ran the handler again."""
+    runs = 0
+
+    async def pay(request: Request) -> Response:
+        nonlocal runs
+        runs += 1
+        return JSONResponse({"run": runs}, status_code=status)
+
+    shared = MemoryStore()
+
+    def pod() -> Starlette:
+        sub = Starlette(routes=[Route("/pay", idempotent()(pay), methods=["POST"])])
+        sub.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+        parent = Starlette(routes=[Mount("/sub", sub)])
+        parent.add_middleware(IdempotencyMiddleware, store=shared)
+        return parent
+
+    headers = {"Idempotency-Key": "k"}
+    first = await make_client(pod()).post("/sub/pay", headers=headers)
+    retry = await make_client(pod()).post("/sub/pay", headers=headers)
+    assert (first.status_code, retry.status_code) == (status, status)
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert runs == 1
 
 
 class Passthrough:

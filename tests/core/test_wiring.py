@@ -26,7 +26,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from starlette_idempotency import (
     IdempotencyMiddleware,
@@ -215,6 +215,89 @@ async def test_methods_the_middleware_does_not_guard_run_as_before() -> None:
     guarded = IdempotencyMiddleware(app, store=MemoryStore(), methods=["POST"])
     async with raising_client(guarded) as client:
         assert (await client.get("/both")).text == "got"
+
+
+def guarded_endpoint(name: str) -> Any:
+    """An ``@idempotent`` endpoint that counts its runs as ``name``."""
+
+    @idempotent()
+    async def endpoint(request: Request) -> Response:
+        runs[name] += 1
+        return JSONResponse({"run": runs[name]}, status_code=201)
+
+    return endpoint
+
+
+class MethodOverride:
+    """``X-HTTP-Method-Override``: the method the app routes the request as."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        for name, value in scope.get("headers", ()):
+            if name == b"x-http-method-override":
+                scope = {**scope, "method": value.decode("latin-1")}
+        await self.app(scope, receive, send)
+
+
+async def test_a_method_overridden_inside_the_guard_is_refused_not_run_unguarded() -> None:
+    """A PUT the guard passes on (it guards POST) that a middleware inside it turns into a
+    POST reaches the decorated handler: refused, as the guard never saw it as a POST."""
+    app = Starlette(routes=[Route("/pay", guarded_endpoint("override"), methods=["POST"])])
+    app.add_middleware(MethodOverride)
+    guarded = IdempotencyMiddleware(app, store=MemoryStore())
+    async with raising_client(guarded) as client:
+        with pytest.raises(UnguardedRequestError, match="changed its method"):
+            await client.put("/pay", headers={**key(), "X-HTTP-Method-Override": "POST"})
+    assert runs["override"] == 0
+
+
+async def test_a_route_added_after_startup_for_an_unguarded_method_is_refused() -> None:
+    """The startup check refuses a decorated handler served for a method the middleware does
+    not guard; one added later is refused as it runs, not run unguarded."""
+    app = Starlette()
+    guarded = IdempotencyMiddleware(app, store=MemoryStore())
+    async with raising_client(guarded) as client:
+        assert (await client.get("/")).status_code == 404  # the first request: no route yet
+        app.add_route("/upsert", guarded_endpoint("late put"), methods=["PUT"])
+        with pytest.raises(UnguardedRequestError, match="does not guard"):
+            await client.put("/upsert", headers=key())
+    assert runs["late put"] == 0
+
+
+@pytest.mark.parametrize("method", ["post", "Post"])
+async def test_a_guarded_method_in_another_case_is_refused(method: str) -> None:
+    """A server may pass the method on as sent (uvicorn's h11 does), and an app mounted whole
+    may upper-case it: under ``protect_all``, ``post`` would be run as an unguarded POST."""
+
+    async def case_blind(scope: Scope, receive: Receive, send: Send) -> None:
+        runs["case-blind"] += 1
+        await JSONResponse({"method": scope["method"].upper()})(scope, receive, send)
+
+    app = Starlette(routes=[Mount("/legacy", case_blind)])
+    guarded = IdempotencyMiddleware(app, store=MemoryStore(), protect_all=True)
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    # As sent: httpx would upper-case the method.
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": "/legacy/pay",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"idempotency-key", b"k")],
+    }
+    await guarded(scope, receive, send)
+    assert sent[0]["status"] == 400
+    assert b"send it in upper case" in sent[1]["body"]
+    assert runs["case-blind"] == 0
 
 
 # -- decorators stacked above @idempotent ----------------------------------------------------

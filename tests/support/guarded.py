@@ -10,7 +10,7 @@ import httpx
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore
-from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, GUARDED_SCOPE, METHOD_NOT_GUARDED
+from starlette_idempotency._endpoint import GUARD_SCOPE_KEY, GUARDED_SCOPE, PassedOn
 from starlette_idempotency.testing import FakeClock
 from tests.support.apps import Ledger, build_fastapi_app, build_starlette_app
 
@@ -41,16 +41,20 @@ def make_client(app: ASGIApp, *, raise_app_exceptions: bool = True) -> httpx.Asy
     return httpx.AsyncClient(transport=transport, base_url="http://testserver")
 
 
+#: A guard's mark that lets an ``@idempotent`` endpoint run for any method.
+_ANY_METHOD = PassedOn(frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}))
+
+
 def unguarded(app: ASGIApp) -> ASGIApp:
     """``app`` as it behaves with no idempotency at all, to compare with: its ``@idempotent``
     endpoints hear from a guard that passed their requests on (as one passes a method it does
-    not guard), so they run instead of refusing an unguarded request."""
+    not guard, for any method here), so they run instead of refusing an unguarded request."""
 
     async def without_guard(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        scope[GUARD_SCOPE_KEY] = METHOD_NOT_GUARDED
+        scope[GUARD_SCOPE_KEY] = _ANY_METHOD
         token = GUARDED_SCOPE.set(scope)
         try:
             await app(scope, receive, send)
