@@ -576,6 +576,7 @@ class Run(_BodyReplay):
         "settled",
         "size",
         "status",
+        "streamed",
     )
 
     def __init__(
@@ -595,6 +596,7 @@ class Run(_BodyReplay):
         self.ended = False  # the app sent its last body chunk
         self.kept_body: bytes | None = None  # then, the body kept (None: not whole)
         self.settled = False
+        self.streamed = True  # no declared length (Content-Length, or none: a 204, a 304)
         self._start: Message | None = None  # the response's start, held until its first chunk
         self._final: Message | None = None  # that chunk, held until the outcome is settled
         self._sending: asyncio.Task[None] | None = None  # settling and sending it, apart
@@ -622,7 +624,8 @@ class Run(_BodyReplay):
             if self._timer is not None:  # a renewal now would find the record final
                 self._stop_renewal()
             if self._final is not None:  # the app returned at once: settle, then send (see send)
-                self._if_running.cancel()  # which lets go of this run now, not next turn
+                if not self.streamed:
+                    self._if_running.cancel()  # which lets go of this run now, not next turn
                 await lease.settle(self.status, self.raw_headers, self.kept_body)
                 self.settled = True
                 if (start := self._start) is not None:  # _send_start, inline
@@ -663,10 +666,12 @@ class Run(_BodyReplay):
             # which wake it once (see the module docs); a stream's headers go out at once.
             if status == 204 or status == 304:
                 self._start = message
+                self.streamed = False
                 return
             for name, _ in headers:
                 if name == b"content-length":
                     self._start = message
+                    self.streamed = False
                     return
         elif kind == "http.response.body":
             chunk = message.get("body", b"")
@@ -684,12 +689,16 @@ class Run(_BodyReplay):
                 # Held until the app returns, and settled then, with the app's frames gone:
                 # across the store's reply the request holds only what is ours (a Starlette
                 # response returns at once unless it has background tasks). An app that runs
-                # on past this turn of the loop has it settled and sent meanwhile, apart.
+                # on past this turn of the loop has a response of a declared length settled
+                # and sent meanwhile, apart; a stream waits for it, as one the app broke off
+                # may end before the app raises (Starlette's BaseHTTPMiddleware ends it so).
                 self._final = message
-                # The request's context goes in the arguments, which a cancel lets go of at once.
-                self._if_running = asyncio.get_running_loop().call_soon(
-                    self._if_still_running, contextvars.copy_context(), context=_NO_CONTEXT
-                )
+                if not self.streamed:
+                    # The request's context goes in the arguments, which a cancel lets go of
+                    # at once.
+                    self._if_running = asyncio.get_running_loop().call_soon(
+                        self._if_still_running, contextvars.copy_context(), context=_NO_CONTEXT
+                    )
                 return
         await self._send_start()
         await self._client_send(message)
@@ -804,7 +813,10 @@ class Run(_BodyReplay):
 
     async def _end_abnormally(self, failure: BaseException | None) -> None:
         """End a run that raised or was cancelled: a response the app had sent whole goes out
-        as it is, settled; any other is settled as unfinished."""
+        as it is, settled; any other is settled as unfinished. A stream ended before the app
+        raised may be cut short: kept without its body, never as whole."""
+        if self._final is not None and self.streamed and isinstance(failure, Exception):
+            self.kept_body = None
         await self._release_final()
         if not self.settled:
             await self._settle_unfinished(failure)

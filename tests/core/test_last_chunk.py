@@ -1,8 +1,8 @@
 """A response's last chunk goes out once its outcome is stored: after the app has returned
 (its frames gone while the store answers), or, while the app runs on (background tasks),
-apart from it, so that the client never waits for them. The start of a response of a
-declared length goes out with its first chunk, so one of one chunk reaches the server whole,
-once stored; a stream's goes out as the app sends it."""
+apart from it, so that the client never waits for them; a stream's, once its app returned.
+The start of a response of a declared length goes out with its first chunk, so one of one
+chunk reaches the server whole, once stored; a stream's goes out as the app sends it."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -275,4 +276,57 @@ async def test_a_background_task_raising_leaves_the_response_stored(awaits_first
     retry = await make_client(guarded).post("/pay", headers=headers)
     assert retry.headers["x-idempotent-replay"] == "true"
     assert (retry.status_code, retry.json()) == (201, {"paid": 1})
+    assert runs == ["handler"]
+
+
+class Passing(BaseHTTPMiddleware):
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        return await call_next(request)
+
+
+def streaming_app(runs: list[str]) -> Starlette:
+    """``POST /export``, a stream whose generator breaks off after its first chunk when asked
+    (``?broken``), behind a BaseHTTPMiddleware inside the guard."""
+
+    @idempotent()
+    async def export(request: Request) -> Response:
+        runs.append("handler")
+
+        async def rows() -> AsyncIterator[bytes]:
+            yield b'{"rows": [1, 2'
+            if "broken" in request.query_params:
+                raise RuntimeError("the database went away mid-stream")
+            yield b"]}"
+
+        return StreamingResponse(rows(), status_code=201, media_type="application/json")
+
+    return Starlette(
+        routes=[Route("/export", export, methods=["POST"])],
+        middleware=[
+            Middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=lambda r: "t"),
+            Middleware(Passing),
+        ],
+    )
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["whole", "broken off"])
+async def test_a_stream_ended_before_its_app_raised_is_never_replayed_as_whole(
+    broken: bool,
+) -> None:
+    """Starlette's BaseHTTPMiddleware ends a stream its app broke off, and raises the app's
+    error a turn of the loop later: the stream waits for its app before it is stored, so a
+    broken one is kept without its body (``X-Idempotent-Body-Omitted``), and a whole one
+    with it."""
+    runs: list[str] = []
+    client = make_client(streaming_app(runs), raise_app_exceptions=False)
+    url = "/export?broken" if broken else "/export"
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    await client.post(url, headers=headers)
+    retry = await client.post(url, headers=headers)
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert retry.status_code == 201
+    if broken:
+        assert (retry.headers["x-idempotent-body-omitted"], retry.content) == ("true", b"")
+    else:
+        assert retry.json() == {"rows": [1, 2]}
     assert runs == ["handler"]
