@@ -450,6 +450,11 @@ def idempotent(func: Any = None, /, *, operation: str | None = None, **options: 
     overrides = {name: getattr(validated, name) for name in given}
 
     def decorate(func: _F) -> _F:
+        if idempotent_wrapper(func) is not None:
+            raise ConfigurationError(
+                f"@idempotent is applied twice to {_name(func)}: keep one, with every option "
+                "the route needs"
+            )
         # Set on the function itself too: in the reverse order the router already holds it.
         setattr(func, POLICY_ATTRIBUTE, overrides)
         setattr(func, OPERATION_ATTRIBUTE, operation)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import functools
 import re
+from typing import Any
 
 import httpx
 import pytest
@@ -155,6 +157,24 @@ def test_unknown_options_get_a_did_you_mean() -> None:
 def test_a_positional_option_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="takes its options by name"):
         idempotent(48)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("between", [False, True], ids=["stacked", "a wraps decorator between"])
+def test_idempotent_applied_twice_is_refused_where_it_is_written(between: bool) -> None:
+    """It was accepted, then failed every request with a message about rewritten paths."""
+
+    def passing(func: Any) -> Any:
+        @functools.wraps(func)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return await func(*args, **kwargs)
+
+        return wrapper
+
+    async def pay() -> None: ...
+
+    once = idempotent(ttl_hours=1)(pay)
+    with pytest.raises(ConfigurationError, match=r"applied twice to .*pay: keep one"):
+        idempotent(lock_ttl_seconds=5)(passing(once) if between else once)
 
 
 async def test_bare_decorator_takes_the_middlewares_options() -> None:
