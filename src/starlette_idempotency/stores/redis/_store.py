@@ -472,18 +472,22 @@ class RedisStore(StoreBase):
                     failure = exc
                     await asyncio.sleep(_UNDO_RETRY_SECONDS)
 
+        waited_for = "the batch that sent it was still in flight"
         try:
             async with asyncio.timeout(lock_ttl):  # by then the abandoned lock has lapsed
                 if sending:
                     await asyncio.wait(sending)
+                waited_for = "Redis did not answer the undo"
                 await undo()
+                waited_for = "the client's window for a late resend of it outlasted the lock"
                 await asyncio.sleep(self._driver.late_command_window)
+                waited_for = "Redis did not answer the undo"
                 await undo()
         except TimeoutError:
             logger.warning(
                 "could not undo the abandoned acquire of %r before its lock lapsed: %s",
                 key,
-                failure or "the batch that sent it was still in flight",
+                failure or waited_for,
             )
 
     def _acquire_command(self) -> Callable[[str, bytes, int], Awaitable[Any]]:
