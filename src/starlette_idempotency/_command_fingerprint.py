@@ -4,6 +4,8 @@ The body is validated with the FastAPI route's own body model, then fingerprinte
 field: a field left out that has a static default equals the same field sent with that value,
 ``10`` equals ``10.0`` where the model says float, and a field filled by a ``default_factory``
 (a fresh id, the current time) counts only when the client sent it, or no retry would match.
+The extra fields a model with ``extra="allow"`` keeps count too, by the names they came with;
+one sent under a declared field's name (only its alias is read) sends the body to the raw form.
 The command is written by the standard library's encoder, exact for what its parser reads:
 integers of any size, ``NaN``, ``Infinity`` and ``-Infinity`` apart, lone surrogates escaped.
 
@@ -40,13 +42,23 @@ def _encode(value: Any) -> str:
 def _command(value: Any, excluded: frozenset[str]) -> Any:
     if isinstance(value, BaseModel):
         fields = type(value).model_fields
-        return {
+        command = {
             name: _command(getattr(value, name), excluded)
             for name, info in fields.items()
             if name.lower() not in excluded
             and not (info.alias and info.alias.lower() in excluded)
             and not (info.default_factory is not None and name not in value.model_fields_set)
         }
+        extra = value.model_extra  # what extra="allow" keeps: the app reads it as well
+        if extra:
+            if not fields.keys().isdisjoint(extra):
+                # Sent under a field's name where only the alias is read: beside the field,
+                # it would stand for the field itself. The raw form tells the two apart.
+                raise ValueError("an extra field is named like a declared one")
+            for name, item in extra.items():
+                if name.lower() not in excluded:
+                    command[name] = _command(item, excluded)
+        return command
     if isinstance(value, dict):
         return {
             str(key): _command(item, excluded)

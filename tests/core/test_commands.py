@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 import uuid
@@ -16,11 +17,11 @@ from fastapi import Body, FastAPI, Request, Response, params
 from fastapi.routing import APIRoute
 from hypothesis import example, given
 from hypothesis import strategies as st
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from starlette_idempotency._command_fingerprint import CommandFingerprinter, fingerprinter_for_route
-from starlette_idempotency._fingerprint import FINGERPRINT_SCHEME, MAX_JSON_DEPTH
+from starlette_idempotency._fingerprint import FINGERPRINT_SCHEME, MAX_JSON_DEPTH, drop_fields
 from starlette_idempotency.stores import AcquireResult, IdempotencyRecord
 from tests.support.guarded import make_client
 from tests.support.json_values import json_values, same
@@ -222,6 +223,51 @@ def test_big_integers_in_a_model_are_exact() -> None:
     first = command(b'{"amount": 1180591620717411303424, "nonce": 1}', body_type=Amount)
     assert first == ("command", b'{"amount":1180591620717411303424}')
     assert command(b'{"amount": 1180591620717411304424}', body_type=Amount) != first
+
+
+class OpenLine(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    sku: str
+
+
+class OpenOrder(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    amount: int
+    reference: str = Field(default_factory=lambda: uuid.uuid4().hex, alias="ref")
+    lines: list[OpenLine] = []
+
+
+extras = st.dictionaries(st.sampled_from(["to", "Nonce", "memo", "x"]), json_values, max_size=3)
+
+
+@given(extras, extras, extras)
+@example({"to": "alice"}, {"to": "mallory"}, {})
+@example({"to": "alice"}, {"to": "alice", "Nonce": 1}, {"nonce": 2})
+def test_the_extra_fields_a_model_allows_are_part_of_the_command(
+    first: dict[str, Any], second: dict[str, Any], line_extra: dict[str, Any]
+) -> None:
+    """What the app reads in ``model_extra``, at any depth, tells commands apart, except
+    for the excluded fields."""
+
+    def body(extra: dict[str, Any]) -> bytes:
+        line = {"sku": "a", **line_extra, **extra}
+        return json.dumps({"amount": 1, "lines": [line], **extra}).encode()
+
+    commands = [command(body(extra), body_type=OpenOrder) for extra in (first, second)]
+    kept = [copy.deepcopy(extra) for extra in (first, second)]
+    for extra in kept:
+        drop_fields(extra, frozenset({"nonce"}))
+    assert commands[0] is not None
+    assert commands[0][0] == "command"
+    assert (commands[0] == commands[1]) == same(kept[0], kept[1])
+
+
+def test_an_extra_field_under_a_declared_name_takes_the_raw_form() -> None:
+    """Sent as ``reference`` (only ``ref`` is read), it is no stand-in for the field."""
+    as_field = command(b'{"amount": 1, "ref": "r"}', body_type=OpenOrder)
+    as_extra = command(b'{"amount": 1, "reference": "r"}', body_type=OpenOrder)
+    assert as_field == ("command", b'{"amount":1,"lines":[],"reference":"r"}')
+    assert as_extra == ("json", b'{"amount":1,"reference":"r"}')
 
 
 def nested(depth: int) -> bytes:
