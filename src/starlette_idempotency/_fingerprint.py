@@ -22,9 +22,12 @@ order of its values), and the body, whose form is named by its kind:
     (``%FF`` and ``%FE`` again) keep their relative order too.
 ``multipart``
     ``multipart/form-data``: the parts in order, each as its headers (names lower-cased,
-    values as sent: its name, filename and content type) and the SHA-256 of its content; the
-    boundary, which every client draws anew for each request, and the preamble and epilogue
-    that parsers ignore are left out. Excluded fields are dropped by name. A body that is not
+    values as sent: its name, filename and content type) and the SHA-256 of its content, and
+    the SHA-256 of a preamble and an epilogue when there is one (clients send neither); the
+    boundary, which every client draws anew for each request, is left out. Excluded fields are
+    dropped by name. The boundary, the charset and the field names are read from their
+    parameters as Starlette reads them, by python-multipart; without it installed, a
+    parameter sent twice or holding a quote or a backslash is not read. A body that is not
     well-formed multipart takes the ``bytes`` form.
 ``bytes;<media type>``
     Everything else, byte for byte, with its media type (parameters dropped). Also JSON
@@ -55,7 +58,7 @@ import hashlib
 import json
 import operator
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -83,7 +86,20 @@ _MAX_MEDIA_TYPES = 256
 _CHARSET = re.compile(r';\s*charset\s*=\s*(?:"([^"]*)"|([^;\s]*))', re.IGNORECASE)
 
 
-def _charset(content_type: str) -> str:
+def _options_reader() -> Callable[[str], tuple[bytes, dict[bytes, bytes]]] | None:
+    """python-multipart's reader of header parameters, which Starlette's multipart parser
+    uses, if it is installed."""
+    try:
+        from python_multipart.multipart import parse_options_header
+    except ImportError:  # pragma: no cover - the tests have it; they replace it to go without
+        return None
+    return parse_options_header
+
+
+_read_options = _options_reader()
+
+
+def _charset(content_type: str, media_type: str) -> str:
     """``;charset=<codec>`` for a ``charset`` parameter other than UTF-8, ``""`` without one.
 
     It changes how the app reads a text or form body (Starlette's multipart parser decodes
@@ -91,11 +107,18 @@ def _charset(content_type: str) -> str:
     another request. UTF-8 is the default every reader here assumes (Starlette, RFC 7578 for
     multipart, the WHATWG rules for urlencoded forms), so ``charset=utf-8`` adds nothing, and
     fingerprints stay those of the requests without it. Aliases of one codec (``latin-1``,
-    ``ISO-8859-1``) are one charset.
+    ``ISO-8859-1``) are one charset. A multipart body's charset is the one Starlette's parser
+    reads; any other body's is every ``charset`` in sight, as there is no telling which one
+    its reader takes.
     """
+    if media_type == _MULTIPART_MEDIA_TYPE and _read_options is not None:
+        charset = _read_options(content_type)[1].get(b"charset")
+        sent = [] if charset is None else [charset.decode("latin-1")]
+    else:
+        sent = [quoted or token for quoted, token in _CHARSET.findall(content_type)]
     names = []
-    for quoted, token in _CHARSET.findall(content_type):
-        name = (quoted or token).strip().lower()
+    for value in sent:
+        name = value.strip().lower()
         # An unknown one stays as sent: a reader may refuse it or fall back to another.
         with contextlib.suppress(LookupError):
             name = codecs.lookup(name).name
@@ -113,7 +136,7 @@ def _media_type(content_type: str) -> tuple[str, bool, str]:
     is_json = main == "application" and "/" not in sub and (sub == "json" or sub.endswith("+json"))
     if len(_MEDIA_TYPES) >= _MAX_MEDIA_TYPES:
         _MEDIA_TYPES.clear()
-    _MEDIA_TYPES[content_type] = known = (media_type, is_json, _charset(content_type))
+    _MEDIA_TYPES[content_type] = known = (media_type, is_json, _charset(content_type, media_type))
     return known
 
 
@@ -370,8 +393,31 @@ def canonical_form(body: Body, excluded: frozenset[str] = frozenset()) -> bytes:
     return b"&".join(fields)
 
 
-_BOUNDARY = re.compile(r';\s*boundary\s*=\s*(?:"([^"]+)"|([^;\s]+))', re.IGNORECASE)
-_FIELD_NAME = re.compile(rb';\s*name\s*=\s*(?:"([^"]*)"|([^;\s]+))', re.IGNORECASE)
+# How the two parameters read here are found without python-multipart.
+_PARAMETERS = {
+    "boundary": re.compile(r';\s*boundary\s*=\s*(?:"([^"]+)"|([^;\s]+))', re.IGNORECASE),
+    "name": re.compile(r';\s*name\s*=\s*(?:"([^"]*)"|([^;\s]+))', re.IGNORECASE),
+}
+
+
+def _parameter(header: str, name: str) -> str | None:
+    """The parameter ``name`` ("boundary" or "name") of a multipart ``Content-Type`` or a
+    part's ``Content-Disposition``, as Starlette reads it: by python-multipart, which takes
+    the last of a repeated parameter, unescapes a quoted one and skips a ``;`` in quotes.
+
+    Without python-multipart the app parses multipart its own way, and parsers differ on a
+    parameter sent twice, or holding quotes or backslashes: such a one is not read (``None``),
+    which sends the body to the ``bytes`` form or keeps the part.
+    """
+    if _read_options is not None:
+        read = _read_options(header)[1].get(name.encode())
+        return None if read is None else read.decode("latin-1")
+    found = _PARAMETERS[name].findall(header)
+    if len(found) != 1:
+        return None
+    quoted, token = found[0]
+    value: str = quoted or token
+    return None if '"' in value or "\\" in value else value
 
 
 def canonical_multipart(
@@ -382,19 +428,20 @@ def canonical_multipart(
 
     Each part's content is hashed where it lies (a ``memoryview``), so no part is copied.
     """
-    found = _BOUNDARY.search(content_type)
-    if found is None:
+    boundary = _parameter(content_type, "boundary")
+    if not boundary:
         return None
-    boundary_line = b"--" + (found[1] or found[2]).encode("latin-1")
+    boundary_line = b"--" + boundary.encode("latin-1")
     delimiter = b"\r\n" + boundary_line
     # The first delimiter may open the body, without the line break before it.
     if body.startswith(boundary_line):
+        preamble_end = 0
         at = len(boundary_line)
     else:
-        at = body.find(delimiter)
-        if at < 0:
+        preamble_end = body.find(delimiter)
+        if preamble_end < 0:
             return None
-        at += len(delimiter)
+        at = preamble_end + len(delimiter)
     view = memoryview(body)
     parts: list[tuple[list[tuple[str, str]], str]] = []
     while not body.startswith(b"--", at):  # "--" after a delimiter closes the body
@@ -422,17 +469,28 @@ def canonical_multipart(
         if not (excluded and _part_name(headers) in excluded):
             parts.append((headers, hashlib.sha256(view[content:end]).hexdigest()))
         at = end + len(delimiter)
-    return orjson.dumps(parts)
+    # Parsers skip them, but one that finds other delimiters than these finds its parts
+    # there. The line break after the closing delimiter is the closing delimiter's.
+    epilogue_start = at + 2 + (2 if body.startswith(b"\r\n", at + 2) else 0)
+    if not preamble_end and epilogue_start >= len(body):
+        return orjson.dumps(parts)  # the form every body had before they counted
+    return orjson.dumps(
+        {
+            "preamble": hashlib.sha256(view[:preamble_end]).hexdigest(),
+            "parts": parts,
+            "epilogue": hashlib.sha256(view[epilogue_start:]).hexdigest(),
+        }
+    )
 
 
 def _part_name(headers: list[tuple[str, str]]) -> str | None:
-    """The lower-cased field name in a part's ``Content-Disposition``, if it has one."""
-    for name, value in headers:
-        if name == "content-disposition":
-            found = _FIELD_NAME.search(value.encode("latin-1"))
-            if found is not None:
-                return (found[1] if found[1] is not None else found[2]).decode("latin-1").lower()
-    return None
+    """The lower-cased field name in a part's ``Content-Disposition`` (the last one, as
+    Starlette reads it), if it has one."""
+    dispositions = [value for name, value in headers if name == "content-disposition"]
+    if not dispositions:
+        return None
+    name = _parameter(dispositions[-1], "name")
+    return None if name is None else name.lower()
 
 
 def raw_body_form(

@@ -3,13 +3,14 @@ what Starlette's parser reads apart (names, filenames, content types, contents) 
 
 from __future__ import annotations
 
+import hashlib
 import tracemalloc
 import uuid
 from collections import Counter
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.datastructures import Headers, UploadFile
@@ -18,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, _fingerprint, idempotent
 from starlette_idempotency._fingerprint import canonical_multipart, raw_body_form
 from tests.support.guarded import make_client
 
@@ -45,11 +46,14 @@ def content_type(boundary: str) -> str:
 
 async def starlette_reads(body: bytes, boundary: str) -> list[tuple[str, Any]]:
     """What Starlette's parser makes of a body: the fields as the app reads them."""
+    return await starlette_reads_as(body, content_type(boundary))
 
+
+async def starlette_reads_as(body: bytes, sent_type: str) -> list[tuple[str, Any]]:
     async def stream() -> Any:
         yield body
 
-    headers = Headers({"content-type": content_type(boundary)})
+    headers = Headers({"content-type": sent_type})
     form = await MultiPartParser(headers, stream()).parse()
     read: list[tuple[str, Any]] = []
     for name, value in form.multi_items():
@@ -125,14 +129,145 @@ def test_what_is_not_multipart_is_compared_byte_for_byte(body: bytes, boundary_p
     )
 
 
-def test_a_quoted_boundary_and_a_preamble_are_read() -> None:
+def test_a_quoted_boundary_is_read() -> None:
     fields: list[Part] = [("a", None, None, b"1")]
     plain = canonical_multipart(encode(fields, "q1"), content_type("q1"))
-    quoted = canonical_multipart(
-        b"a preamble\r\n" + encode(fields, "q 2"), 'multipart/form-data; boundary="q 2"'
-    )
+    quoted = canonical_multipart(encode(fields, "q 2"), 'multipart/form-data; boundary="q 2"')
     assert plain is not None
     assert plain == quoted
+
+
+def test_a_preamble_and_an_epilogue_count() -> None:
+    """Parsers skip them, but a parser that reads the boundary otherwise finds its parts
+    there; what clients send (nothing, or a line break after the end) is as before."""
+    body = encode([("a", None, None, b"1")], "e1")
+    plain = canonical_multipart(body, content_type("e1"))
+    assert plain == b'[[[["content-disposition","form-data; name=\\"a\\""]],"%s"]]' % (
+        hashlib.sha256(b"1").hexdigest().encode()
+    )
+    assert canonical_multipart(body.removesuffix(b"\r\n"), content_type("e1")) == plain
+    assert canonical_multipart(b"\r\n" + body, content_type("e1")) == plain
+    padded = [b"a preamble\r\n" + body, body + b"an epilogue", body + b"\r\n"]
+    forms = {canonical_multipart(one, content_type("e1")) for one in [body, *padded]}
+    assert None not in forms
+    assert len(forms) == 4
+
+
+def encode_as(parts: list[tuple[str, bytes]], boundary: str) -> bytes:
+    """Fields (Content-Disposition, content) under ``boundary``."""
+    out = [
+        f"--{boundary}\r\nContent-Disposition: {head}\r\n\r\n".encode() + content + b"\r\n"
+        for head, content in parts
+    ]
+    return b"".join(out) + f"--{boundary}--\r\n".encode()
+
+
+# Content types whose boundary python-multipart reads otherwise than a first glance: the last
+# of two, the one outside quotes, a quoted-pair unescaped. Each as (header, read, decoy).
+TRICKY_BOUNDARIES = [
+    ("boundary=decoy; boundary=real", "real", "decoy"),
+    ('x="; boundary=decoy"; boundary=real', "real", 'decoy"'),
+    ('boundary="re\\\\al"', "re\\al", "re\\\\al"),
+]
+# Dispositions whose name python-multipart reads otherwise: a name= in another parameter's
+# quotes, a second Content-Disposition header.
+TRICKY_NAMES = [
+    'form-data; name="{}"',
+    'form-data; x="; name=nonce;"; name="{}"',
+    'form-data; name="nonce"\r\nContent-Disposition: form-data; name="{}"',
+]
+fields = st.lists(
+    st.tuples(
+        st.sampled_from(TRICKY_NAMES), st.sampled_from(["amount", "nonce"]), st.binary(max_size=3)
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+@pytest.fixture(params=["python-multipart", "without python-multipart"])
+def parameter_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Either reader of parameters: python-multipart's, or the one used without it."""
+    if request.param != "python-multipart":
+        monkeypatch.setattr(_fingerprint, "_read_options", None)
+        monkeypatch.setattr(_fingerprint, "_MEDIA_TYPES", {})
+
+
+@pytest.mark.usefixtures("parameter_reader")
+@given(fields, fields, st.sampled_from(TRICKY_BOUNDARIES))
+@example(
+    [('form-data; name="{}"', "amount", b"10")],
+    [('form-data; name="{}"', "amount", b"99")],
+    TRICKY_BOUNDARIES[0],
+)
+@example(
+    [('form-data; x="; name=nonce;"; name="{}"', "amount", b"10")],
+    [('form-data; x="; name=nonce;"; name="{}"', "amount", b"99")],
+    TRICKY_BOUNDARIES[0],
+)
+async def test_parameters_are_read_as_starlette_reads_them(
+    first: list[tuple[str, str, bytes]],
+    second: list[tuple[str, str, bytes]],
+    boundaries: tuple[str, str, str],
+) -> None:
+    """Bodies whose parts Starlette reads apart (the excluded field aside) under a content
+    type it reads otherwise than a first glance never share a form; a part under the boundary
+    a first glance takes lies in the epilogue, which parsers skip."""
+    header, read, decoy = boundaries
+    sent_type = f"multipart/form-data; {header}"
+    decoy_part = encode_as([('form-data; name="amount"', b"1")], decoy)
+    bodies = [
+        encode_as([(head.format(name), content) for head, name, content in parts], read)
+        + b"\r\n"
+        + decoy_part
+        for parts in (first, second)
+    ]
+    reads = [
+        [
+            (name, value)
+            for name, value in await starlette_reads_as(body, sent_type)
+            if name != "nonce"
+        ]
+        for body in bodies
+    ]
+    forms = [
+        raw_body_form(body, content_type=sent_type, excluded=frozenset({"nonce"}))
+        for body in bodies
+    ]
+    if reads[0] != reads[1]:
+        assert forms[0] != forms[1]
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["boundary=a; boundary=b", 'x="; boundary=a"', 'boundary="a\\\\b"', "boundary=a\\b"],
+)
+def test_without_python_multipart_a_boundary_parsers_may_read_apart_is_not_read(
+    header: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_fingerprint, "_read_options", None)
+    body = encode([("a", None, None, b"1")], "a")
+    sent_type = f"multipart/form-data; {header}"
+    assert raw_body_form(body, content_type=sent_type, excluded=frozenset())[0] == (
+        "bytes;multipart/form-data"
+    )
+
+
+def test_without_python_multipart_a_name_parsers_may_read_apart_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_fingerprint, "_read_options", None)
+    disposition = 'form-data; x="; name=nonce;"; name="nonce"'
+    body = encode_as([(disposition, b"1")], "n1")
+    assert canonical_multipart(body, content_type("n1"), frozenset({"nonce"})) != b"[]"
+
+
+@pytest.mark.usefixtures("parameter_reader")
+def test_a_well_formed_body_is_read_alike_by_either_reader() -> None:
+    fields: list[Part] = [("a", None, None, b"1"), ("nonce", "n.txt", "text/plain", b"2")]
+    body = encode(fields, "w1")
+    form = raw_body_form(body, content_type=content_type("w1"), excluded=frozenset({"nonce"}))
+    assert form == ("multipart", canonical_multipart(encode(fields[:1], "w2"), content_type("w2")))
 
 
 def test_large_parts_are_hashed_where_they_lie() -> None:
@@ -238,3 +373,16 @@ def test_a_multipart_charset_follows_its_kind() -> None:
     for charset, kind in [("", "multipart"), ("; charset=latin-1", "multipart;charset=iso8859-1")]:
         media = content_type("k1") + charset
         assert raw_body_form(body, content_type=media, excluded=frozenset())[0] == kind
+
+
+async def test_the_multipart_charset_is_the_one_starlette_reads() -> None:
+    """Which of two charsets applies, the one in quotes or out, is python-multipart's call."""
+    body = encode([("note", None, None, "café".encode())], "k2")
+    sent_types = [
+        content_type("k2") + '; charset=latin-1; x="; charset=utf-8"',
+        content_type("k2") + '; x="; charset=latin-1"; charset=utf-8',
+    ]
+    reads = [await starlette_reads_as(body, sent_type) for sent_type in sent_types]
+    assert reads == [[("note", "cafÃ©")], [("note", "café")]]
+    kinds = [raw_body_form(body, content_type=sent, excluded=frozenset())[0] for sent in sent_types]
+    assert kinds == ["multipart;charset=iso8859-1", "multipart"]
