@@ -12,6 +12,7 @@ order of its values), and the body, whose form is named by its kind:
     JSON that orjson cannot carry exactly: integers outside 64 bits (orjson reads them as
     floats), ``NaN``, ``Infinity``, ``1e400``, lone surrogates, a byte order mark, UTF-16.
     Parsed by the standard library, as Starlette and FastAPI parse it, and written back by it.
+    A UTF-8 body whose excluded members alone held such values takes the ``json`` form.
 ``form``
     ``application/x-www-form-urlencoded``: fields stably sorted by name, so fields sent in
     another order are the same request while repeated fields keep their order; excluded
@@ -258,7 +259,8 @@ def _cut_members(canonical: bytes, excluded: frozenset[str]) -> bytes | None:
 
 
 def _exact_json(body: Body, excluded: frozenset[str]) -> tuple[str, bytes] | None:
-    """The standard library's canonical form, exact for every value it parses."""
+    """The standard library's canonical form, exact for every value it parses; or the
+    ``json`` form when all that orjson could not hold lay in excluded members."""
     try:
         value = json.loads(body)
         if not drop_fields(value, excluded):
@@ -266,6 +268,15 @@ def _exact_json(body: Body, excluded: frozenset[str]) -> tuple[str, bytes] | Non
         text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
     except (ValueError, RecursionError):
         return None
+    # Only UTF-8 without a byte order mark, which orjson reads too: with another encoding, the
+    # body takes this form whatever is excluded, as it always has.
+    if excluded and json.detect_encoding(body) == "utf-8":
+        # What remains is read again by orjson, which refuses what it cannot hold (NaN, lone
+        # surrogates) and turns integers past 64 bits into floats, which the "e+" test finds.
+        with contextlib.suppress(orjson.JSONDecodeError):
+            canonical = orjson.dumps(orjson.loads(text), option=_SORT_KEYS)
+            if b"e+" not in canonical:
+                return "json", canonical
     return "json-exact", text.encode("ascii")
 
 

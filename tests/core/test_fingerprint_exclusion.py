@@ -12,7 +12,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from starlette_idempotency._fingerprint import canonical_json, drop_fields
-from tests.support.json_values import same
+from tests.support.json_values import json_values, same
 
 
 def without(value: Any, excluded: frozenset[str]) -> Any:
@@ -102,3 +102,55 @@ def test_excluded_members_holding_objects_or_arrays(body: bytes) -> None:
     result = canonical_json(body, frozenset({"nonce"}))
     assert result is not None
     assert b"nonce" not in result[1].replace(b'\\"nonce\\"', b"").lower()
+
+
+def encode(value: Any, style: int) -> bytes:
+    """Compact, spaced, with non-ASCII escaped, or behind a byte order mark."""
+    text = json.dumps(value, indent=2 if style == 1 else None, ensure_ascii=style == 2)
+    return (b"\xef\xbb\xbf" if style == 3 else b"") + text.encode("utf-8", "surrogatepass")
+
+
+@given(
+    st.dictionaries(st.text(max_size=3), json_values, max_size=3),
+    json_values,
+    json_values,
+    st.sampled_from([0, 1, 2, 3]),
+)
+@example({"items": [1]}, float("nan"), 812.5, 0)
+@example({"items": [1]}, "\ud800", "x", 2)
+@example({"items": [1]}, 2**64, 1, 0)
+@example({"items": [float("nan")]}, float("nan"), 1, 0)
+@example({"items": [1]}, float("inf"), 1, 3)
+def test_what_an_excluded_field_holds_never_changes_the_form(
+    kept: dict[str, Any], first: Any, second: Any, style: int
+) -> None:
+    """NaN, a lone surrogate or an integer orjson cannot hold in an excluded field is no
+    reason to take another form than the same body with a finite number there."""
+    excluded = frozenset({"clientlatencyms"})
+    forms = [
+        canonical_json(encode({**kept, "clientLatencyMs": value}, style), excluded)
+        for value in (first, second)
+    ]
+    assert forms[0] is not None
+    assert forms[0] == forms[1]
+
+
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [
+        (b'{"items": [NaN], "nonce": 1}', "json-exact"),
+        (b'{"items": ["\\ud800"], "nonce": 1}', "json-exact"),
+        (b'{"items": [18446744073709551616], "nonce": 1}', "json-exact"),
+        (b'\xef\xbb\xbf{"items": [1], "nonce": NaN}', "json-exact"),
+        ('{"items": [1], "nonce": NaN}'.encode("utf-16"), "json-exact"),
+        (b'{"items": [1], "nonce": NaN}', "json"),
+    ],
+)
+def test_what_orjson_cannot_hold_outside_excluded_fields_keeps_the_exact_form(
+    body: bytes, kind: str
+) -> None:
+    """Values orjson cannot hold that are kept, and encodings it cannot read, take the exact
+    form as they always have (a stored fingerprint still matches)."""
+    result = canonical_json(body, frozenset({"nonce"}))
+    assert result is not None
+    assert result[0] == kind
