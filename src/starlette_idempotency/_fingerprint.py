@@ -33,7 +33,8 @@ order of its values), and the body, whose form is named by its kind:
 ``bytes;<media type>``
     Everything else, byte for byte, with its media type (parameters dropped). Also JSON
     nested deeper than 254 levels (as deep as orjson writes) and bodies that are not the JSON
-    they claim to be.
+    they claim to be, such as one sent with a ``Content-Encoding``: encoded bodies are never
+    decoded here, so a retry must send the same encoded bytes.
 
 Of the content type's parameters, one takes part: a ``charset`` other than UTF-8 (the default
 every reader here assumes) follows the kind of a ``form``, ``multipart`` or ``bytes`` body, as

@@ -3,6 +3,8 @@ bare app would not give, in every fingerprint mode, on FastAPI and on Starlette.
 
 from __future__ import annotations
 
+import gzip
+import json
 from collections import Counter
 from typing import Any
 
@@ -238,3 +240,31 @@ async def test_reordered_form_fields_replay(
     assert replay.headers["x-idempotent-replay"] == "true"
     assert (await apps.post(path, changed, FORM, "k")).status_code == 422
     assert apps.runs[path.strip("/")] == 1
+
+
+@pytest.mark.parametrize("options", [{}, {"fingerprint_headers": ["content-encoding"]}])
+async def test_an_encoded_body_is_compared_as_sent(options: dict[str, Any]) -> None:
+    """A gzip body is its compressed bytes to the fingerprint, as documented: a retry that
+    compresses afresh (gzip stamps the time) is a 422, never a replay of another request;
+    the same bytes again are replayed. ``fingerprint_headers`` tells encodings apart."""
+    runs: Counter[str] = Counter()
+
+    @idempotent(**options)
+    async def orders(request: Request) -> JSONResponse:
+        runs["orders"] += 1
+        return JSONResponse(json.loads(gzip.decompress(await request.body())), status_code=201)
+
+    app = Starlette(routes=[Route("/orders", orders, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore()))
+    headers = {**JSON, "content-encoding": "gzip", "Idempotency-Key": "k"}
+    sent = gzip.compress(b'{"items": [1]}', mtime=1_700_000_000)
+    for _ in range(2):
+        answer = await client.post("/orders", content=sent, headers=headers)
+        assert answer.status_code == 201, answer.text
+    assert answer.headers["x-idempotent-replay"] == "true"
+    again = gzip.compress(b'{"items": [1]}', mtime=1_700_000_001)
+    assert (await client.post("/orders", content=again, headers=headers)).status_code == 422
+    identity = {**headers, "content-encoding": "identity"}
+    other = await client.post("/orders", content=sent, headers=identity)
+    assert other.status_code == (422 if options else 201)
+    assert runs["orders"] == 1
