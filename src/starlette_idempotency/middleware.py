@@ -388,10 +388,10 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
                 return
             await self.app(scope, receive, send)
             return
-        outer = GUARDED_SCOPE.get(None)
-        if outer is not None and REQUEST_SCOPE_KEY in outer:
+        if REQUEST_SCOPE_KEY in scope:
             # The guard of an app mounting this one owns the request's key: one request, one
-            # guard (a second would mark the endpoint's start on its own lease alone).
+            # guard (a second would mark the endpoint's start on its own lease alone). A
+            # request the app makes to itself in process has a scope of its own, and a guard.
             await self.app(scope, receive, send)
             return
         # The mark tells an @idempotent endpoint that a guard saw its request, and as what;

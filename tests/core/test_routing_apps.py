@@ -4,6 +4,7 @@ middleware. Each instance matches against the routes of the app it wraps."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 from fastapi import APIRouter, FastAPI
@@ -103,6 +104,34 @@ async def test_a_guarded_sub_app_mounted_in_a_guarded_parent_is_guarded_once(
     assert (first.status_code, retry.status_code) == (status, status)
     assert retry.headers["x-idempotent-replay"] == "true"
     assert runs == 1
+
+
+async def test_a_request_to_itself_from_a_guarded_handler_is_guarded_on_its_own() -> None:
+    """A handler that calls another guarded route of its app in process (an ASGI client):
+    that request has a scope of its own, and its own guard, though it runs in the task of
+    the guarded request that made it."""
+    runs: Counter[str] = Counter()
+
+    @idempotent()
+    async def inner(request: Request) -> Response:
+        runs["inner"] += 1
+        return JSONResponse({"inner": runs["inner"]}, status_code=201)
+
+    @idempotent()
+    async def outer(request: Request) -> Response:
+        runs["outer"] += 1
+        itself = make_client(request.app)
+        headers = {"Idempotency-Key": "inner-key"}
+        answers = [(await itself.post("/inner", headers=headers)).json() for _ in range(2)]
+        return JSONResponse(answers, status_code=201)
+
+    app = Starlette(
+        routes=[Route("/outer", outer, methods=["POST"]), Route("/inner", inner, methods=["POST"])]
+    )
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    answer = await make_client(app).post("/outer", headers={"Idempotency-Key": "k"})
+    assert answer.json() == [{"inner": 1}, {"inner": 1}]
+    assert runs == Counter(outer=1, inner=1)
 
 
 class Passthrough:
