@@ -472,15 +472,15 @@ class KeyScopeResolver:
         if not getattr(user, "is_authenticated", False):
             self._warn_once(_ANONYMOUS_WARNING)
             return ""
-        # Imported here: an app with no user in its scopes never loads it.
-        from starlette.authentication import SimpleUser
-
-        if isinstance(user, SimpleUser):  # its username is who it is; it has no identity
-            return str(user.username)
         try:
             identity = user.identity
         except (AttributeError, NotImplementedError):
-            identity = None
+            # Imported here: an app with no user in its scopes never loads it.
+            from starlette.authentication import SimpleUser
+
+            # A SimpleUser's username is who it is (it has no identity unless a subclass
+            # gives it one, read above).
+            identity = user.username if isinstance(user, SimpleUser) else None
         if identity is None or identity == "":
             # A display name is not unique: two users of one name would share their keys, and
             # each could be answered with the other's stored responses.

@@ -81,12 +81,28 @@ class IdentifiedUser(NamedUser):
         return self._identity  # type: ignore[return-value]  # a falsy id (0) is one too
 
 
+class Member(SimpleUser):
+    """A SimpleUser whose identity is its member id: its username need not be unique."""
+
+    def __init__(self, username: str, member_id: str) -> None:
+        super().__init__(username)
+        self.member_id = member_id
+
+    @property
+    def identity(self) -> str:
+        return self.member_id
+
+
 class UserFromHeaders(AuthenticationBackend):
     """``x-name`` as the display name; ``x-id``, when sent, as the identity."""
 
     async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, BaseUser]:
         name, identity = conn.headers["x-name"], conn.headers.get("x-id")
-        user = NamedUser(name) if identity is None else IdentifiedUser(name, int(identity))
+        user: BaseUser
+        if "x-member" in conn.headers:
+            user = Member(name, conn.headers["x-member"])
+        else:
+            user = NamedUser(name) if identity is None else IdentifiedUser(name, int(identity))
         return AuthCredentials(["authenticated"]), user
 
 
@@ -110,10 +126,15 @@ async def test_two_users_of_one_name_never_share_keys() -> None:
         for i in ("0", "1")
     ]
     assert [r.json()["n"] for r in smiths] == [1, 2]
-    assert sorted(key.split(":")[0] for key in store.records()) == ["0", "1"]
+    members = [
+        await client.post("/pay", headers={"Idempotency-Key": "k", "x-name": "john", "x-member": m})
+        for m in ("u_1", "u_2")
+    ]
+    assert [r.json()["n"] for r in members] == [3, 4]  # a SimpleUser's identity comes first
+    assert sorted(key.split(":")[0] for key in store.records()) == ["0", "1", "u_1", "u_2"]
     with pytest.raises(ConfigurationError, match=r"has no identity.*key_scope="):
         await make_client(app).post("/pay", headers={"Idempotency-Key": "k", "x-name": "J Smith"})
-    assert runs["pay"] == 2
+    assert runs["pay"] == 4
 
 
 async def test_key_scope_callable_sync_and_async() -> None:
