@@ -400,13 +400,17 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
         try:
             method = scope["method"]
             if method not in self._methods:
-                if method.upper() in self._methods:
-                    # "post": an app that reads methods case-blind would run it unguarded.
+                upper = method.upper()
+                if (
+                    upper in self._methods
+                    and self._resolver.resolve({**scope, "method": upper}, self.app) is not None
+                ):
+                    # "post" to a guarded route: an app that reads methods case-blind (one
+                    # mounted whole) would run it unguarded.
                     await self._services.errors.send(
                         send,
                         Problem.INVALID_REQUEST,
-                        f"The method {method} is {method.upper()} in another case: send it "
-                        "in upper case",
+                        f"The method {method} is {upper} in another case: send it in upper case",
                         request_headers=scope["headers"],
                     )
                     return

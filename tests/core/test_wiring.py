@@ -298,6 +298,10 @@ async def test_a_guarded_method_in_another_case_is_refused(method: str) -> None:
     assert sent[0]["status"] == 400
     assert b"send it in upper case" in sent[1]["body"]
     assert runs["case-blind"] == 0
+    # Where no guarded route is, it goes on as sent (Starlette's router answers it 404).
+    sent.clear()
+    await guarded({**scope, "path": "/elsewhere"}, receive, send)
+    assert sent[0]["status"] == 404
 
 
 # -- decorators stacked above @idempotent ----------------------------------------------------
