@@ -10,6 +10,7 @@ import asyncio
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -25,7 +26,7 @@ from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from starlette_idempotency._record import IdempotencyRecord
 from starlette_idempotency._types import ASGIApp, Message, Receive, Scope, Send
 from starlette_idempotency.stores.base import FencedWrite
-from tests.support.conditions import eventually_sync
+from tests.support.conditions import eventually, eventually_sync
 from tests.support.guarded import make_client
 from tests.support.uvicorn import uvicorn_thread
 
@@ -160,8 +161,10 @@ async def test_a_streamed_response_is_not_held_back() -> None:
     first = await make_client(server_side(guarded, done)).post("/report", headers=headers)
     assert (first.status_code, first.content) == (201, b"one,two")
     sent_while_running = ["start", "app: first chunk", "body", "app: second chunk", "body"]
-    # Stored before the last (empty) chunk that ends a StreamingResponse went out.
-    assert store.seen_at_finish == [sent_while_running]
+    # Stored before the last (empty) chunk that ends a StreamingResponse went out, while the
+    # app ran on (a StreamingResponse's task group ends a turn later): without its body, which
+    # is stored once the app returned.
+    assert store.seen_at_finish == [sent_while_running, [*sent_while_running, "body"]]
     assert done == [*sent_while_running, "body"]
     retry = await make_client(guarded).post("/report", headers=headers)
     assert (retry.headers["x-idempotent-replay"], retry.content) == ("true", b"one,two")
@@ -284,11 +287,14 @@ class Passing(BaseHTTPMiddleware):
         return await call_next(request)
 
 
-def streaming_app(runs: list[str]) -> Starlette:
+def streaming_app(
+    runs: list[str], background: BackgroundTask | None = None, **policy: Any
+) -> Starlette:
     """``POST /export``, a stream whose generator breaks off after its first chunk when asked
-    (``?broken``), behind a BaseHTTPMiddleware inside the guard."""
+    (``?broken``), of a declared length when asked (``?declared``), behind a
+    BaseHTTPMiddleware inside the guard."""
 
-    @idempotent()
+    @idempotent(**policy)
     async def export(request: Request) -> Response:
         runs.append("handler")
 
@@ -298,7 +304,10 @@ def streaming_app(runs: list[str]) -> Starlette:
                 raise RuntimeError("the database went away mid-stream")
             yield b"]}"
 
-        return StreamingResponse(rows(), status_code=201, media_type="application/json")
+        declared = {"content-length": "16"} if "declared" in request.query_params else None
+        return StreamingResponse(
+            rows(), 201, declared, media_type="application/json", background=background
+        )
 
     return Starlette(
         routes=[Route("/export", export, methods=["POST"])],
@@ -309,17 +318,17 @@ def streaming_app(runs: list[str]) -> Starlette:
     )
 
 
+@pytest.mark.parametrize("declared", [False, True], ids=["stream", "declared length"])
 @pytest.mark.parametrize("broken", [False, True], ids=["whole", "broken off"])
 async def test_a_stream_ended_before_its_app_raised_is_never_replayed_as_whole(
-    broken: bool,
+    broken: bool, declared: bool
 ) -> None:
     """Starlette's BaseHTTPMiddleware ends a stream its app broke off, and raises the app's
-    error a turn of the loop later: the stream waits for its app before it is stored, so a
-    broken one is kept without its body (``X-Idempotent-Body-Omitted``), and a whole one
-    with it."""
+    error a turn of the loop later: a stream is stored without its body until its app has
+    returned, and a response shorter than its declared length without it at all."""
     runs: list[str] = []
     client = make_client(streaming_app(runs), raise_app_exceptions=False)
-    url = "/export?broken" if broken else "/export"
+    url = "/export?" + "&".join(q for q, on in (("broken", broken), ("declared", declared)) if on)
     headers = {"Idempotency-Key": uuid.uuid4().hex}
     await client.post(url, headers=headers)
     retry = await client.post(url, headers=headers)
@@ -329,4 +338,34 @@ async def test_a_stream_ended_before_its_app_raised_is_never_replayed_as_whole(
         assert (retry.headers["x-idempotent-body-omitted"], retry.content) == ("true", b"")
     else:
         assert retry.json() == {"rows": [1, 2]}
+    assert runs == ["handler"]
+
+
+async def test_a_stream_is_replayed_while_its_background_task_outlives_the_lock() -> None:
+    """A stream's outcome is stored as it ends, without its body while its app runs on (a
+    background task here, longer than the lock, which is not renewed): a retry then is
+    replayed so, never run again, and once the app has returned, with the body."""
+    runs: list[str] = []
+    release = asyncio.Event()
+    app = streaming_app(runs, BackgroundTask(release.wait), lock_ttl_seconds=0.1, renew_lock=False)
+    client = make_client(app)
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    first = asyncio.create_task(client.post("/export", headers=headers))
+    await eventually(lambda: runs, message="the handler to run")
+
+    async def replayed() -> httpx.Response | None:
+        retry = await client.post("/export", headers=headers)
+        return retry if retry.headers.get("x-idempotent-replay") == "true" else None
+
+    retry = await eventually(replayed, message="the outcome stored")
+    await asyncio.sleep(0.2)  # twice the lock's TTL, the background task still waiting
+    late = await client.post("/export", headers=headers)
+    release.set()
+    assert (await first).json() == {"rows": [1, 2]}
+    whole = await client.post("/export", headers=headers)
+    assert (retry.headers["x-idempotent-body-omitted"], late.headers["x-idempotent-replay"]) == (
+        "true",
+        "true",
+    )
+    assert whole.json() == {"rows": [1, 2]}
     assert runs == ["handler"]
