@@ -249,6 +249,10 @@ def _check_store_object(store: object) -> None:
         )
 
 
+#: What GUARDED_SCOPE holds outside any guard's request.
+_NO_SCOPE: Scope = {}
+
+
 class IdempotencyMiddleware(metaclass=_CheckedFirst):
     """Makes decorated POST/PATCH routes safe to retry with an ``Idempotency-Key`` header.
 
@@ -388,10 +392,11 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
                 return
             await self.app(scope, receive, send)
             return
-        if REQUEST_SCOPE_KEY in scope:
-            # The guard of an app mounting this one owns the request's key: one request, one
-            # guard (a second would mark the endpoint's start on its own lease alone). A
-            # request the app makes to itself in process has a scope of its own, and a guard.
+        held = scope.get(REQUEST_SCOPE_KEY)
+        if held is not None and held is GUARDED_SCOPE.get(_NO_SCOPE).get(REQUEST_SCOPE_KEY):
+            # The guard of an app mounting this one owns the request's key, and runs it now:
+            # one request, one guard (a second would mark the endpoint's start on its own
+            # lease alone). A request the app makes to itself in process has a scope of its own.
             await self.app(scope, receive, send)
             return
         # The mark tells an @idempotent endpoint that a guard saw its request, and as what;
