@@ -145,6 +145,13 @@ def _refusal(handler: Any, scope: Any, mark: Any) -> UnguardedRequestError:
             "route (app.add_middleware(IdempotencyMiddleware, store=...)), or to an app that "
             "mounts it; an app under test needs it too"
         )
+    elif isinstance(mark, PassedOn) and scope.get("method") in mark.methods:
+        cause = (
+            "IdempotencyMiddleware passed the request on as one of a method it does not guard, "
+            "and a middleware inside it handed the router a copy of the request, whose method "
+            "the handler cannot see (it has no Request parameter): add IdempotencyMiddleware "
+            "inside that middleware, or give the handler a Request parameter"
+        )
     elif isinstance(mark, PassedOn):
         cause = (
             "IdempotencyMiddleware passed the request on as one of a method it does not guard, "
@@ -199,7 +206,14 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
     if mark is not handler:
         request = _request_in(args, kwargs)
         seen = scope if request is None else request.scope
-        if not isinstance(mark, PassedOn) or seen["method"] not in mark.methods:
+        if not (
+            isinstance(mark, PassedOn)
+            and seen["method"] in mark.methods
+            # With no request among its arguments (a FastAPI endpoint), the method seen is the
+            # guard's: it is the one run only if the router dispatched the guard's own scope,
+            # not a copy a middleware between made (a method override may have changed it).
+            and (request is not None or idempotent_wrapper(seen.get("endpoint")) is handler)
+        ):
             raise _refusal(handler, seen, mark)
     marks: Marks | None = scope.get(REQUEST_SCOPE_KEY)
     if marks is not None:

@@ -253,6 +253,30 @@ async def test_a_method_overridden_inside_the_guard_is_refused_not_run_unguarded
     assert runs["override"] == 0
 
 
+async def test_a_safe_method_overridden_on_a_copy_is_refused_for_a_handler_without_request() -> (
+    None
+):
+    """A FastAPI handler without a ``Request`` parameter cannot see the method it runs for:
+    the guard's scope says GET, a copy the router dispatched says POST. The router's mark on
+    the guard's scope (its ``endpoint``) is missing, and the request is refused; a GET the
+    router dispatched on the guard's own scope still runs."""
+    app = FastAPI()
+
+    @app.api_route("/pay", methods=["GET", "POST"])
+    @idempotent()
+    async def pay() -> dict[str, int]:
+        runs["fastapi override"] += 1
+        return {"run": runs["fastapi override"]}
+
+    app.add_middleware(MethodOverride)  # on a copy of the scope
+    guarded = IdempotencyMiddleware(app, store=MemoryStore())
+    async with raising_client(guarded) as client:
+        assert (await client.get("/pay")).json() == {"run": 1}
+        with pytest.raises(UnguardedRequestError, match="handed the router a copy"):
+            await client.get("/pay", headers={**key(), "X-HTTP-Method-Override": "POST"})
+    assert runs["fastapi override"] == 1
+
+
 async def test_a_route_added_after_startup_for_an_unguarded_method_is_refused() -> None:
     """The startup check refuses a decorated handler served for a method the middleware does
     not guard; one added later is refused as it runs, not run unguarded."""
