@@ -4,30 +4,41 @@ The server ends connections on ``pg_terminate_backend``, a clean restart or swit
 ``idle_session_timeout``; it sends a FATAL notice first, and asyncpg raises it (as the cause of
 ``ConnectionDoesNotExistError``) on the pool's next statement over that connection. Such a
 statement never ran, or was rolled back with its backend, so the store sends it again on a new
-connection. A connection that dies with no such notice after the statement went out (a network
-failure, a crash) is different: the statement may have committed, so it is never sent again.
+connection, as it does when asyncpg refused to send it (the notice read, the end not yet). A
+connection that dies with no such notice after the statement went out (a network failure, a
+crash) is different: the statement may have committed, so it is never sent again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg  # type: ignore[import-untyped]
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
+from starlette_idempotency import IdempotencyMiddleware, idempotent
 from starlette_idempotency._record import Checkpoint
 from starlette_idempotency.errors import StoreError
+from starlette_idempotency.stores._postgres_connections import ended_while_idle
 from starlette_idempotency.stores._postgres_connections import never_ran as statement_never_ran
 from starlette_idempotency.stores.base import FencedWrite
 from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.testing._postgres_server import PostgresServer
 from tests.support.conditions import eventually
 from tests.support.cutting_proxy import CuttingProxy
+from tests.support.guarded import make_client
 from tests.support.link_proxy import LinkProxy
 from tests.support.postgres import (
     LOCK_TTL,
@@ -38,12 +49,15 @@ from tests.support.postgres import (
     pending,
     rows_locked,
     terminate_backends,
+    terminate_with_notices_read,
     wait_for_no_backends,
 )
 
 pytestmark = pytest.mark.postgres
 
 POOL_SIZE = 3
+#: Requests (each a new key, then its replay) sent while the server ends the connections.
+ROUNDS = 20
 STORE_LOGGER = "starlette_idempotency.stores.postgres"
 
 
@@ -66,6 +80,54 @@ async def store(
         await opened.aclose()
 
 
+@contextlib.asynccontextmanager
+async def behind_a_link(
+    postgres_dsn: str, postgres_table: str, **pool_options: Any
+) -> AsyncIterator[tuple[LinkProxy, PostgresStore]]:
+    """A store whose connections (all opened up front) reach PostgreSQL through a
+    :class:`LinkProxy`."""
+    parts = urlsplit(postgres_dsn)
+    async with LinkProxy(parts.port or 5432, parts.hostname or "127.0.0.1") as link:
+        store = await PostgresStore.connect(
+            link.proxied(postgres_dsn),
+            table=postgres_table,
+            min_size=POOL_SIZE,
+            max_size=POOL_SIZE,
+            **pool_options,
+        )
+        try:
+            await store.create_schema()
+            yield link, store
+        finally:
+            await store.aclose()
+
+
+@contextlib.asynccontextmanager
+async def ends_kept_back(
+    postgres_dsn: str, postgres_table: str, application_name: str
+) -> AsyncIterator[tuple[PostgresStore, Callable[[], Awaitable[int]]]]:
+    """A store behind a link that keeps the ends of connections back, and a function that
+    ends its connections and returns once their termination notices have been read (see
+    :func:`terminate_with_notices_read`), saying how many it ended."""
+    opened: list[Any] = []
+
+    async def remember(connection: Any) -> None:  # the pool's init, for each new connection
+        opened.append(connection)
+
+    async with behind_a_link(
+        postgres_dsn,
+        postgres_table,
+        server_settings={"application_name": application_name},
+        init=remember,
+    ) as (link, store):
+        link.keep_ends()
+
+        def end_connections() -> Awaitable[int]:
+            return terminate_with_notices_read(postgres_dsn, application_name, link, opened)
+
+        yield store, end_connections
+
+
 def retries(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         record.getMessage()
@@ -75,6 +137,14 @@ def retries(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 HELD = pending("owner-1", key="k")
+
+
+async def arrange(store: PostgresStore, sql: Any, table: str) -> None:
+    """The rows the operations work on: ``k`` held by ``HELD``, and ``old`` expired (for
+    purge_expired)."""
+    assert (await store.try_acquire("k", HELD, LOCK_TTL)).acquired
+    assert (await store.try_acquire("old", pending("owner-0", key="old"), LOCK_TTL)).acquired
+    await expire(sql, table, "old")
 
 
 async def acquire_free(store: PostgresStore) -> bool:
@@ -139,9 +209,7 @@ async def test_each_operation_succeeds_at_once_after_the_server_ended_its_connec
     sql: Any,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert (await store.try_acquire("k", HELD, LOCK_TTL)).acquired
-    assert (await store.try_acquire("old", pending("owner-0", key="old"), LOCK_TTL)).acquired
-    await expire(sql, postgres_table, "old")  # for purge_expired
+    await arrange(store, sql, postgres_table)
 
     assert terminate_backends(postgres_dsn, application_name) == POOL_SIZE
     with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
@@ -162,26 +230,90 @@ async def test_each_operation_succeeds_after_its_connections_died_without_a_word
     says nothing: the connection is just closed while the pool holds it. A statement sent on
     it then meets a closed connection with no word that it did not run; the store looks first,
     and takes a new connection."""
-    parts = urlsplit(postgres_dsn)
-    async with LinkProxy(parts.port or 5432, parts.hostname or "127.0.0.1") as link:
-        store = await PostgresStore.connect(
-            link.proxied(postgres_dsn), table=postgres_table, min_size=POOL_SIZE, max_size=POOL_SIZE
-        )
-        try:
-            await store.create_schema()
-            assert (await store.try_acquire("k", HELD, LOCK_TTL)).acquired
-            assert (
-                await store.try_acquire("old", pending("owner-0", key="old"), LOCK_TTL)
-            ).acquired
-            await expire(sql, postgres_table, "old")  # for purge_expired
+    async with behind_a_link(postgres_dsn, postgres_table) as (link, store):
+        await arrange(store, sql, postgres_table)
 
-            link.drop()  # this event loop has not read the ends of the connections yet
-            with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
-                assert await operation(store)
-            [retry] = retries(caplog)
-            assert "ended the pooled connection while idle" in retry
-        finally:
-            await store.aclose()
+        link.drop()  # this event loop has not read the ends of the connections yet
+        with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
+            assert await operation(store)
+        [retry] = retries(caplog)
+        assert "ended the pooled connection while idle" in retry
+
+
+@pytest.mark.parametrize("operation", OPERATIONS, ids=[op.__name__ for op in OPERATIONS])
+async def test_each_operation_succeeds_after_the_notices_of_its_connections_end_were_read(
+    operation: Callable[[PostgresStore], Awaitable[bool]],
+    postgres_dsn: str,
+    postgres_table: str,
+    application_name: str,
+    sql: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A terminated backend sends its notice, then exits: its end comes a moment later. In
+    between, a pooled connection whose notice the event loop has read looks alive (open,
+    nothing to read), but asyncpg's protocol is no longer idle and refuses to send on it.
+    Nothing went out: the store runs the operation again, on a new connection."""
+    async with ends_kept_back(postgres_dsn, postgres_table, application_name) as (
+        store,
+        end_connections,
+    ):
+        await arrange(store, sql, postgres_table)
+
+        assert await end_connections() == POOL_SIZE
+        with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
+            assert await operation(store)
+        [retry] = retries(caplog)
+        assert "cannot switch to state" in retry  # asyncpg's refusal to send
+
+
+async def test_no_key_runs_twice_while_the_server_ends_the_connections(
+    postgres_dsn: str,
+    postgres_table: str,
+    application_name: str,
+) -> None:
+    """Round after round, the server ends the store's connections before a request's acquire,
+    while its handler runs (so the outcome's write meets them), and before its replay; the
+    client sends again after a 503 or 409, as a client does. Each key runs once, and is
+    answered the same each time: an outcome's write that failed would leave the key
+    InProgress, and the retry after the lock lapsed would run the handler again."""
+    runs: Counter[str] = Counter()
+    answered: Counter[int] = Counter()
+    async with ends_kept_back(postgres_dsn, postgres_table, application_name) as (
+        store,
+        end_connections,
+    ):
+
+        @idempotent(lock_ttl_seconds=1)
+        async def pay(request: Request) -> Response:
+            key = request.headers["Idempotency-Key"]
+            runs[key] += 1
+            await end_connections()
+            return JSONResponse({"key": key, "run": runs[key]}, status_code=201)
+
+        app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+        client = make_client(IdempotencyMiddleware(app, store=store))
+
+        async def served(key: str) -> httpx.Response:
+            async def attempt() -> httpx.Response | None:
+                response = await client.post("/pay", json={}, headers={"Idempotency-Key": key})
+                answered[response.status_code] += 1
+                return None if response.status_code in (409, 503) else response
+
+            return await eventually(
+                attempt, timeout=10, interval=0.05, message=f"key {key!r} to be served"
+            )
+
+        keys = [f"key-{round_}" for round_ in range(ROUNDS)]
+        for key in keys:
+            await end_connections()
+            first = await served(key)
+            await end_connections()
+            again = await served(key)
+            assert (first.status_code, first.json()) == (201, {"key": key, "run": 1})
+            assert (again.status_code, again.json()) == (201, first.json())
+
+    assert runs == Counter(dict.fromkeys(keys, 1))
+    assert answered == Counter({201: 2 * ROUNDS})  # served at once: no 503, no 409
 
 
 async def test_a_statement_ended_while_it_waits_is_run_again(
@@ -309,6 +441,17 @@ async def released_to_the_pool(dsn: str, name: str, _: CuttingProxy) -> BaseExce
         await pool.close()
 
 
+async def notice_read_end_not_yet(dsn: str, name: str, _: CuttingProxy) -> BaseException:
+    parts = urlsplit(dsn)
+    async with LinkProxy(parts.port or 5432, parts.hostname or "127.0.0.1") as link:
+        link.keep_ends()
+        connection = await asyncpg.connect(
+            link.proxied(dsn), server_settings={"application_name": name}
+        )
+        await terminate_with_notices_read(dsn, name, link, [connection])
+        return await raised(lambda: connection.fetchval("SELECT 1"))  # refused: nothing sent
+
+
 async def reset_after_the_reply(dsn: str, name: str, proxy: CuttingProxy) -> BaseException:
     connection = await asyncpg.connect(proxy.proxied(dsn))
     await connection.fetchval("SELECT 1")
@@ -336,6 +479,7 @@ SCENARIOS = [
     (idle_session_timeout, True, "ConnectionDoesNotExistError", "57P05"),
     (known_closed, True, "InterfaceError", None),
     (released_to_the_pool, True, "InterfaceError", None),
+    (notice_read_end_not_yet, True, "InternalClientError", None),
     (reset_after_the_reply, False, "ConnectionDoesNotExistError", None),
     (an_error_of_the_statement, False, "DivisionByZeroError", None),
     (a_closed_pool, False, "InterfaceError", None),
@@ -359,6 +503,34 @@ async def test_classification_of_real_failures(
     cause = exc.__cause__
     assert getattr(cause, "sqlstate", None) == notice
     assert statement_never_ran(exc) is never_ran
+
+
+async def test_a_connection_asyncpg_closed_counts_as_ended(
+    postgres_dsn: str, application_name: str
+) -> None:
+    """Closed by the client, or its end read: its socket is gone, and was taken for alive."""
+    closed = await asyncpg.connect(postgres_dsn)
+    await closed.close()
+    ended = await asyncpg.connect(
+        postgres_dsn, server_settings={"application_name": application_name}
+    )
+    terminate_backends(postgres_dsn, application_name)
+    await eventually(ended.is_closed, message="the connection to see the termination")
+    assert ended_while_idle(closed)
+    assert ended_while_idle(ended)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        'cannot switch to "idle" state; protocol is in the "failed" state',
+        "cannot process message 'D': protocol is in an unexpected state 0.",
+        "unknown error in protocol implementation",
+    ],
+)
+def test_a_protocol_error_while_a_reply_is_read_is_not_certain(message: str) -> None:
+    """asyncpg raises these as it reads a reply: the statement went out."""
+    assert not statement_never_ran(asyncpg.InternalClientError(message))
 
 
 async def test_immediate_shutdown_mid_statement_is_not_certain(

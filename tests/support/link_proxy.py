@@ -4,7 +4,9 @@ or a database whose replies come late.
 A Redis replica connects to its primary through it, or a store to PostgreSQL. While
 :meth:`LinkProxy.hold` is on, what the upstream server sends is kept back (the client hears
 nothing, as behind a slow network); :meth:`release` forwards it, and :meth:`cut` drops it and
-closes every connection, as a server that fails does.
+closes every connection, as a server that fails does. Once :meth:`keep_ends` is on, a
+connection the server closes unasked stays open towards its client after its last bytes, as
+while a terminated backend is still exiting.
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ def proxied(dsn: str, port: int) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+class _Exchange:
+    """What the two directions of one proxied connection know of each other."""
+
+    def __init__(self) -> None:
+        #: The client sent something the upstream has not answered yet (an end then
+        #: answers the client's farewell, and is never kept back).
+        self.asked = False
+        #: The upstream closed the connection unasked, and the client has not heard of it.
+        self.end_kept = False
+
+
 class LinkProxy:
     """Forwards 127.0.0.1:``port`` to ``upstream_port``; holds the upstream's replies on demand."""
 
@@ -34,6 +47,9 @@ class LinkProxy:
         self._open = asyncio.Event()
         self._open.set()
         self._hold_on: bytes | None = None  # see hold()
+        self._keeping_ends = False  # see keep_ends()
+        #: How many ends of connections have been kept back from their clients.
+        self.kept_ends = 0
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -61,6 +77,12 @@ class LinkProxy:
     def release(self) -> None:
         """Forward what was kept back, and everything after it."""
         self._open.set()
+
+    def keep_ends(self) -> None:
+        """From now on, forward what the upstream sends but not its end when it closes a
+        connection unasked (with nothing of the client's left to answer): the connection stays
+        open towards the client, silent, until the client sends on it or closes it."""
+        self._keeping_ends = True
 
     def drop(self) -> None:
         """Close every connection at once, with no word to either end (a network that drops
@@ -91,9 +113,11 @@ class LinkProxy:
         self._tasks.add(task)
         server_in, server = await asyncio.open_connection(self.upstream_host, self.upstream_port)
         self._writers += [client, server]
+        exchange = _Exchange()
         try:
             await asyncio.gather(
-                self._requests(client_in, server), self._replies(server_in, client)
+                self._requests(client_in, server, exchange),
+                self._replies(server_in, client, exchange),
             )
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass  # cut, or closed by either end (a cut task ends quietly: it is ours)
@@ -102,8 +126,13 @@ class LinkProxy:
             for writer in (client, server):
                 writer.transport.abort()
 
-    async def _requests(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    async def _requests(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, exchange: _Exchange
+    ) -> None:
         while data := await source.read(65536):
+            if exchange.end_kept:  # it reaches a client that speaks
+                break
+            exchange.asked = True
             if self._hold_on is not None and self._hold_on in data:
                 self._hold_on = None
                 self._open.clear()  # before the request goes: its reply is held
@@ -112,10 +141,17 @@ class LinkProxy:
                 await sink.drain()
         sink.transport.abort()
 
-    async def _replies(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    async def _replies(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, exchange: _Exchange
+    ) -> None:
         while data := await source.read(65536):
+            exchange.asked = False
             await self._open.wait()
             sink.write(data)
             with contextlib.suppress(ConnectionError):
                 await sink.drain()
-        sink.transport.abort()
+        exchange.end_kept = self._keeping_ends and not exchange.asked
+        if exchange.end_kept:
+            self.kept_ends += 1
+        else:
+            sink.transport.abort()

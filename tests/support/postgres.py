@@ -3,7 +3,8 @@ database clock, lock waiters, and ending connections by name."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import select
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,6 +14,7 @@ from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.testing._isolation import run_admin
 from tests.support import records
 from tests.support.conditions import eventually, eventually_sync
+from tests.support.link_proxy import LinkProxy
 
 LOCK_TTL = 30.0
 TTL = 3600.0
@@ -110,3 +112,30 @@ def wait_for_no_backends(dsn: str, application_name: str, timeout: float = 10.0)
         interval=0.05,
         message=f"the connections named {application_name!r} to end",
     )
+
+
+def unread(connection: Any) -> bool:
+    """Whether something the server sent waits on an asyncpg connection's socket, not yet read
+    by the event loop."""
+    sock = connection._transport.get_extra_info("socket")
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
+
+
+async def terminate_with_notices_read(
+    dsn: str, application_name: str, link: LinkProxy, connections: Iterable[Any]
+) -> int:
+    """:func:`terminate_backends` for connections behind ``link``, which keeps their ends back
+    (:meth:`LinkProxy.keep_ends`), then wait until this event loop has read the termination
+    notice of each of ``connections`` still open: they look alive, with nothing to read, but
+    asyncpg's protocol took the notice, which came unasked, for a reply out of turn and is no
+    longer idle. Returns how many were ended."""
+    kept_ends = link.kept_ends
+    ended = terminate_backends(dsn, application_name)
+
+    def notices_read() -> bool:
+        still_open = [connection for connection in connections if not connection.is_closed()]
+        return link.kept_ends == kept_ends + ended and not any(map(unread, still_open))
+
+    await eventually(notices_read, message="the termination notices to be read")
+    return ended

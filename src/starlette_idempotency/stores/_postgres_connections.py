@@ -28,6 +28,11 @@ _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.%\w]*\]|[^:\[\]]*)(:\d*)?")
 _TERMINATED_SQLSTATES = frozenset({"57P01", "57P05"})
 # asyncpg refusing to send on a connection it already knows to be closed.
 _CLOSED_MESSAGES = ("connection is closed", "connection has been released back to the pool")
+# asyncpg's protocol refusing to start a statement while it is not idle: raised by its state
+# machine (CoreProtocol._set_state) in each method that sends, before it writes a Bind, an
+# Execute or a query (a Parse, which runs nothing, may have gone first). Its twin 'cannot
+# switch to "idle" state' comes while a reply is read, after the statement went out: left out.
+_REFUSED_TO_SEND = "cannot switch to state "
 
 
 class PoolLike(Protocol):
@@ -73,13 +78,18 @@ def never_ran(exc: BaseException) -> bool:
 
     Certain: the store found the pooled connection ended before it sent anything
     (:class:`EndedWhileIdle`); asyncpg refused to send on a connection it knew was closed
-    (``InterfaceError``); or the server's termination notice, a FATAL ErrorResponse with a
-    SQLSTATE of ``_TERMINATED_SQLSTATES``, came back before the statement's ReadyForQuery
-    (asyncpg then raises ``ConnectionDoesNotExistError`` caused by it). A backend raises those
-    only at an interrupt check, and there is none between the commit of our implicit
-    transaction (at Sync, with interrupts held) and the flush of ReadyForQuery, so the
-    statement either never started (the backend was idle when told to exit) or was rolled
-    back with the backend.
+    (``InterfaceError``), or to start a statement while its protocol was not idle
+    (``InternalClientError``, see ``_REFUSED_TO_SEND``). An idle pooled connection is in that
+    state once the event loop has read the server's termination notice but not yet the end of
+    the connection (the backend still exiting): the notice came unasked, and the protocol
+    waits for a ReadyForQuery that never comes. What would commit the statement (its Execute,
+    or the COMMIT of the explicit transaction it ran in) never went out, and asyncpg aborts
+    the connection. Or the server's termination notice, a FATAL ErrorResponse with a SQLSTATE of
+    ``_TERMINATED_SQLSTATES``, came back before the statement's ReadyForQuery (asyncpg then
+    raises ``ConnectionDoesNotExistError`` caused by it). A backend raises those only at an
+    interrupt check, and there is none between the commit of our implicit transaction (at
+    Sync, with interrupts held) and the flush of ReadyForQuery, so the statement either never
+    started (the backend was idle when told to exit) or was rolled back with the backend.
 
     Unknown, never retried: a connection that died with no such notice after the statement
     was sent (a reset or EOF: a crashed or killed backend, a network failure, ``pg_ctl stop
@@ -91,6 +101,8 @@ def never_ran(exc: BaseException) -> bool:
     asyncpg = asyncpg_driver()
     if isinstance(exc, asyncpg.InterfaceError):
         return str(exc).endswith(_CLOSED_MESSAGES)
+    if isinstance(exc, asyncpg.InternalClientError):
+        return str(exc).startswith(_REFUSED_TO_SEND)
     notice = exc.__cause__ if isinstance(exc, asyncpg.ConnectionDoesNotExistError) else exc
     return (
         isinstance(notice, asyncpg.PostgresError)
@@ -104,16 +116,24 @@ class EndedWhileIdle(ConnectionResetError):
 
 
 def ended_while_idle(connection: Any) -> bool:
-    """Whether the server has sent something to this idle connection: a connection checked out
-    of the pool owes no reply, so what waits to be read there is the server ending it (an
-    immediate shutdown, a crash, a failover, an idle timeout, with or without a notice first)
-    that the event loop has not read yet, because it was busy. Sent on, a statement would meet
-    a connection already closed, with no word proving it did not run. A socket the check
-    cannot see counts as alive."""
+    """Whether this idle connection has ended: asyncpg closed it, its socket is closed, or the
+    server has sent something to it. A connection checked out of the pool owes no reply, so
+    what waits to be read there is the server ending it (an immediate shutdown, a crash, a
+    failover, an idle timeout, with or without a notice first) that the event loop has not
+    read yet, because it was busy. Sent on, a statement would meet a connection already
+    closed, with no word proving it did not run. A socket the check cannot see counts as
+    alive.
+
+    A notice the loop has read, the end not yet, shows in no state asyncpg exposes: the
+    statement is then refused before anything goes out (see :func:`never_ran`)."""
+    if connection.is_closed():
+        return True
     transport = getattr(connection, "_transport", None)
     sock = None if transport is None else transport.get_extra_info("socket")
-    if sock is None or sock.fileno() < 0:
+    if sock is None:
         return False
+    if sock.fileno() < 0:
+        return True
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     return bool(poller.poll(0))

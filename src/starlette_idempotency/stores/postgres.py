@@ -17,14 +17,15 @@ Statements per operation (each one statement, so its own short transaction):
 * ``claim_operation``: 2 (write, then check; see ``queries.sql``); ``release_operation``: 1.
 
 A pooled connection is looked at before a statement goes out on it: one the server ended while
-it sat idle (something waits to be read on it: the end of the connection, which the event loop
-has not read yet because it was busy) is closed instead, with nothing sent. An operation
-(``create_schema`` excepted) is sent once more, on a new connection, when its first try
-certainly had no effect: that, or the server had ended the connection and said so before
-answering (``pg_terminate_backend``, a clean restart or switchover, ``idle_session_timeout``;
-see :func:`never_ran`). The pool is then told to replace its other connections too, which
-usually ended the same way. A connection lost with no such word after the statement went out
-is an error, never retried.
+it sat idle (asyncpg closed it, or something waits to be read on it: the end of the connection,
+which the event loop has not read yet because it was busy) is closed instead, with nothing
+sent. One whose termination notice the loop has read, but not yet its end, looks alive: asyncpg
+refuses to send on it and aborts it. An operation (``create_schema`` excepted) is sent once
+more, on a new connection, when its first try certainly had no effect: those, or the server had
+ended the connection and said so before answering (``pg_terminate_backend``, a clean restart
+or switchover, ``idle_session_timeout``; see :func:`never_ran`). The pool is then told to
+replace its other connections too, which usually ended the same way. A connection lost with no
+such word after the statement went out is an error, never retried.
 
 Expiry, locks and leases are decided by the database clock (``now()`` plus the duration
 argument), so pods with skewed clocks agree. The record's own ``created_at`` and ``expires_at``
