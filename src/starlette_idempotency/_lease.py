@@ -135,7 +135,6 @@ class Lease(KeyOwner):
         "retryable",
         "started",
         "store_key",
-        "stored",
         "taken_over",
         "transaction_open",
         "written",
@@ -189,8 +188,6 @@ class Lease(KeyOwner):
         self.written = False
         #: Set while another request holds the key this one's lock lost (reported once).
         self.taken_over = False
-        #: Set once this request wrote the key's outcome (not a release, nor one lost).
-        self.stored = False
         # The ending of a cancelled request, to cancel once the outcome is written.
         self._cut: asyncio.Task[None] | None = None
 
@@ -357,7 +354,6 @@ class Lease(KeyOwner):
             )
             stored = FencedWrite.WRITTEN  # not lost to another owner: still this request's
         self._wrote()
-        self.stored = bool(stored)
         if not stored:
             logger.warning(
                 "lock for idempotency key %r was lost to another request; its response was "
@@ -377,28 +373,6 @@ class Lease(KeyOwner):
         await self._events.ended(
             OutcomeResult.COMPLETED if status < 400 else OutcomeResult.FAILED, status, note
         )
-
-    async def keep_whole(
-        self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> None:
-        """Store again, with ``body``, an outcome stored without it: a stream's, settled while
-        its app ran on, which has now returned, so the stream was whole. Fenced by the owner
-        token, as the outcome was; until then a retry is replayed without the body."""
-        outcome = self.outcome(status, raw_headers, body) if self.stored else None
-        if outcome is None:
-            return
-        record = outcome[0]
-        try:
-            await self._store.finish_for[record.status](
-                self.store_key, record, self._route.policy.ttl_seconds
-            )
-        except StoreError as exc:
-            logger.warning(
-                "could not store the body of the response to idempotency key %r; retries are "
-                "answered without it (X-Idempotent-Body-Omitted): %s",
-                self._events.shown_key,
-                self._events.shown_error(exc),
-            )
 
     async def _nothing_to_write(self, status: int | None, body: bytes | None) -> None:
         """The end of a request that writes nothing more: its outcome is written, committed
@@ -603,7 +577,6 @@ class Run(_BodyReplay):
         "settled",
         "size",
         "status",
-        "whole_body",
     )
 
     def __init__(
@@ -625,8 +598,6 @@ class Run(_BodyReplay):
         self.settled = False
         #: The Content-Length the response declared (0 for a 204 or a 304); None: a stream.
         self.declared_length: int | None = None
-        #: A stream's whole body, kept without it while its app ran on (see _if_still_running).
-        self.whole_body: bytes | None = None
         self._start: Message | None = None  # the response's start, held until its first chunk
         self._final: Message | None = None  # that chunk, held until the outcome is settled
         self._sending: asyncio.Task[None] | None = None  # settling and sending it, apart
@@ -654,7 +625,8 @@ class Run(_BodyReplay):
             if self._timer is not None:  # a renewal now would find the record final
                 self._stop_renewal()
             if self._final is not None:  # the app returned at once: settle, then send (see send)
-                self._if_running.cancel()  # which lets go of this run now, not next turn
+                if self.declared_length is not None:  # see send
+                    self._if_running.cancel()  # which lets go of this run now, not next turn
                 await lease.settle(self.status, self.raw_headers, self.kept_body)
                 self.settled = True
                 if (start := self._start) is not None:  # _send_start, inline
@@ -665,9 +637,6 @@ class Run(_BodyReplay):
                 await self._client_send(final)
             else:
                 await self._release_final()
-                if (whole := self.whole_body) is not None:  # the stream was whole: keep it so
-                    self.whole_body = None
-                    await lease.keep_whole(self.status, self.raw_headers, whole)
         finally:
             if self._timer is not None:
                 self._stop_renewal()
@@ -725,12 +694,17 @@ class Run(_BodyReplay):
                 # Held until the app returns, and settled then, with the app's frames gone:
                 # across the store's reply the request holds only what is ours (a Starlette
                 # response returns at once unless it has background tasks). An app that runs
-                # on past this turn of the loop has it settled and sent meanwhile, apart.
+                # on past this turn of the loop has a response of a declared length settled
+                # and sent meanwhile, apart. A stream waits for its app, renewing its lock:
+                # one the app broke off may end before the app raises (Starlette's
+                # BaseHTTPMiddleware ends it so), and must not be kept as whole.
                 self._final = message
-                # The request's context goes in the arguments, which a cancel lets go of at once.
-                self._if_running = asyncio.get_running_loop().call_soon(
-                    self._if_still_running, contextvars.copy_context(), context=_NO_CONTEXT
-                )
+                if declared is not None:
+                    # The request's context goes in the arguments, which a cancel lets go of
+                    # at once.
+                    self._if_running = asyncio.get_running_loop().call_soon(
+                        self._if_still_running, contextvars.copy_context(), context=_NO_CONTEXT
+                    )
                 return
         await self._send_start()
         await self._client_send(message)
@@ -738,10 +712,6 @@ class Run(_BodyReplay):
     def _if_still_running(self, context: contextvars.Context) -> None:
         final, self._final = self._final, None
         if final is not None:  # its background tasks run: the client does not wait for them
-            if self.declared_length is None:
-                # A stream the app broke off may end before the app raises (Starlette's
-                # BaseHTTPMiddleware ends it so): kept without its body until the app returns.
-                self.whole_body, self.kept_body = self.kept_body, None
             if self._timer is not None:
                 self._stop_renewal()
             self._sending = asyncio.get_running_loop().create_task(

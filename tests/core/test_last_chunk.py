@@ -161,10 +161,8 @@ async def test_a_streamed_response_is_not_held_back() -> None:
     first = await make_client(server_side(guarded, done)).post("/report", headers=headers)
     assert (first.status_code, first.content) == (201, b"one,two")
     sent_while_running = ["start", "app: first chunk", "body", "app: second chunk", "body"]
-    # Stored before the last (empty) chunk that ends a StreamingResponse went out, while the
-    # app ran on (a StreamingResponse's task group ends a turn later): without its body, which
-    # is stored once the app returned.
-    assert store.seen_at_finish == [sent_while_running, [*sent_while_running, "body"]]
+    # Stored before the last (empty) chunk that ends a StreamingResponse went out.
+    assert store.seen_at_finish == [sent_while_running]
     assert done == [*sent_while_running, "body"]
     retry = await make_client(guarded).post("/report", headers=headers)
     assert (retry.headers["x-idempotent-replay"], retry.content) == ("true", b"one,two")
@@ -341,31 +339,22 @@ async def test_a_stream_ended_before_its_app_raised_is_never_replayed_as_whole(
     assert runs == ["handler"]
 
 
-async def test_a_stream_is_replayed_while_its_background_task_outlives_the_lock() -> None:
-    """A stream's outcome is stored as it ends, without its body while its app runs on (a
-    background task here, longer than the lock, which is not renewed): a retry then is
-    replayed so, never run again, and once the app has returned, with the body."""
+async def test_a_stream_keeps_its_lock_while_its_background_task_runs() -> None:
+    """A stream's outcome waits for its app, background tasks included, and its lock is
+    renewed meanwhile, past its TTL: a retry then is answered 409, never run again, and once
+    the app has returned, replayed whole."""
     runs: list[str] = []
     release = asyncio.Event()
-    app = streaming_app(runs, BackgroundTask(release.wait), lock_ttl_seconds=0.1, renew_lock=False)
+    app = streaming_app(runs, BackgroundTask(release.wait), lock_ttl_seconds=0.1)
     client = make_client(app)
     headers = {"Idempotency-Key": uuid.uuid4().hex}
     first = asyncio.create_task(client.post("/export", headers=headers))
     await eventually(lambda: runs, message="the handler to run")
-
-    async def replayed() -> httpx.Response | None:
-        retry = await client.post("/export", headers=headers)
-        return retry if retry.headers.get("x-idempotent-replay") == "true" else None
-
-    retry = await eventually(replayed, message="the outcome stored")
-    await asyncio.sleep(0.2)  # twice the lock's TTL, the background task still waiting
-    late = await client.post("/export", headers=headers)
+    await asyncio.sleep(0.3)  # three times the lock's TTL, the background task still waiting
+    during = await client.post("/export", headers=headers)
     release.set()
     assert (await first).json() == {"rows": [1, 2]}
-    whole = await client.post("/export", headers=headers)
-    assert (retry.headers["x-idempotent-body-omitted"], late.headers["x-idempotent-replay"]) == (
-        "true",
-        "true",
-    )
-    assert whole.json() == {"rows": [1, 2]}
+    after = await client.post("/export", headers=headers)
+    assert during.status_code == 409
+    assert (after.headers["x-idempotent-replay"], after.json()) == ("true", {"rows": [1, 2]})
     assert runs == ["handler"]
