@@ -474,7 +474,9 @@ class KeyScopeResolver:
             return ""
         try:
             identity = user.identity
-        except (AttributeError, NotImplementedError):
+        except (AttributeError, NotImplementedError) as exc:
+            if isinstance(exc, AttributeError) and hasattr(type(user), "identity"):
+                raise  # from inside the class's own identity: no fallback stands for it
             # Imported here: an app with no user in its scopes never loads it.
             from starlette.authentication import SimpleUser
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -93,6 +94,15 @@ class Member(SimpleUser):
         return self.member_id
 
 
+class Unloaded(SimpleUser):
+    """A SimpleUser whose identity reads an account that is not loaded."""
+
+    @property
+    def identity(self) -> str:
+        account: Any = None
+        return str(account.id)  # AttributeError, from inside the property
+
+
 class UserFromHeaders(AuthenticationBackend):
     """``x-name`` as the display name; ``x-id``, when sent, as the identity."""
 
@@ -101,6 +111,8 @@ class UserFromHeaders(AuthenticationBackend):
         user: BaseUser
         if "x-member" in conn.headers:
             user = Member(name, conn.headers["x-member"])
+        elif "x-unloaded" in conn.headers:
+            user = Unloaded(name)
         else:
             user = NamedUser(name) if identity is None else IdentifiedUser(name, int(identity))
         return AuthCredentials(["authenticated"]), user
@@ -134,6 +146,11 @@ async def test_two_users_of_one_name_never_share_keys() -> None:
     assert sorted(key.split(":")[0] for key in store.records()) == ["0", "1", "u_1", "u_2"]
     with pytest.raises(ConfigurationError, match=r"has no identity.*key_scope="):
         await make_client(app).post("/pay", headers={"Idempotency-Key": "k", "x-name": "J Smith"})
+    # An identity that fails is its error, not the username's to stand in for.
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'id'"):
+        await make_client(app).post(
+            "/pay", headers={"Idempotency-Key": "k", "x-name": "john", "x-unloaded": "1"}
+        )
     assert runs["pay"] == 4
 
 
