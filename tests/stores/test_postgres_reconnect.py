@@ -57,7 +57,7 @@ pytestmark = pytest.mark.postgres
 
 POOL_SIZE = 3
 #: Requests (each a new key, then its replay) sent while the server ends the connections.
-ROUNDS = 20
+ROUNDS = 8
 STORE_LOGGER = "starlette_idempotency.stores.postgres"
 
 
