@@ -143,6 +143,13 @@ async def status_of(sql: Any, table: str, key: str) -> str | None:
     return status
 
 
+async def assert_run_once(retry: httpx.Response, sql: Any, table: str, key: str) -> None:
+    """``retry`` ran the payment (nothing of the first attempt committed), and one stands."""
+    assert retry.status_code == 201
+    assert "x-idempotent-replay" not in retry.headers
+    assert await payments(sql, table, key) == 1
+
+
 async def assert_replayed_once(retry: httpx.Response, sql: Any, table: str, key: str) -> None:
     """``retry`` got the committed 201 again, and one payment stands."""
     assert retry.status_code == 201
@@ -301,9 +308,7 @@ async def test_a_commit_the_server_refuses_frees_the_key(
             assert first.status_code == 500
             assert await status_of(sql, tables, "refused") is None
             retry = await client.post("/pay", json={}, headers=headers)
-    assert retry.status_code == 201
-    assert "x-idempotent-replay" not in retry.headers
-    assert await payments(sql, tables, "refused") == 1
+    await assert_run_once(retry, sql, tables, "refused")
 
 
 async def _commit(driver: str, connection: Any) -> None:
@@ -557,9 +562,7 @@ async def test_a_commit_on_a_connection_closed_before_it_frees_the_key(
     assert await status_of(sql, tables, "closed") is None
     async with client_of(app, store) as client:
         retry = await client.post("/pay", json={}, headers=headers)
-    assert retry.status_code == 201
-    assert "x-idempotent-replay" not in retry.headers
-    assert await payments(sql, tables, "closed") == 1
+    await assert_run_once(retry, sql, tables, "closed")
 
 
 async def test_the_apps_retry_of_its_own_transaction_may_enter_the_block_again(
@@ -655,9 +658,7 @@ async def test_a_transaction_a_caught_error_aborted_commits_nothing_and_says_so(
         assert await status_of(sql, tables, "aborted") is None
         assert await payments(sql, tables, "aborted") == 0
         retry = await client.post("/pay", json={}, headers=headers)
-    assert retry.status_code == 201
-    assert "x-idempotent-replay" not in retry.headers
-    assert await payments(sql, tables, "aborted") == 1
+    await assert_run_once(retry, sql, tables, "aborted")
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -700,8 +701,7 @@ async def test_a_commit_the_server_cancels_frees_the_key(
             retry = await client.post("/pay", json={}, headers=headers)
     finally:
         await sql.execute(f"DROP TABLE {tables}_slow; DROP FUNCTION {tables}_sleep()")
-    assert retry.status_code == 201
-    assert await payments(sql, tables, "cancelled-by-server") == 1
+    await assert_run_once(retry, sql, tables, "cancelled-by-server")
 
 
 async def test_two_blocks_in_one_transaction_of_the_apps_are_refused(
