@@ -472,16 +472,17 @@ class RedisStore(StoreBase):
                     failure = exc
                     await asyncio.sleep(_UNDO_RETRY_SECONDS)
 
+        unanswered = "Redis did not answer the undo"
         waited_for = "the batch that sent it was still in flight"
         try:
             async with asyncio.timeout(lock_ttl):  # by then the abandoned lock has lapsed
                 if sending:
                     await asyncio.wait(sending)
-                waited_for = "Redis did not answer the undo"
+                waited_for = unanswered
                 await undo()
                 waited_for = "the client's window for a late resend of it outlasted the lock"
                 await asyncio.sleep(self._driver.late_command_window)
-                waited_for = "Redis did not answer the undo"
+                waited_for = unanswered
                 await undo()
         except TimeoutError:
             logger.warning(
