@@ -112,6 +112,21 @@ def _report_failure(ending: asyncio.Task[None]) -> None:
         logger.error("the ending of a cancelled request failed", exc_info=error)
 
 
+def _going_on_from(record: IdempotencyRecord, taken: IdempotencyRecord | None) -> IdempotencyRecord:
+    """``record`` with the recovery points of ``taken``, the record its take-back took over,
+    when a successor went on from ``record``'s (it recovered the key, saved more, and let it
+    go): they say what that successor's effects were, for whichever retry comes next."""
+    if (
+        taken is None
+        or taken.status is not RecordStatus.IN_PROGRESS
+        or taken.request_fingerprint != record.request_fingerprint
+        or taken.fingerprint_version != record.fingerprint_version
+        or taken.checkpoints[: len(record.checkpoints)] != record.checkpoints
+    ):
+        return record
+    return replace(record, checkpoints=taken.checkpoints)
+
+
 class Lease(KeyOwner):
     """A key this request owns, from the acquire until its outcome is settled."""
 
@@ -313,6 +328,7 @@ class Lease(KeyOwner):
             holder = result.record
             return holder is None or holder.status is RecordStatus.IN_PROGRESS
         self.taken_over = False
+        record = _going_on_from(record, result.record)
         self.record = record
         if record.checkpoints:  # back to the retention time that keeps recovery points
             await self._save_progress(

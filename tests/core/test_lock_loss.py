@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -19,9 +20,11 @@ from starlette_idempotency import (
     IdempotencyEvent,
     IdempotencyMiddleware,
     MemoryStore,
+    checkpoint,
     idempotent,
     storage_key,
 )
+from starlette_idempotency._record import Checkpoint
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency.stores import (
     AcquireResult,
@@ -57,7 +60,7 @@ class TakingBack(MemoryStore):
 class App:
     """A slow guarded handler that waits for ``release``, and the events it caused."""
 
-    def __init__(self, *, renew: bool = True) -> None:
+    def __init__(self, *, renew: bool = True, recovery_point: bool = False) -> None:
         self.store = TakingBack()
         self.release = asyncio.Event()
         self.runs = 0
@@ -66,6 +69,8 @@ class App:
         @idempotent(lock_ttl_seconds=LOCK_TTL, renew_lock=renew)
         async def slow(request: Request) -> Response:
             self.runs += 1
+            if recovery_point:
+                await checkpoint(request, "charged")
             await self.release.wait()
             return JSONResponse({"run": self.runs})
 
@@ -164,6 +169,46 @@ async def test_renewal_takes_back_a_key_the_other_request_lets_go() -> None:
     assert app.runs == 1
 
 
+async def test_renewal_takes_back_a_key_a_successor_kept_for_recovery() -> None:
+    """A successor recovered the key (the first lease lapsed while its process was frozen),
+    saved a recovery point of its own and failed: it ends its lease, keeping the points for a
+    retry. The first handler still runs, so it takes the key back, with those points; a retry
+    gets 409 rather than recovering and running beside it."""
+    app = App(recovery_point=True)
+    first = asyncio.create_task(app.client.post("/slow", headers=HEADERS))
+
+    async def charged() -> bool:
+        record = await app.store.get(KEY)
+        return record is not None and bool(record.checkpoints)
+
+    await eventually(charged, message="the handler's recovery point")
+    held = await app.delete_the_lock()
+    now = time.time()
+    successor = replace(
+        held,
+        owner_token="successor",
+        checkpoints=(*held.checkpoints, Checkpoint("refunded", None, now)),
+    )
+    assert (await app.store.try_acquire(KEY, successor, 30)).acquired
+    assert await app.store.save_progress(KEY, successor, 60, 0.0)
+
+    async def back() -> bool:
+        record = await app.store.get(KEY)
+        return record is not None and record.owner_token == held.owner_token
+
+    await eventually(back, message="the lock taken back by its owner")
+    retry = await app.client.post("/slow", headers=HEADERS)
+    assert retry.status_code == 409
+    kept = await app.store.get(KEY)
+    assert kept is not None
+    assert [point.name for point in kept.checkpoints] == ["charged", "refunded"]
+    app.release.set()
+    assert (await first).status_code == 200
+    replay = await app.client.post("/slow", headers=HEADERS)
+    assert replay.headers["x-idempotent-replay"] == "true"
+    assert app.runs == 1
+
+
 async def test_renewal_stops_once_the_other_request_stored_the_outcome() -> None:
     """Once the request that took the key stored its outcome, there is nothing to take
     back: renewal ends, and the outcome stays the other request's."""
@@ -244,7 +289,7 @@ async def test_a_store_written_to_the_protocol_alone_takes_back_too() -> None:
     bounded = BoundedStore(store, timeout=1.0, metrics=None, tracer=None)
     record = pending("k", "handler")
     assert (await bounded.take_back("k", record, 30)).acquired
-    assert store.acquires == [(False, "handler")]
+    assert store.acquires == [(True, "handler")]
     assert TAKING_BACK.get() is None  # the mark lasts the call only
     held = await store.get("k")
     assert held is not None

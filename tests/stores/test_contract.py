@@ -22,6 +22,7 @@ from starlette_idempotency.stores.base import (
     CheckableStore,
     FencedWrite,
     IdempotencyStore,
+    take_back,
 )
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished
 from tests.support.stores import ClockedStore, require_recovery
@@ -457,6 +458,33 @@ async def test_a_dead_handlers_checkpoints_are_taken_over(
     assert not busy.acquired
     assert busy.lease_expired is False
     assert await store.finish("k1", finished(stored), RETENTION_TTL)
+
+
+async def test_a_running_owner_takes_back_what_its_successor_kept_for_recovery(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """``owner-a`` was frozen past its lease; ``owner-b`` recovered the key, saved another
+    point and failed, ending its lease for a retry. ``owner-a``, awake and still running,
+    takes the key back rather than leave it for a retry to recover beside it."""
+    require_recovery(store)
+    first = await held(store, make_record)
+    assert await store.save_progress("k1", checkpointed(first, harness.now()), RETENTION_TTL, 0)
+    successor = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+    assert successor.acquired
+    assert successor.record is not None
+    kept = checkpointed(replace(successor.record, owner_token="owner-b"), harness.now())
+    assert await store.save_progress("k1", kept, RETENTION_TTL, 0)
+
+    back = await take_back(store, "k1", first, LOCK_TTL)
+
+    assert back.acquired
+    assert back.record is not None
+    assert len(back.record.checkpoints) == 2
+    assert not await store.renew("k1", "owner-b", LOCK_TTL)
+    assert await store.renew("k1", "owner-a", LOCK_TTL)
+    busy = await store.try_acquire("k1", make_record("k1", "owner-c"), LOCK_TTL)
+    assert not busy.acquired
+    assert busy.lease_expired is False
 
 
 async def test_a_checkpointed_record_is_not_taken_over_when(

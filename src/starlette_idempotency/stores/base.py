@@ -239,15 +239,18 @@ async def take_back(
     store: IdempotencyStore, key: str, record: IdempotencyRecord, lock_ttl: float
 ) -> AcquireResult:
     """Write ``record`` back for its owner, whose lock vanished while its handler runs (evicted,
-    deleted, or lapsed while the process stalled): ``store.try_acquire`` without recovery,
-    ``record`` holding the owner's own token, marked as a take-back (:data:`TAKING_BACK`).
+    deleted, or lapsed while the process stalled): ``store.try_acquire`` with ``record``
+    holding the owner's own token, marked as a take-back (:data:`TAKING_BACK`). With
+    recovery: a successor that recovered the key and let it go kept its recovery points and
+    ended its lease, which only a recovering acquire takes, and a retry recovering it would run
+    beside the handler that still runs.
 
     The handler still runs, so a call cut short (cancelled, timed out) must not be undone as an
     abandoned acquire is: undone, fenced by the same token, it would free the key of a handler
     that runs, for a retry to run it again."""
     marked = TAKING_BACK.set(record.owner_token)
     try:
-        return await store.try_acquire(key, record, lock_ttl, recover=False)
+        return await store.try_acquire(key, record, lock_ttl)
     finally:
         TAKING_BACK.reset(marked)
 
