@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import base64
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -48,6 +49,12 @@ if TYPE_CHECKING:
     from starlette_idempotency.stores.redis import RedisStore
 
 KEY_COMMANDS = frozenset({"show", "delete", "resolve", "list"})
+#: What ``resolve --header`` takes: a field name (RFC 9110's token) and a value HTTP servers
+#: send as they are (Latin-1, no control characters).
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
+#: Statuses answered without a body (and so without a Content-Length).
+_NO_BODY_STATUSES = frozenset({204, 304})
 _LIST_LIMIT = 1000
 
 
@@ -181,8 +188,12 @@ async def run_key_command(store: RedisStore | PostgresStore, args: argparse.Name
             )
         if encryption is not None:
             response = encryption.encrypt(response, key)
-        if not await store.resolve(key, response, ttl=args.ttl_hours * 3600):
-            raise CommandFailed(f"{key!r} vanished meanwhile (deleted, or expired)")
+        ttl = args.ttl_hours * 3600
+        if not await store.resolve(key, response, ttl, owner_token=record.owner_token):
+            raise CommandFailed(
+                f"{key!r} changed hands meanwhile (a retry took it over, or it was deleted or "
+                "expired): show it again"
+            )
         finished = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
         return _done("resolved", key, finished, as_json=args.json)
     if args.command == "show":
@@ -330,26 +341,39 @@ def _body_text(body: bytes) -> str:
 
 def _response(args: argparse.Namespace) -> StoredResponse:
     """The response ``resolve`` stores, from its options."""
-    if not 100 <= args.status <= 599:
-        raise ConfigurationError(f"--status must be an HTTP status code, not {args.status}")
+    if not 200 <= args.status <= 599:
+        raise ConfigurationError(
+            f"--status must be a final HTTP status code (200 to 599), not {args.status}"
+        )
     headers: list[tuple[str, str]] = []
     for spec in args.header:
         name, sep, value = spec.partition(":")
-        name = name.strip().lower()
-        if not sep or not name:
-            raise ConfigurationError(f"--header takes 'NAME: VALUE', not {spec!r}")
+        name, value = name.strip().lower(), value.strip()
+        if not sep or not _TOKEN.fullmatch(name):
+            raise ConfigurationError(
+                f"--header takes 'NAME: VALUE' with a name of letters, digits and !#$%&'*+-.^_`|~"
+                f", not {spec!r}"
+            )
+        if not _FIELD_VALUE.fullmatch(value):
+            raise ConfigurationError(
+                f"--header {name}: the value must be Latin-1 text without control characters "
+                "(percent-encode anything else)"
+            )
         if never_stored(name) or name == "content-length":
             raise ConfigurationError(f"--header {name}: this header is never stored")
-        headers.append((name, value.strip()))
+        headers.append((name, value))
     if args.body_file is not None:
         body = (
             sys.stdin.buffer.read() if str(args.body_file) == "-" else args.body_file.read_bytes()
         )
     else:
         body = (args.body or "").encode("utf-8")
+    if body and args.status in _NO_BODY_STATUSES:
+        raise ConfigurationError(f"--status {args.status} is answered without a body: drop it")
     if body and not any(name == "content-type" for name, _ in headers):
         headers.append(("content-type", args.content_type))
-    headers.append(("content-length", str(len(body))))
+    if args.status not in _NO_BODY_STATUSES:
+        headers.append(("content-length", str(len(body))))
     content_type = next((value for name, value in headers if name == "content-type"), None)
     return StoredResponse(args.status, tuple(headers), body, content_type)
 

@@ -15,6 +15,7 @@ from starlette_idempotency._record import (
     Checkpoint,
     IdempotencyRecord,
     RecordStatus,
+    StoredResponse,
     record_to_dict,
 )
 from starlette_idempotency.stores.base import (
@@ -22,6 +23,7 @@ from starlette_idempotency.stores.base import (
     CheckableStore,
     FencedWrite,
     IdempotencyStore,
+    StoreBase,
     take_back,
 )
 from tests.support.records import LOCK_TTL, RETENTION_TTL, finished
@@ -570,3 +572,60 @@ async def test_renewing_a_checkpointed_lease_keeps_its_checkpoints(
 def pending_at(record: IdempotencyRecord, now: float) -> IdempotencyRecord:
     """``record`` as a pod whose clock reads ``now`` makes it."""
     return replace(record, created_at=now, expires_at=now + LOCK_TTL)
+
+
+def resolving(store: IdempotencyStore) -> StoreBase:
+    """``store``, which resolves records as :class:`StoreBase` does (else the test skips)."""
+    if not isinstance(store, StoreBase):
+        pytest.skip(f"{type(store).__name__} is not a StoreBase: it has no resolve()")
+    return store
+
+
+RESOLVED = StoredResponse(201, (("content-type", "application/json"),), b'{"by":"operator"}')
+
+
+async def test_a_resolution_outlasts_the_handler_it_replaced(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """The handler's lease ran out after a recovery point (it froze); an operator resolves the
+    key. The handler wakes: its response no longer replaces the operator's, which every
+    retry has been answered with since."""
+    require_recovery(store)
+    frozen = checkpointed(await held(store, make_record), harness.now())
+    assert await store.save_progress("k1", frozen, RETENTION_TTL, 0)
+
+    assert await resolving(store).resolve("k1", RESOLVED, owner_token="owner-a")
+
+    assert not await store.finish("k1", finished(frozen), RETENTION_TTL)
+    assert not await store.renew("k1", "owner-a", LOCK_TTL)
+    stored = await store.get("k1")
+    assert stored is not None
+    assert stored.response == RESOLVED
+    assert [point.name for point in stored.checkpoints] == ["provider_charge_sent"]
+
+
+async def test_a_resolution_leaves_a_record_that_changed_hands(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """The operator looked at ``owner-a``'s record; a retry (``owner-b``) recovered it since
+    and runs: ``resolve`` with the token the operator saw leaves it to that retry."""
+    require_recovery(store)
+    first = await held(store, make_record)
+    assert await store.save_progress("k1", checkpointed(first, harness.now()), RETENTION_TTL, 0)
+    assert (await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)).acquired
+
+    assert not await resolving(store).resolve("k1", RESOLVED, owner_token="owner-a")
+
+    stored = await store.get("k1")
+    assert stored is not None
+    assert stored.status is RecordStatus.IN_PROGRESS
+    assert stored.owner_token == "owner-b"
+
+
+@pytest.mark.parametrize("status_code", [100, 101, 199])
+async def test_resolve_refuses_a_status_no_replay_can_send(
+    store: IdempotencyStore, make_record: MakeRecord, status_code: int
+) -> None:
+    await held(store, make_record)
+    with pytest.raises(ValueError, match="a final response"):
+        await resolving(store).resolve("k1", StoredResponse(status_code, (), b""))

@@ -277,6 +277,38 @@ async def test_bad_usage_is_status_2(setup: Setup) -> None:
     assert "set-cookie: this header is never stored" in cookie.err
 
 
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        (("--status", "101"), "--status must be a final HTTP status code (200 to 599), not 101"),
+        (("--status", "204", "--body", "{}"), "--status 204 is answered without a body"),
+        (("--header", "x-note: paid 10\u20ac"), "the value must be Latin-1 text"),
+        (("--header", "x bad: 1"), "--header takes 'NAME: VALUE' with a name of letters"),
+    ],
+)
+async def test_a_response_no_replay_can_send_is_refused(
+    setup: Setup, options: tuple[str, ...], refusal: str
+) -> None:
+    """Each was stored and reported resolved, and every retry after it then failed: a 500,
+    a dropped connection, or a 204 announcing a body it did not send."""
+    assert (await setup.pay("k-6", "/charges")).status_code == 502
+    status = () if "--status" in options else ("--status", "201")
+    refused = await setup.cli("resolve", *ADDRESS, "/charges", "k-6", *status, *options)
+    assert refused.code == 2
+    assert refusal in refused.err
+    assert (await setup.pay("k-6", "/charges")).status_code == 202
+
+
+async def test_a_resolved_no_content_is_replayed_without_a_length(setup: Setup) -> None:
+    assert (await setup.pay("k-7", "/charges")).status_code == 502
+    resolved = await setup.cli("resolve", *ADDRESS, "/charges", "k-7", "--status", "204")
+    assert resolved.code == 0, resolved.err
+    replay = await setup.pay("k-7", "/charges")
+    assert replay.status_code == 204
+    assert "content-length" not in replay.headers
+    assert replay.headers["x-idempotent-replay"] == "true"
+
+
 @pytest.mark.parametrize("ttl_hours", ["0", "-1", "0.0001", "nan", "inf", "1e15"])
 async def test_a_resolve_that_would_delete_the_record_is_refused(
     setup: Setup, ttl_hours: str

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import enum
 import inspect
+import os
 import time
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol, runtime_checkable
 
 from starlette_idempotency._deprecation import deprecated
@@ -28,6 +29,9 @@ DEFAULT_RESOLVED_TTL = 24 * 3600.0
 #: The range of :meth:`StoreBase.resolve`'s ``ttl``: a shorter one lets the record go before
 #: any retry comes (which then runs again); a longer one is no date the stores can keep.
 RESOLVED_TTL_RANGE = (1.0, 100 * 365 * 24 * 3600.0)
+#: How long :meth:`StoreBase.resolve` holds a record it took over before finishing it: a retry
+#: in between gets 409.
+_RESOLVER_LOCK_SECONDS = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,27 +266,69 @@ class StoreBase(IdempotencyStore):
     """
 
     async def resolve(
-        self, key: str, response: StoredResponse, ttl: float = DEFAULT_RESOLVED_TTL
+        self,
+        key: str,
+        response: StoredResponse,
+        ttl: float = DEFAULT_RESOLVED_TTL,
+        *,
+        owner_token: str | None = None,
     ) -> bool:
-        """Finish the record under ``key`` with ``response``, whoever holds it (for operators
-        and reconcilers), kept ``ttl`` seconds. Returns false when there is no record to
-        resolve. Raises ``ValueError`` for a ``ttl`` outside :data:`RESOLVED_TTL_RANGE` (a
-        second to a hundred years): shorter, the record would be gone before the retry it was
-        held for, which would run again."""
+        """Finish the record under ``key`` with ``response`` (for operators and reconcilers),
+        kept ``ttl`` seconds: whoever holds it, or with ``owner_token`` only while that owner
+        does (the one the caller looked at). Returns false when there is no record to resolve,
+        or it changed hands.
+
+        A record whose lease ran out after a recovery point (its handler died, or froze) is
+        taken over first, as a retry would take it, and finished under an owner token of its
+        own: that handler, were it to wake, cannot store its response over this one. Any other
+        record keeps its owner's token, so a handler still running may.
+
+        Raises ``ValueError`` for a ``ttl`` outside :data:`RESOLVED_TTL_RANGE` (a second to a
+        hundred years): shorter, the record would be gone before the retry it was held for,
+        which would run again; and for a status no replay can send (below 200)."""
         shortest, longest = RESOLVED_TTL_RANGE
         if not shortest <= ttl <= longest:
             raise ValueError(
                 f"resolve() keeps a record {shortest:g} to {longest:g} seconds, not {ttl!r}"
             )
+        if not 200 <= response.status_code <= 599:
+            raise ValueError(
+                f"resolve() stores a final response (200 to 599), not {response.status_code}"
+            )
         status = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
         for _ in range(3):
             current = await self.get(key)
-            if current is None:
+            if current is None or owner_token not in (None, current.owner_token):
                 return False
+            current = await self._take_over_lapsed(key, current)
             record = current.finished(status, response, expires_at=time.time() + ttl)
             if await self.finish(key, record, ttl):
                 return True
+            if owner_token is not None:
+                return False
         return False
+
+    async def _take_over_lapsed(self, key: str, current: IdempotencyRecord) -> IdempotencyRecord:
+        """``current`` under an owner token of its own when its lease ran out after a recovery
+        point (judged by the store, on its clock, in the takeover); else ``current``."""
+        if not (self.supports_recovery and current.checkpoints):
+            return current
+        if current.status is not RecordStatus.IN_PROGRESS:
+            return current
+        now = time.time()
+        resolver = IdempotencyRecord(
+            key=current.key,
+            status=RecordStatus.IN_PROGRESS,
+            request_fingerprint=current.request_fingerprint,
+            owner_token=os.urandom(16).hex(),
+            created_at=now,
+            expires_at=now + _RESOLVER_LOCK_SECONDS,
+            fingerprint_version=current.fingerprint_version,
+        )
+        taken = await self.try_acquire(key, resolver, _RESOLVER_LOCK_SECONDS)
+        if not taken.acquired:
+            return current
+        return replace(current, owner_token=resolver.owner_token)
 
     async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         """Deprecated (removed in 0.3.0): :meth:`finish`, the protocol's first spelling for a
