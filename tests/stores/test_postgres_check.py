@@ -10,11 +10,13 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
+from starlette_idempotency.errors import StoreError
 from starlette_idempotency.stores._postgres_check import COLUMNS
 from starlette_idempotency.stores._postgres_connections import location_of
 from starlette_idempotency.stores.base import CheckableStore, StoreFinding
 from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.testing._postgres_server import PostgresServer
+from tests.support.records import pending
 
 pytestmark = pytest.mark.postgres
 
@@ -294,6 +296,25 @@ async def test_a_table_without_its_primary_key_is_an_error(
     [error] = await errors(durable_store)
     assert "ON CONFLICT" in error.message
     assert "migrate --sql" in error.message
+
+
+async def test_a_table_that_fails_requests_later_is_checked_again(
+    durable_store: PostgresStore, postgres_table: str, sql: Any
+) -> None:
+    """The round trip worked at startup; then a migration dropped the primary key. Every
+    request fails, and the next probe finds why rather than answering ready."""
+    await durable_store.create_schema()
+    assert await errors(durable_store) == []
+    constraint = await sql.fetchval(
+        "SELECT conname FROM pg_constraint WHERE conrelid = $1::regclass AND contype = 'p'",
+        postgres_table,
+    )
+    await sql.execute(f"ALTER TABLE {postgres_table} DROP CONSTRAINT {constraint}")
+    assert await errors(durable_store) == []  # no probe tries it while the store works
+    with pytest.raises(StoreError):
+        await durable_store.try_acquire("k", pending("k"), 30)
+    [error] = await errors(durable_store)
+    assert "ON CONFLICT" in error.message
 
 
 async def test_the_check_leaves_no_row_behind(

@@ -8,10 +8,12 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import pytest
 import redis.asyncio as aioredis
 
+from starlette_idempotency.errors import StoreError
 from starlette_idempotency.stores.base import CheckableStore, StoreFinding
 from starlette_idempotency.stores.redis import DriverName, RedisStore
 from starlette_idempotency.stores.redis import _check as redis_check
 from starlette_idempotency.testing._redis_server import RedisClusterServers, RedisServer
+from tests.support.records import finished, pending
 from tests.support.stores import DRIVERS, glide_client
 
 pytestmark = pytest.mark.redis
@@ -208,10 +210,16 @@ async def test_a_user_that_cannot_run_the_scripts_is_an_error(
         assert len(await errors()) == 1  # refused again: not ready until it works
         await admin.acl_setuser("noscripts", commands=["+evalsha", "+eval"])
         assert await errors() == []
-        # Once it has worked, requests show a store that stopped working (counted and alerted
-        # on): a readiness probe does not try it again.
+        # Once it has worked, a probe does not try it again while the store works...
         await admin.acl_setuser("noscripts", commands=["-evalsha", "-eval"])
         assert await errors() == []
+        # ... but once a request's write failed, the store is not ready until it works.
+        held = pending("k")
+        assert (await store.try_acquire("k", held, 30)).acquired
+        with pytest.raises(StoreError, match="finish failed"):
+            await store.finish("k", finished(held), 60)
+        [refused] = await errors()
+        assert "refuses what every request does" in refused.message
     finally:
         await store.aclose()
         await admin.aclose()

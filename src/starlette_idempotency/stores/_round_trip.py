@@ -6,9 +6,11 @@ Reaching the server says little about whether it lets the store work. A Redis AC
 the handler again once the lock lapses; a PostgreSQL role without ``UPDATE``, or a table
 without its primary key, fails every request. Only doing it finds these.
 
-Once it has worked, a store does not do it again (:class:`RoundTrip`): then the requests
-themselves show a store that stopped working (counted, and alerted on), and a readiness probe
-stays as cheap as it was, not three round trips more on every probe of every pod.
+Once it has worked, a store does not do it again until one of its operations fails
+(:class:`RoundTrip`): a readiness probe stays as cheap as it was while the store works, not
+three round trips more on every probe of every pod, and a store that stopped working for
+requests (a Redis primary demoted to a replica, a revoked grant) is not ready again until the
+round trip works.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ IN_ROUND_TRIP: ContextVar[bool] = ContextVar("IN_ROUND_TRIP", default=False)
 
 
 class RoundTrip:
-    """A store's round trip, until it has once worked."""
+    """A store's round trip, until it has worked; its store sets ``worked`` back to false when
+    one of its operations fails."""
 
     __slots__ = ("_advice", "_store", "_timeout", "worked")
 

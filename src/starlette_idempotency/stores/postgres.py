@@ -313,6 +313,9 @@ class PostgresStore(StoreBase):
                     await (await self._current_pool()).expire_connections()
                     return await attempt()
         except Exception as exc:
+            # A database that failed a request (a standby after a failover, a revoked grant)
+            # is not ready until the check's round trip works again.
+            self._round_trip.worked = False
             raise_store_error(exc, operation)
 
     def _fetchval(self, operation: str, query: str, *args: Any) -> Awaitable[Any]:

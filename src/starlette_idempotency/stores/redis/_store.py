@@ -72,13 +72,6 @@ _GLOB_SPECIAL = re.compile(r"[*?\[\]\\]")
 _SCAN_COUNT = 500
 
 
-def _store_error(driver: RedisDriver, operation: str, key: str, exc: BaseException) -> StoreError:
-    """The driver's failure ``exc`` as the store's."""
-    if isinstance(exc, driver.timeouts):
-        return StoreTimeoutError(f"redis {operation} timed out for key {key!r}")
-    return StoreError(f"redis {operation} failed for key {key!r}: {exc}")
-
-
 def _driver_for(client: object) -> RedisDriver:
     """The driver for a redis-py or valkey-glide client (each imported only when installed)."""
     try:
@@ -316,6 +309,15 @@ class RedisStore(StoreBase):
         refused = await self._round_trip.finding(where)
         return findings if refused is None else [refused, *findings]
 
+    def _failed(self, operation: str, key: str, exc: BaseException) -> StoreError:
+        """The driver's failure ``exc`` as the store's. The next check does what a request
+        does again: a Redis that failed a request (a primary demoted to a replica, an ACL
+        tightened, memory full under ``noeviction``) is not ready until it works again."""
+        self._round_trip.worked = False
+        if isinstance(exc, self._driver.timeouts):
+            return StoreTimeoutError(f"redis {operation} timed out for key {key!r}")
+        return StoreError(f"redis {operation} failed for key {key!r}: {exc}")
+
     async def _enter_loop(self) -> None:
         """Called by the first operation in an event loop (an identity check per operation).
 
@@ -415,7 +417,7 @@ class RedisStore(StoreBase):
                     acquired=False, record=self._load(key, holder), lease_expired=bool(expired)
                 )
         except self._failures as exc:
-            raise _store_error(self._driver, "try_acquire", key, exc) from exc
+            raise self._failed("try_acquire", key, exc) from exc
         raise StoreError(f"key {key!r} kept vanishing between its acquire and its recovery")
 
     def _undo_abandoned(self, key: str, owner_token: str, lock_ttl: float) -> None:
@@ -466,7 +468,7 @@ class RedisStore(StoreBase):
                     try:
                         await self._driver.eval_script("abandon", skey, args)
                     except self._failures as exc:
-                        raise _store_error(self._driver, "undo (abandon)", key, exc) from exc
+                        raise self._failed("undo (abandon)", key, exc) from exc
                     return
                 except StoreError as exc:  # a stall longer than the client's own timeout
                     failure = exc
@@ -647,7 +649,7 @@ class RedisStore(StoreBase):
                 if written:
                     self._check_replicas(skey, acknowledged, replicas, "the response")
         except self._failures as exc:
-            raise _store_error(self._driver, "finish", key, exc) from exc
+            raise self._failed("finish", key, exc) from exc
         return FencedWrite(int(written))
 
     async def save_progress(
@@ -666,7 +668,7 @@ class RedisStore(StoreBase):
         try:
             saved = await self._driver.scripts["progress"]([self._prefix + key], args)
         except self._failures as exc:
-            raise _store_error(self._driver, "save_progress", key, exc) from exc
+            raise self._failed("save_progress", key, exc) from exc
         return bool(saved)
 
     async def release(self, key: str, owner_token: str) -> bool:
@@ -677,7 +679,7 @@ class RedisStore(StoreBase):
         try:
             released = await self._driver.scripts["release"]([skey], [owner_token, skey])
         except self._failures as exc:
-            raise _store_error(self._driver, "release", key, exc) from exc
+            raise self._failed("release", key, exc) from exc
         return bool(released)
 
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
@@ -691,7 +693,7 @@ class RedisStore(StoreBase):
                 [self._prefix + key], [owner_token, str(px)]
             )
         except self._failures as exc:
-            raise _store_error(self._driver, "renew", key, exc) from exc
+            raise self._failed("renew", key, exc) from exc
         return bool(renewed)
 
     async def claim_operation(
@@ -707,7 +709,7 @@ class RedisStore(StoreBase):
         try:
             other = await self._driver.scripts["claim"]([skey], [holder, code, str(px)])
         except self._failures as exc:
-            raise _store_error(self._driver, "claim_operation", operation, exc) from exc
+            raise self._failed("claim_operation", operation, exc) from exc
         return None if other is None else _text(other)
 
     async def release_operation(self, operation: str, holder: str) -> None:
@@ -718,7 +720,7 @@ class RedisStore(StoreBase):
         try:
             await self._driver.scripts["unclaim"]([skey], [holder])
         except self._failures as exc:
-            raise _store_error(self._driver, "release_operation", operation, exc) from exc
+            raise self._failed("release_operation", operation, exc) from exc
 
     async def wait_for_change(self, key: str) -> None:
         """Return once ``key`` is completed, failed, released or resolved by any process
@@ -728,7 +730,7 @@ class RedisStore(StoreBase):
         try:
             await self._changes.wait(self._prefix + key)
         except self._failures as exc:
-            raise _store_error(self._driver, "wait_for_change", key, exc) from exc
+            raise self._failed("wait_for_change", key, exc) from exc
 
     async def get(self, key: str) -> IdempotencyRecord | None:
         """The live record under ``key``, if any."""
@@ -737,7 +739,7 @@ class RedisStore(StoreBase):
         try:
             raw = await self._driver.get(self._prefix + key)
         except self._failures as exc:
-            raise _store_error(self._driver, "get", key, exc) from exc
+            raise self._failed("get", key, exc) from exc
         return None if raw is None else self._load(key, raw)
 
     async def in_progress(self, *, stuck: bool = False, limit: int = 1000) -> list[HeldRecord]:
@@ -768,7 +770,7 @@ class RedisStore(StoreBase):
                     if expired or not stuck:
                         found.append(HeldRecord(key, record, expired))
         except self._failures as exc:
-            raise _store_error(driver, "in_progress", match, exc) from exc
+            raise self._failed("in_progress", match, exc) from exc
         found.sort(key=lambda held: held.record.created_at)
         return found[:limit]
 
