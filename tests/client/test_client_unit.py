@@ -128,22 +128,33 @@ class Rig:
         self._sleep(seconds)
 
     async def send(
-        self, script: Script, method: str = "POST", url: str = URL, **kwargs: Any
+        self,
+        script: Script,
+        method: str = "POST",
+        url: str = URL,
+        *,
+        follow_redirects: bool = False,
+        **kwargs: Any,
     ) -> httpx.Response:
         options: dict[str, Any] = {"rng": lambda: 0.0, "clock": self.clock, **self.options}
         mock = httpx.MockTransport(script)
         if self.mode == "sync":
             transport = IdempotentTransport(mock, sleep=self._sleep, **options)
-            return _send_sync(transport, httpx.Request(method, url, **kwargs))
+            request = httpx.Request(method, url, **kwargs)
+            return _send_sync(transport, request, follow_redirects=follow_redirects)
         async_transport = AsyncIdempotentTransport(mock, sleep=self._async_sleep, **options)
         async with httpx.AsyncClient(transport=async_transport) as async_client:
-            return await async_client.request(method, url, **kwargs)
+            return await async_client.request(
+                method, url, follow_redirects=follow_redirects, **kwargs
+            )
 
 
-def _send_sync(transport: httpx.BaseTransport, request: httpx.Request) -> httpx.Response:
+def _send_sync(
+    transport: httpx.BaseTransport, request: httpx.Request, *, follow_redirects: bool = False
+) -> httpx.Response:
     # MockTransport answers at once: a sync client inside an async test blocks nothing.
     with httpx.Client(transport=transport) as client:
-        return client.send(request)
+        return client.send(request, follow_redirects=follow_redirects)
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -174,6 +185,42 @@ async def test_each_request_gets_its_own_key(rig: Rig) -> None:
 async def test_keeps_the_callers_key(rig: Rig) -> None:
     script = Script(status(503), status(201))
     await rig.send(script, json={}, headers={"idempotency-key": "order-42"})
+    assert script.keys == ["order-42", "order-42"]
+
+
+@pytest.mark.parametrize(
+    "location",
+    [
+        "/v2/payments",
+        "http://elsewhere.test/payments",
+        "https://api.test/payments",
+        "http://api.test:8080/payments",
+    ],
+    ids=["same-origin", "other-host", "other-scheme", "other-port"],
+)
+async def test_a_redirect_gets_a_new_key(rig: Rig, location: str) -> None:
+    script = Script(httpx.Response(308, headers={"Location": location}), status(201))
+    response = await rig.send(script, json={}, follow_redirects=True)
+    first, second = script.keys
+    assert response.status_code == 201
+    assert first is not None
+    assert second is not None
+    assert second != first
+    assert response.request.headers["Idempotency-Key"] == second
+
+
+@pytest.mark.parametrize("code", [301, 302, 303])
+async def test_a_redirect_to_a_get_carries_no_key(rig: Rig, code: int) -> None:
+    script = Script(httpx.Response(code, headers={"Location": "/receipts/1"}), status(200))
+    await rig.send(script, json={}, follow_redirects=True)
+    assert script.methods == ["POST", "GET"]
+    assert script.keys[0] is not None
+    assert script.keys[1] is None
+
+
+async def test_the_callers_key_follows_a_redirect(rig: Rig) -> None:
+    script = Script(httpx.Response(308, headers={"Location": "/v2/payments"}), status(201))
+    await rig.send(script, json={}, headers={"idempotency-key": "order-42"}, follow_redirects=True)
     assert script.keys == ["order-42", "order-42"]
 
 

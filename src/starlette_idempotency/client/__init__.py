@@ -6,7 +6,9 @@ Wrap any transport::
     client = httpx.Client(transport=IdempotentTransport())
     client = httpx.AsyncClient(transport=AsyncIdempotentTransport(httpx.AsyncHTTPTransport()))
 
-POST and PATCH requests without a key get a fresh UUID4 key; a key the caller set is kept. Every
+POST and PATCH requests without a key get a fresh UUID4 key; a key the caller set is kept. A key
+the transport generated is for its request's method and URL alone: a redirect's request does not
+carry it (a POST or PATCH gets a new one), so it never reaches another path or origin. Every
 other method is sent once, untouched. For POST and PATCH the transport decides as follows:
 
 ===========================================  ==========  =====================================

@@ -8,6 +8,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 import anyio
 
@@ -60,6 +61,22 @@ def _replayable_stream_types() -> tuple[type, ...]:
 
 # Bodies already in memory (bytes, str, data=, json=, files= with seekable files).
 _REPLAYABLE_STREAMS = _replayable_stream_types()
+
+# httpx copies a request's extensions onto the request it builds for a redirect, together with
+# its headers, so the key the transport generated follows it there; this note tells it apart.
+_GENERATED_KEY_EXTENSION = "starlette_idempotency.generated_key"
+
+
+@dataclass(frozen=True, slots=True)
+class _GeneratedKey:
+    """A key the transport generated, and the request (method and URL) it is for."""
+
+    key: str
+    method: str
+    url: httpx.URL
+
+    def is_for(self, request: httpx.Request) -> bool:
+        return request.method == self.method and request.url == self.url
 
 
 class _Attempts:
@@ -147,6 +164,7 @@ class _IdempotentBase:
     def _begin(self, request: httpx.Request) -> _Attempts | None:
         """``None`` for a request sent once as is; otherwise check the body and set the key.
         The caller reads the body before the first attempt."""
+        self._drop_key_generated_elsewhere(request)
         if request.method.upper() not in IDEMPOTENT_METHODS:
             return None
         if not isinstance(request.stream, _REPLAYABLE_STREAMS):
@@ -160,7 +178,23 @@ class _IdempotentBase:
         if key is None:
             key = str(uuid.uuid4())
             request.headers[self.header_name] = key
+            request.extensions[_GENERATED_KEY_EXTENSION] = _GeneratedKey(
+                key, request.method, request.url
+            )
         return _Attempts(self, request, key)
+
+    def _drop_key_generated_elsewhere(self, request: httpx.Request) -> None:
+        """Take off a key this transport generated for another request: the one a redirect
+        (another URL, maybe another origin, or another method) was built from. The server
+        would answer 422, or another host would learn it; a POST or PATCH gets a new key.
+        A key the caller set stays, wherever it goes."""
+        generated: _GeneratedKey | None = request.extensions.get(_GENERATED_KEY_EXTENSION)
+        if (
+            generated is not None
+            and request.headers.get(self.header_name) == generated.key
+            and not generated.is_for(request)
+        ):
+            del request.headers[self.header_name]
 
 
 def _rebuilt(response: httpx.Response, raw: bytes) -> httpx.Response:
