@@ -11,7 +11,7 @@ import gzip
 import json
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +133,7 @@ class Rig:
         method: str = "POST",
         url: str = URL,
         *,
+        auth: httpx.Auth | None = None,
         follow_redirects: bool = False,
         **kwargs: Any,
     ) -> httpx.Response:
@@ -141,20 +142,32 @@ class Rig:
         if self.mode == "sync":
             transport = IdempotentTransport(mock, sleep=self._sleep, **options)
             request = httpx.Request(method, url, **kwargs)
-            return _send_sync(transport, request, follow_redirects=follow_redirects)
+            return _send_sync(transport, request, auth=auth, follow_redirects=follow_redirects)
         async_transport = AsyncIdempotentTransport(mock, sleep=self._async_sleep, **options)
         async with httpx.AsyncClient(transport=async_transport) as async_client:
             return await async_client.request(
-                method, url, follow_redirects=follow_redirects, **kwargs
+                method, url, auth=auth, follow_redirects=follow_redirects, **kwargs
             )
 
 
 def _send_sync(
-    transport: httpx.BaseTransport, request: httpx.Request, *, follow_redirects: bool = False
+    transport: httpx.BaseTransport,
+    request: httpx.Request,
+    *,
+    auth: httpx.Auth | None = None,
+    follow_redirects: bool = False,
 ) -> httpx.Response:
     # MockTransport answers at once: a sync client inside an async test blocks nothing.
     with httpx.Client(transport=transport) as client:
-        return client.send(request, follow_redirects=follow_redirects)
+        return client.send(request, auth=auth, follow_redirects=follow_redirects)
+
+
+class SendAgain(httpx.Auth):
+    """Sends the same request object twice, as a token refresh or DigestAuth does after a 401."""
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        yield request
+        yield request
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -221,6 +234,33 @@ async def test_a_redirect_to_a_get_carries_no_key(rig: Rig, code: int) -> None:
 async def test_the_callers_key_follows_a_redirect(rig: Rig) -> None:
     script = Script(httpx.Response(308, headers={"Location": "/v2/payments"}), status(201))
     await rig.send(script, json={}, headers={"idempotency-key": "order-42"}, follow_redirects=True)
+    assert script.keys == ["order-42", "order-42"]
+
+
+@pytest.mark.parametrize("code", [400, 401, 403, 422])
+async def test_sent_again_after_an_answer_that_needs_a_new_key_gets_one(
+    rig: Rig, code: int
+) -> None:
+    script = Script(status(code), status(201))
+    response = await rig.send(script, json={}, auth=SendAgain())
+    first, second = script.keys
+    assert first is not None
+    assert second is not None
+    assert second != first
+    assert response.request.headers["Idempotency-Key"] == second
+
+
+@pytest.mark.parametrize("code", [201, 202, 404, 409])
+async def test_sent_again_after_another_final_answer_keeps_its_key(rig: Rig, code: int) -> None:
+    script = Script(status(code), status(201))
+    await rig.send(script, json={}, auth=SendAgain())
+    assert script.keys[0] is not None
+    assert script.keys[1] == script.keys[0]
+
+
+async def test_the_callers_key_is_sent_again_after_a_401(rig: Rig) -> None:
+    script = Script(status(401), status(201))
+    await rig.send(script, json={}, headers={"idempotency-key": "order-42"}, auth=SendAgain())
     assert script.keys == ["order-42", "order-42"]
 
 

@@ -28,8 +28,10 @@ Rng = Callable[[], float]
 DEFAULT_RETRY_STATUSES: tuple[int, ...] = (409, 429, 500, 502, 503, 504)
 """Statuses retried with the same key (409 only when it carries ``Retry-After``)."""
 
-# The server stored nothing for these: the request must change, and with it the key.
-_NEVER_RETRIED = frozenset({400, 401, 403, 422})
+# The request must change before it is sent again, and with it the key: the middleware stores
+# none of its own 400s and 422s, but a status the handler returned (a 401 for a stale token) is
+# stored like any other and replayed to every retry with that key.
+NEW_KEY_STATUSES = frozenset({400, 401, 403, 422})
 # Errors that say nothing about the server: retrying cannot help.
 _NOT_RETRIED_ERRORS = (httpx.UnsupportedProtocol, httpx.LocalProtocolError)
 _DELTA_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")
@@ -53,7 +55,7 @@ def check_statuses(statuses: Iterable[int]) -> frozenset[int]:
             raise ConfigurationError(
                 f"retry_statuses must hold error statuses (400-599), got {status!r}"
             )
-    forbidden = sorted(checked & _NEVER_RETRIED)
+    forbidden = sorted(checked & NEW_KEY_STATUSES)
     if forbidden:
         raise ConfigurationError(
             f"retry_statuses must not contain {forbidden}: those answers mean the request "

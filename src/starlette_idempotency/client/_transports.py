@@ -8,13 +8,14 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 
 from starlette_idempotency._types import DEFAULT_HEADER_NAME, HTTP_TOKEN, Clock, system_clock
 from starlette_idempotency.client._retry_policy import (
     DEFAULT_RETRY_STATUSES,
+    NEW_KEY_STATUSES,
     RetryPolicy,
     Rng,
     check_statuses,
@@ -69,24 +70,34 @@ _GENERATED_KEY_EXTENSION = "starlette_idempotency.generated_key"
 
 @dataclass(frozen=True, slots=True)
 class _GeneratedKey:
-    """A key the transport generated, and the request (method and URL) it is for."""
+    """A key the transport generated, the request (method and URL) it is for, and whether an
+    answer that needs a new key (400, 401, 403, 422) spent it."""
 
     key: str
     method: str
     url: httpx.URL
+    spent: bool = False
 
-    def is_for(self, request: httpx.Request) -> bool:
-        return request.method == self.method and request.url == self.url
+    def usable_for(self, request: httpx.Request) -> bool:
+        return not self.spent and request.method == self.method and request.url == self.url
 
 
 class _Attempts:
     """One request's attempts so far, measured against the policy."""
 
-    __slots__ = ("_clock", "_owner", "_request", "_started", "count", "key")
+    __slots__ = ("_clock", "_generated", "_owner", "_request", "_started", "count", "key")
 
-    def __init__(self, owner: _IdempotentBase, request: httpx.Request, key: str) -> None:
+    def __init__(
+        self,
+        owner: _IdempotentBase,
+        request: httpx.Request,
+        key: str,
+        *,
+        generated: _GeneratedKey | None,
+    ) -> None:
         self._owner = owner
         self._request = request
+        self._generated = generated
         self._clock = owner._clock
         self._started = self._clock()
         self.count = 0
@@ -118,6 +129,17 @@ class _Attempts:
                 self.count,
                 owner.policy.max_attempts,
                 outcome,
+            )
+        if (
+            self._generated is not None
+            and response is not None
+            and response.status_code in NEW_KEY_STATUSES
+        ):
+            # Never retried, so final. An auth flow (a refreshed token, DigestAuth) sends this
+            # same request object again: a 401 the handler returned is stored under this key,
+            # and only a new key gets past it.
+            self._request.extensions[_GENERATED_KEY_EXTENSION] = replace(
+                self._generated, spent=True
             )
         return delay
 
@@ -164,7 +186,7 @@ class _IdempotentBase:
     def _begin(self, request: httpx.Request) -> _Attempts | None:
         """``None`` for a request sent once as is; otherwise check the body and set the key.
         The caller reads the body before the first attempt."""
-        self._drop_key_generated_elsewhere(request)
+        self._drop_stale_generated_key(request)
         if request.method.upper() not in IDEMPOTENT_METHODS:
             return None
         if not isinstance(request.stream, _REPLAYABLE_STREAMS):
@@ -175,24 +197,24 @@ class _IdempotentBase:
                 request=request,
             )
         key = request.headers.get(self.header_name)
-        if key is None:
-            key = str(uuid.uuid4())
-            request.headers[self.header_name] = key
-            request.extensions[_GENERATED_KEY_EXTENSION] = _GeneratedKey(
-                key, request.method, request.url
-            )
-        return _Attempts(self, request, key)
+        if key is not None:
+            return _Attempts(self, request, key, generated=None)
+        generated = _GeneratedKey(str(uuid.uuid4()), request.method, request.url)
+        request.headers[self.header_name] = generated.key
+        request.extensions[_GENERATED_KEY_EXTENSION] = generated
+        return _Attempts(self, request, generated.key, generated=generated)
 
-    def _drop_key_generated_elsewhere(self, request: httpx.Request) -> None:
-        """Take off a key this transport generated for another request: the one a redirect
-        (another URL, maybe another origin, or another method) was built from. The server
-        would answer 422, or another host would learn it; a POST or PATCH gets a new key.
-        A key the caller set stays, wherever it goes."""
+    def _drop_stale_generated_key(self, request: httpx.Request) -> None:
+        """Take off a key this transport generated that no longer fits the request: one
+        generated for the request a redirect (another URL, maybe another origin, or another
+        method) was built from, where the server would answer 422 or another host learn it;
+        or one an answer that needs a new key spent. A POST or PATCH then gets a new key. A
+        key the caller set stays, wherever it goes."""
         generated: _GeneratedKey | None = request.extensions.get(_GENERATED_KEY_EXTENSION)
         if (
             generated is not None
             and request.headers.get(self.header_name) == generated.key
-            and not generated.is_for(request)
+            and not generated.usable_for(request)
         ):
             del request.headers[self.header_name]
 
