@@ -594,6 +594,20 @@ async def test_deadline_counts_the_time_attempts_take(rig: Rig) -> None:
     assert rig.sleeps == [1.0]
 
 
+@pytest.mark.parametrize("step", [-3600.0, 3600.0], ids=["back", "forward"])
+async def test_deadline_ignores_a_stepped_wall_clock(rig: Rig, step: float) -> None:
+    rig.configure(backoff_base=1.0, deadline=10.0, max_attempts=10)
+
+    def stepped(request: httpx.Request) -> httpx.Response:
+        rig.clock.jump(step)
+        return status(503)
+
+    script = Script(stepped, *(status(503) for _ in range(9)))
+    await rig.send(script, json={})
+    assert rig.sleeps == [1.0, 2.0, 4.0]
+    assert script.attempts == 4
+
+
 async def test_a_retry_after_past_the_deadline_is_returned_at_once(rig: Rig) -> None:
     rig.configure(deadline=10.0)
     script = Script(status(503, **{"Retry-After": "30"}))

@@ -46,8 +46,9 @@ only, never ``Retry-After``. A ``Retry-After`` longer than ``max_retry_after`` m
 response final: it is returned at once rather than retried before the server said. So is one
 that would cross the deadline. ``max_attempts`` counts every attempt, the first included.
 ``deadline`` bounds all attempts together: a retry whose wait would end after it is not made,
-and the last response is returned (or the last error re-raised). Per-attempt time limits stay
-with httpx's own ``timeout``.
+and the last response is returned (or the last error re-raised). It is measured on the monotonic
+clock, which a stepped wall clock does not move. Per-attempt time limits stay with httpx's own
+``timeout``.
 
 A retry must send the same bytes, so the request body is read into memory before the first
 attempt; a streaming body (generator, iterator, file) is refused up front with

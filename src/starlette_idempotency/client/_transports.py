@@ -12,7 +12,13 @@ from dataclasses import dataclass, replace
 
 import anyio
 
-from starlette_idempotency._types import DEFAULT_HEADER_NAME, HTTP_TOKEN, Clock, system_clock
+from starlette_idempotency._types import (
+    DEFAULT_HEADER_NAME,
+    HTTP_TOKEN,
+    Clock,
+    monotonic_for,
+    system_clock,
+)
 from starlette_idempotency.client._retry_policy import (
     DEFAULT_RETRY_STATUSES,
     NEW_KEY_STATUSES,
@@ -85,7 +91,7 @@ class _GeneratedKey:
 class _Attempts:
     """One request's attempts so far, measured against the policy."""
 
-    __slots__ = ("_clock", "_generated", "_owner", "_request", "_started", "count", "key")
+    __slots__ = ("_generated", "_owner", "_request", "_started", "count", "key")
 
     def __init__(
         self,
@@ -98,8 +104,7 @@ class _Attempts:
         self._owner = owner
         self._request = request
         self._generated = generated
-        self._clock = owner._clock
-        self._started = self._clock()
+        self._started = owner._monotonic()
         self.count = 0
         self.key = key
 
@@ -107,15 +112,14 @@ class _Attempts:
         self, *, response: httpx.Response | None = None, error: BaseException | None = None
     ) -> float | None:
         self.count += 1
-        now = self._clock()
         owner = self._owner
         delay = owner.policy.next_delay(
             attempts=self.count,
-            elapsed=now - self._started,
+            elapsed=owner._monotonic() - self._started,
             response=response,
             error=error,
             rng=owner._rng,
-            now=now,
+            now=owner._clock(),
         )
         if delay is not None:
             outcome = repr(error) if response is None else response.status_code
@@ -182,6 +186,7 @@ class _IdempotentBase:
         )
         self._rng: Rng = rng.random if isinstance(rng, random.Random) else rng
         self._clock = clock
+        self._monotonic = monotonic_for(clock)
 
     def _begin(self, request: httpx.Request) -> _Attempts | None:
         """``None`` for a request sent once as is; otherwise check the body and set the key.
@@ -268,7 +273,9 @@ class IdempotentTransport(_IdempotentBase, httpx.BaseTransport):
     :param sleep: blocks for the given seconds (``time.sleep``); inject a recorder in tests.
     :param rng: uniform floats in ``[0, 1)`` for the jitter (``random.random``); a
         ``random.Random`` instance (seeded, say) is accepted too.
-    :param clock: epoch seconds (``time.time``), for the deadline and ``Retry-After`` dates.
+    :param clock: epoch seconds (``time.time``), for ``Retry-After`` dates. The deadline is
+        measured on its monotonic twin (``time.monotonic``, a ``FakeClock``'s ``monotonic``),
+        so a wall clock stepped meanwhile moves it neither way.
     """
 
     def __init__(
