@@ -6,6 +6,11 @@ Wrap any transport::
     client = httpx.Client(transport=IdempotentTransport())
     client = httpx.AsyncClient(transport=AsyncIdempotentTransport(httpx.AsyncHTTPTransport()))
 
+Connection options (``proxy``, ``verify``, ``cert``, ``http2``, ``limits``, ``trust_env``) go on
+the wrapped transport, ``IdempotentTransport(httpx.HTTPTransport(proxy=..., verify=...))``: httpx
+applies a client's own only to a transport it builds, and a client's ``proxy=`` mounts one that
+takes every request past this one (no key, no retries).
+
 POST and PATCH requests without a key get a fresh UUID4 key; a key the caller set is kept. A key
 the transport generated is for its request's method and URL alone: a redirect's request does not
 carry it (a POST or PATCH gets a new one), so it never reaches another path or origin. Every
@@ -21,6 +26,9 @@ timeout, connection error, dropped reply     yes         same key (the handler m
 a wait that would end after ``deadline``     no          final: returned (or raised) at once
 ``X-Idempotent-Replay: true`` (any status)   no          final: the stored answer
 ``Idempotent-Replayed: true`` (Stripe's)     no          final: the stored answer
+``X-Idempotent-Body-Omitted: true`` replay   no          final: the stored answer kept without
+                                                         its body (empty); the request ran, so
+                                                         never send it again with a new key
 409 without a readable ``Retry-After``       no          final
 400, 401, 403, 422                           never       fix the request, then use a new key
                                                          (a generated key is replaced when
@@ -54,7 +62,9 @@ A retry must send the same bytes, so the request body is read into memory before
 attempt; a streaming body (generator, iterator, file) is refused up front with
 :class:`NonReplayableRequestError`. Each POST/PATCH response is read into memory inside the
 transport too, so a connection that drops in the middle of the response body is retried as well
-(and the connection of a discarded response goes back to the pool).
+(and the connection of a discarded response goes back to the pool). The caller gets it only once
+it has ended: ``client.stream("POST", ...)`` sees no byte before the last, and a response that
+never ends (server-sent events) never returns.
 
 Besides the standard library this module imports only httpx (and anyio, which httpx depends on)
 and the package's Starlette-free ``_types`` and ``errors``; never Starlette.

@@ -258,8 +258,13 @@ async def _abuffered(response: httpx.Response) -> httpx.Response:
 class IdempotentTransport(_IdempotentBase, httpx.BaseTransport):
     """A sync httpx transport that adds an ``Idempotency-Key`` to POST and PATCH requests and
     retries them with the same key (see the module docstring for the table and the formula).
+    Their responses are read whole before they are returned, so ``client.stream("POST", ...)``
+    sees no byte before the last.
 
-    :param transport: the transport that sends each attempt (``httpx.HTTPTransport()``).
+    :param transport: the transport that sends each attempt (``httpx.HTTPTransport()``). Give
+        it the connection options (``proxy``, ``verify``, ``cert``, ``http2``, ``limits``,
+        ``trust_env``): a client's own shape only a transport it builds, and its ``proxy=``
+        mounts one that bypasses this transport.
     :param header_name: the key header; a key the caller set is kept.
     :param max_attempts: attempts in all, the first included.
     :param backoff_base: seconds; the first retry waits between it and twice it.
@@ -336,9 +341,9 @@ class IdempotentTransport(_IdempotentBase, httpx.BaseTransport):
 class AsyncIdempotentTransport(_IdempotentBase, httpx.AsyncBaseTransport):
     """The async twin of :class:`IdempotentTransport`, for ``httpx.AsyncClient``.
 
-    Takes the same options; ``transport`` defaults to ``httpx.AsyncHTTPTransport()`` and
-    ``sleep`` is a coroutine function (``anyio.sleep``, so asyncio and trio both work; a plain
-    function is accepted too).
+    Takes the same options; ``transport`` defaults to ``httpx.AsyncHTTPTransport()`` (the
+    connection options go on it, not on the client) and ``sleep`` is a coroutine function
+    (``anyio.sleep``, so asyncio and trio both work; a plain function is accepted too).
     """
 
     def __init__(
