@@ -16,6 +16,7 @@ from starlette_idempotency.stores._postgres_connections import location_of
 from starlette_idempotency.stores.base import CheckableStore, StoreFinding
 from starlette_idempotency.stores.postgres import PostgresStore
 from starlette_idempotency.testing._postgres_server import PostgresServer
+from tests.support.postgres import a_role
 from tests.support.records import pending
 
 pytestmark = pytest.mark.postgres
@@ -234,18 +235,11 @@ async def test_unreachable_server_is_one_error_never_an_exception(
         await store.aclose()
 
 
-@contextlib.asynccontextmanager
-async def a_reader(dsn: str, table: str, sql: Any) -> AsyncIterator[str]:
+def a_reader(dsn: str, table: str, sql: Any) -> contextlib.AbstractAsyncContextManager[str]:
     """The DSN of a role that may only read ``table`` (and its claims), for the block."""
-    role = f"{table}_reader"
-    await sql.execute(f"CREATE ROLE {role} LOGIN")
-    try:
-        await sql.execute(f"GRANT SELECT ON {table} TO {role}")
-        await sql.execute(f"GRANT SELECT ON {table}_operations TO {role}")
-        parts = urlsplit(dsn)
-        yield urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rpartition('@')[2]}"))
-    finally:
-        await sql.execute(f"DROP OWNED BY {role}; DROP ROLE {role}")
+    return a_role(
+        sql, dsn, f"{table}_reader", f"SELECT ON {table}", f"SELECT ON {table}_operations"
+    )
 
 
 async def test_a_role_that_cannot_write_the_table_is_an_error(
@@ -261,7 +255,41 @@ async def test_a_role_that_cannot_write_the_table_is_an_error(
             await reader.aclose()
     assert "refuses what every request does" in error.message
     assert "permission denied" in error.message
-    assert "Grant the store's role SELECT, INSERT, UPDATE and DELETE" in error.message
+    assert (
+        f"Grant the store's role SELECT, INSERT, UPDATE and DELETE on {postgres_table} and "
+        f"{postgres_table}_operations, " in error.message
+    )
+
+
+async def test_a_role_without_rights_on_the_claims_is_a_warning_naming_the_grant(
+    durable_store: PostgresStore, postgres_dsn: str, postgres_table: str, sql: Any
+) -> None:
+    """Such a role serves requests, but its app makes no claims (it logs that it could not):
+    a warning, which says what to grant."""
+    await durable_store.create_schema()
+    role = f"{postgres_table}_app"
+    async with a_role(
+        sql,
+        postgres_dsn,
+        role,
+        f"SELECT, INSERT, UPDATE, DELETE ON {postgres_table}",
+        f"SELECT ON {postgres_table}_operations",
+    ) as as_app:
+        store = await open_store(as_app, postgres_table, **DURABLE)
+        try:
+            findings = await store.check()
+        finally:
+            await store.aclose()
+    assert "error" not in levels(findings)
+    [refused] = [f for f in findings if "operation claims" in f.message]
+    assert refused.level == "warning"
+    assert refused.message.startswith(
+        f"role {role} lacks INSERT, UPDATE, DELETE on table {postgres_table}_operations in "
+    )
+    assert "apps make no claims" in refused.message
+    assert refused.message.endswith(
+        f'run GRANT INSERT, UPDATE, DELETE ON "{postgres_table}_operations" TO {role}'
+    )
 
 
 async def test_a_pool_handed_over_later_is_checked_again(

@@ -13,6 +13,7 @@ from starlette_idempotency.stores._postgres_connections import location_of
 from starlette_idempotency.testing._processes import free_port
 from tests.support.cli import Ran, assert_unreachable
 from tests.support.cli import cli as run_cli
+from tests.support.postgres import a_role
 
 pytestmark = pytest.mark.postgres
 
@@ -38,25 +39,53 @@ async def test_migrate_creates_the_table_once(
     assert any("(expires_at)" in row["indexdef"] for row in indexes)
 
 
-async def test_purge_deletes_expired_rows_and_reads_database_url(
-    postgres_dsn: str, postgres_table: str, sql: Any
-) -> None:
-    assert (await cli("migrate", "--dsn", postgres_dsn, "--table", postgres_table)).code == 0
+async def seven_of_ten_expired(sql: Any, table: str) -> None:
+    """Ten records in ``table``, seven of them expired."""
     await sql.execute(
         f"""
-        INSERT INTO {postgres_table} (key, idempotency_key, status, request_fingerprint,
-                                      owner_token, created_at, expires_at)
+        INSERT INTO {table} (key, idempotency_key, status, request_fingerprint,
+                             owner_token, created_at, expires_at)
         SELECT 'idempotency:k' || n, 'k' || n, 'Completed', 'fp', 'owner', now(),
                now() + CASE WHEN n <= 7 THEN interval '-1 minute' ELSE interval '1 hour' END
         FROM generate_series(1, 10) AS n
         """
     )
+
+
+async def test_purge_deletes_expired_rows_and_reads_database_url(
+    postgres_dsn: str, postgres_table: str, sql: Any
+) -> None:
+    assert (await cli("migrate", "--dsn", postgres_dsn, "--table", postgres_table)).code == 0
+    await seven_of_ten_expired(sql, postgres_table)
     purged = await cli(
         "purge", "--table", postgres_table, "--batch-size", "3", env={"DATABASE_URL": postgres_dsn}
     )
     assert purged.code == 0, purged.err
     assert purged.out.strip() == f"purge: deleted 7 expired row(s) from {postgres_table}"
     assert await sql.fetchval(f"SELECT count(*) FROM {postgres_table}") == 3
+
+
+async def test_a_role_without_rights_on_the_claims_purges_and_is_told_what_to_grant(
+    postgres_dsn: str, postgres_table: str, sql: Any
+) -> None:
+    """The claims' purge refused must not keep the records from being purged."""
+    assert (await cli("migrate", "--dsn", postgres_dsn, "--table", postgres_table)).code == 0
+    await seven_of_ten_expired(sql, postgres_table)
+    claims, role = f"{postgres_table}_operations", f"{postgres_table}_app"
+    rights = f"SELECT, INSERT, UPDATE, DELETE ON {postgres_table}"
+    async with a_role(sql, postgres_dsn, role, rights) as as_app:
+        purged = await cli("purge", "--dsn", as_app, "--table", postgres_table)
+        doctor = await cli("doctor", "--dsn", as_app, "--table", postgres_table)
+    assert purged.code == 0, purged.err
+    assert purged.out.strip() == f"purge: deleted 7 expired row(s) from {postgres_table}"
+    assert f"permission denied for table {claims}" in purged.err
+    assert f'Run GRANT SELECT, INSERT, UPDATE, DELETE ON "{claims}" TO ' in purged.err
+    assert await sql.fetchval(f"SELECT count(*) FROM {postgres_table}") == 3
+
+    assert doctor.code == 0, doctor.out + doctor.err
+    [warning] = [line for line in doctor.lines if claims in line]
+    assert warning.startswith(f"warning: role {role} lacks SELECT, INSERT, UPDATE, DELETE on ")
+    assert warning.endswith(f'run GRANT SELECT, INSERT, UPDATE, DELETE ON "{claims}" TO {role}')
 
 
 async def test_unreachable_database_is_a_one_line_error() -> None:

@@ -1,5 +1,5 @@
 """PostgreSQL arrangements shared by the PostgresStore tests: records, row expiry on the
-database clock, lock waiters, and ending connections by name."""
+database clock, lock waiters, ending connections by name, and roles of restricted rights."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import select
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from starlette_idempotency import StoredResponse
 from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
@@ -112,6 +113,20 @@ def wait_for_no_backends(dsn: str, application_name: str, timeout: float = 10.0)
         interval=0.05,
         message=f"the connections named {application_name!r} to end",
     )
+
+
+@asynccontextmanager
+async def a_role(sql: Any, dsn: str, role: str, *grants: str) -> AsyncIterator[str]:
+    """The DSN of a new role ``role`` holding ``grants`` (each ``"SELECT ON table"``), for the
+    block; ``dsn``'s server must let it log in without a password."""
+    await sql.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        for grant in grants:
+            await sql.execute(f"GRANT {grant} TO {role}")
+        parts = urlsplit(dsn)
+        yield urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rpartition('@')[2]}"))
+    finally:
+        await sql.execute(f"DROP OWNED BY {role}; DROP ROLE {role}")
 
 
 def unread(connection: Any) -> bool:

@@ -1,11 +1,12 @@
 """What :meth:`PostgresStore.check` reports, from the one row its ``check`` query reads: the
-table and its columns, the table of operation claims, whether the database can be written, and
-what a crash would lose; and what a statement says when a table is missing."""
+table and its columns, the table of operation claims and the role's rights on it, whether the
+database can be written, and what a crash would lose; and what a statement says when a table
+is missing or the role may not use it."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from starlette_idempotency.errors import StoreError
@@ -32,11 +33,24 @@ COLUMNS = (
 )
 #: What creates the tables a database lacks.
 MIGRATE_HINT = "run `starlette-idempotency migrate` or `await store.create_schema()`"
+#: The rights the operation claims need on their table: ``claim_write`` upserts and locks rows,
+#: ``claim_check``, ``unclaim`` and ``purge_claims`` read and delete them.
+CLAIMS_RIGHTS = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 
 def undefined_table(exc: StoreError) -> bool:
     """Whether ``exc`` says that a table the statement names does not exist."""
     return isinstance(exc.__cause__, asyncpg_driver().UndefinedTableError)
+
+
+def insufficient_privilege(exc: StoreError) -> bool:
+    """Whether ``exc`` says that the role lacks a right the statement needs."""
+    return isinstance(exc.__cause__, asyncpg_driver().InsufficientPrivilegeError)
+
+
+def claims_grant(claims_table: str, role: str, rights: Sequence[str] = CLAIMS_RIGHTS) -> str:
+    """The statement that gives ``role`` ``rights`` on ``claims_table`` (quoted)."""
+    return f"GRANT {', '.join(rights)} ON {claims_table} TO {role}"
 
 
 @contextlib.contextmanager
@@ -57,9 +71,13 @@ def claims_table_needed(claims_table: str, location: str | None) -> Iterator[Non
 def findings(
     row: Mapping[str, Any], *, table: str, claims_table: str, location: str | None
 ) -> list[StoreFinding]:
-    """What the ``check`` query's ``row`` says about the database at ``location``."""
+    """What the ``check`` query's ``row`` says about the database at ``location``;
+    ``claims_table`` is quoted, as a statement names it."""
     where = f"table {table} in {location}"
+    claims_name = claims_table.replace('"', "")
+    claims_where = f"table {claims_name} in {location}"
     missing = ", ".join(row["missing_columns"] or ())
+    missing_rights = row["missing_claims_rights"] or []
     why = "a standby" if row["standby"] else "transaction_read_only is on"
     candidates: list[tuple[bool, Literal["error", "warning"], str]] = [
         (not row["table_exists"], "error", f"{where} does not exist: {MIGRATE_HINT}"),
@@ -89,9 +107,17 @@ def findings(
         (
             row["table_exists"] and not row["operations_table_exists"],
             "warning",
-            f"table {claims_table} in {location} does not exist (a schema made before the "
+            f"{claims_where} does not exist (a schema made before the operation claims): "
+            "apps make no claims, so two services on this table are not told apart: "
+            f"{MIGRATE_HINT}",
+        ),
+        (
+            bool(missing_rights),
+            "warning",
+            f"role {row['role']} lacks {', '.join(missing_rights)} on {claims_where} (the "
             "operation claims): apps make no claims, so two services on this table are not "
-            f"told apart: {MIGRATE_HINT}",
+            "told apart, and purge leaves the lapsed claims: run "
+            f"{claims_grant(claims_table, row['role'], missing_rights)}",
         ),
     ]
     return [StoreFinding(level, message) for found, level, message in candidates if found]

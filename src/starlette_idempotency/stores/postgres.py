@@ -70,9 +70,12 @@ from starlette_idempotency._record import (
 from starlette_idempotency.errors import ConfigurationError, StoreError
 from starlette_idempotency.stores._lazy_pool import LazyPool
 from starlette_idempotency.stores._postgres_check import (
+    CLAIMS_RIGHTS,
     COLUMNS,
+    claims_grant,
     claims_table_needed,
     findings,
+    insufficient_privilege,
     undefined_table,
 )
 from starlette_idempotency.stores._postgres_connections import (
@@ -172,11 +175,12 @@ class PostgresStore(StoreBase):
         # Whether statements need an explicit READ COMMITTED transaction (None: not known yet).
         self._explicit_isolation: bool | None = None
         self._undoing: set[asyncio.Task[None]] = set()
+        claims_table = queries.operations.replace('"', "")
         self._round_trip = RoundTrip(
             self,
-            f"Grant the store's role SELECT, INSERT, UPDATE and DELETE on {table}, and give "
-            "the table the shape `starlette-idempotency migrate --sql` prints (its primary "
-            "key, its column types)",
+            f"Grant the store's role SELECT, INSERT, UPDATE and DELETE on {table} and "
+            f"{claims_table}, and give the table the shape `starlette-idempotency migrate "
+            "--sql` prints (its primary key, its column types)",
             ROUND_TRIP_TIMEOUT_SECONDS,
         )
 
@@ -503,13 +507,21 @@ class PostgresStore(StoreBase):
         locked by a concurrent takeover, so live keys are never touched or blocked.
 
         The lapsed operation claims go first, in one statement, not counted (a table of claims
-        that a database migrated before 0.3 lacks is skipped)."""
+        that a database migrated before 0.3 lacks is skipped, as is one the role may not use,
+        with a warning saying what to grant: the expired records are purged all the same)."""
         if batch_size < 1:
             raise ConfigurationError(f"batch_size must be at least 1, not {batch_size}")
         try:
             await self._fetchval("purge_expired", "purge_claims")
         except StoreError as exc:
-            if not undefined_table(exc):
+            if insufficient_privilege(exc):
+                logger.warning(
+                    "could not delete the lapsed operation claims (%s); purging the expired "
+                    "records all the same. Run %s",
+                    exc,
+                    claims_grant(self.queries.operations, "<the store's role>"),
+                )
+            elif not undefined_table(exc):
                 raise
         total = 0
         while True:
@@ -552,23 +564,24 @@ class PostgresStore(StoreBase):
         """Reach the database and report what would break or weaken the store: an ``error``
         when it is unreachable, read-only, or the table is missing or incomplete; a
         ``warning`` when a crash can lose acknowledged records, or when the table of operation
-        claims is missing (the app starts, and claims nothing). Never raises a store error;
-        raises :class:`ConfigurationError` for a store that cannot work as it is configured
-        (no pool handed over, pool options asyncpg refuses), which refuses the app's startup.
+        claims is missing or the role lacks a right on it (the app starts, and claims
+        nothing). Never raises a store error; raises :class:`ConfigurationError` for a store
+        that cannot work as it is configured (no pool handed over, pool options asyncpg
+        refuses), which refuses the app's startup.
 
         With the middleware it is the store's first operation unless the app's own startup
         used the store: a store built by :meth:`from_dsn` then opens its pool here, in the
         server's event loop."""
         try:
             row = await self._fetchrow(
-                "check", "check", self._table, COLUMNS, self.queries.operations
+                "check", "check", self._table, COLUMNS, self.queries.operations, CLAIMS_RIGHTS
             )
         except StoreError as exc:
             return [StoreFinding("error", f"{self.describe()} is unreachable: {exc}")]
         found = findings(
             row,
             table=self._table_name,
-            claims_table=self.queries.operations.replace('"', ""),
+            claims_table=self.queries.operations,
             location=self._location,
         )
         if any(finding.level == "error" for finding in found):

@@ -324,9 +324,15 @@ SELECT to_regclass($1) IS NOT NULL;
 -- What PostgresStore.check() reports, in one round trip. $1 the quoted table name (resolved
 -- as the queries resolve it), $2 the columns the queries use, of which missing_columns lists
 -- those the table lacks (all of them when it does not exist). unlogged is NULL then. $3 the
--- quoted name of the table of operation claims.
+-- quoted name of the table of operation claims, $4 the rights the claims need on it, of which
+-- missing_claims_rights lists those the role lacks (NULL when it lacks none, or the table is
+-- missing).
 SELECT to_regclass($1) IS NOT NULL AS table_exists,
        to_regclass($3) IS NOT NULL AS operations_table_exists,
+       (SELECT array_agg(wanted.name ORDER BY wanted.n)
+        FROM unnest($4::text[]) WITH ORDINALITY AS wanted (name, n)
+        WHERE NOT has_table_privilege(to_regclass($3), wanted.name)) AS missing_claims_rights,
+       quote_ident(current_user) AS role,
        (SELECT array_agg(wanted.name ORDER BY wanted.n)
         FROM unnest($2::text[]) WITH ORDINALITY AS wanted (name, n)
         WHERE NOT EXISTS (
