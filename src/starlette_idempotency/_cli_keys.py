@@ -84,9 +84,10 @@ def add_key_commands(
         "--route",
         required=True,
         metavar="TEMPLATE",
-        help="the route's path template, as the app declares it (/payments/{payment_id}); "
-        "under a Host route, the host and the template (api.example.com/payments); for a "
-        "route given operation=, that name",
+        help="the route's path template, as the app declares it (/payments/{payment_id}), or "
+        "for a route given operation=, that name (payments.create); under a Host route, the "
+        "host it matched followed directly by either, nothing between them "
+        "(api.example.com/payments, api.example.compayments.create)",
     )
     one.add_argument("--method", default="POST", help="the request's method (POST)")
     one.add_argument(
@@ -210,9 +211,10 @@ async def _record(store: RedisStore | PostgresStore, key: str) -> IdempotencyRec
     if record is None:
         raise CommandFailed(
             f"no record under {key!r} in {store.describe()}: check --key-prefix, --scope, "
-            "--method and --route (under a Host route it is the host and the template, "
-            "api.example.com/payments; with operation= it is that name). `list` prints the "
-            "routes of the records in progress"
+            "--method and --route (the template, or the operation= name; under a Host route "
+            "the host it matched followed directly by either: api.example.com/payments, "
+            "api.example.compayments.create). `list` prints the routes of the records in "
+            "progress"
         )
     return record
 

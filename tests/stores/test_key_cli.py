@@ -13,7 +13,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Host, Route
 
 from starlette_idempotency import (
     IdempotencyMiddleware,
@@ -71,11 +71,22 @@ def build_app(store: IdempotencyStore, running: asyncio.Event, release: asyncio.
         await release.wait()
         return JSONResponse({"done": True}, status_code=201)
 
+    @idempotent(operation="payments.create")
+    async def named_payments(request: Request) -> Response:
+        return JSONResponse({"paymentId": "p_2"}, status_code=201)
+
     def scope(connection: HTTPConnection) -> str:
         return connection.headers["x-client-id"]
 
+    tenants = Starlette(
+        routes=[
+            Route("/payments", payments, methods=["POST"]),
+            Route("/v2/payments", named_payments, methods=["POST"]),
+        ]
+    )
     app = Starlette(
         routes=[
+            Host("{tenant}.example.com", tenants),
             Route("/payments", payments, methods=["POST"]),
             Route("/charges", charges, methods=["POST"]),
             Route("/slow/{n}", slow, methods=["POST"]),
@@ -171,6 +182,20 @@ async def test_show_a_completed_key_its_body_only_when_asked(setup: Setup) -> No
     assert view["responseStatusCode"] == 201
     assert json.loads(view["responseBody"]) == {"paymentId": "p_1", "amount": "9.99"}
     assert ["content-type", "application/json"] in view["responseHeaders"]
+
+
+async def test_a_route_under_a_host_is_found_as_the_help_says(setup: Setup) -> None:
+    """Under a Host route the storage key holds the host the request matched followed directly
+    by the template or the operation= name, nothing between them (a changed key would run the
+    retries in flight across an upgrade again): --route's help shows both."""
+    for path in ("/payments", "/v2/payments"):
+        assert (await setup.pay("k-h", f"http://api.example.com{path}")).status_code == 201
+    usage = await asyncio.to_thread(run_cli, "show", "--help")
+    for route in ("api.example.com/payments", "api.example.compayments.create"):
+        assert route in usage.out
+        shown = await setup.cli("show", *ADDRESS, route, "k-h")
+        assert shown.code == 0, shown.err
+        assert shown.lines[:2] == [f"storage key: acme:POST:{route}:k-h", "status: Completed"]
 
 
 async def test_a_held_key_is_listed_as_stuck_then_resolved(setup: Setup) -> None:
