@@ -380,11 +380,10 @@ async def send_requires_recovery(send: Send, checkpoint: str) -> None:
 async def send_http_exception(
     exc: HTTPException, scope: Scope, receive: Receive, send: Send
 ) -> None:
-    """Answer an ``HTTPException`` raised before the app ran (by ``key_scope``) as the app
-    answers it: through its own handler for the exception, if it has one (FastAPI's JSON
-    ``{"detail": ...}``, or the app's), else as Starlette's default does."""
-    handlers = getattr(scope.get("app"), "exception_handlers", None) or {}
-    handler = next((handlers[kind] for kind in type(exc).__mro__ if kind in handlers), None)
+    """Answer an ``HTTPException`` raised before the app ran (by ``key_scope`` or ``key_from``)
+    as the app answers it: through its own handler for the status code or the exception, if it
+    has one (FastAPI's JSON ``{"detail": ...}``, or the app's), else as Starlette's default does."""
+    handler = _http_exception_handler(scope, exc)
     response: Any
     if handler is not None:
         response = handler(Request(scope, receive), exc)
@@ -395,3 +394,18 @@ async def send_http_exception(
     else:
         response = PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
     await response(scope, receive, send)
+
+
+def _http_exception_handler(scope: Scope, exc: HTTPException) -> Callable[..., Any] | None:
+    """The handler Starlette's ``ExceptionMiddleware`` picks for ``exc`` (its
+    ``wrap_app_handling_exceptions``, private to Starlette): the one for its status code, else
+    the nearest in its MRO. The ``500`` and ``Exception`` handlers are not among them: Starlette
+    gives those to ``ServerErrorMiddleware``, for errors no other handler answered."""
+    handlers: dict[Any, Callable[..., Any]] = {
+        key: handler
+        for key, handler in (getattr(scope.get("app"), "exception_handlers", None) or {}).items()
+        if key not in (500, Exception)
+    }
+    if exc.status_code in handlers:
+        return handlers[exc.status_code]
+    return next((handlers[kind] for kind in type(exc).__mro__ if kind in handlers), None)

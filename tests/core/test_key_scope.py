@@ -243,6 +243,52 @@ async def test_an_http_exception_from_key_scope_is_the_apps_own_answer() -> None
     assert runs["pay"] == 2
 
 
+async def on_401(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"refused": str(exc)}, status_code=401)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"paged": True}, status_code=500)
+
+
+@pytest.mark.parametrize(
+    "handlers",
+    [
+        {401: on_401},
+        {401: on_401, HTTPException: server_error},
+        {Exception: server_error},
+        {500: server_error},
+    ],
+    ids=["status", "status-before-class", "catch-all", "500"],
+)
+async def test_an_http_exception_from_key_scope_meets_the_handler_an_endpoints_would(
+    handlers: dict[Any, Any],
+) -> None:
+    """Starlette answers an HTTPException with the handler for its status code first, and
+    leaves the ``Exception`` and ``500`` handlers to errors nothing else answered."""
+
+    async def check_token(request: Request) -> Response:
+        return JSONResponse({"user": bearer_user(request)})
+
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        return JSONResponse({})
+
+    app = Starlette(
+        routes=[
+            Route("/pay", pay, methods=["POST"]),
+            Route("/check", check_token, methods=["POST"]),
+        ],
+        exception_handlers=handlers,
+    )
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), key_scope=bearer_user)
+    client = make_client(app)
+    refused = await client.post("/pay", headers={"Idempotency-Key": "k"})
+    endpoints_own = await client.post("/check")
+    assert endpoints_own.status_code == 401
+    assert (refused.status_code, refused.text) == (endpoints_own.status_code, endpoints_own.text)
+
+
 async def test_any_other_error_in_key_scope_is_logged_with_its_cause(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
