@@ -357,6 +357,7 @@ class KeyFormat:
                 ) from exc
             return cls._regex(compiled)
         if callable(key_format):
+            refuse_async_predicate(key_format, "key_format", "str -> bool")
             name = getattr(key_format, "__qualname__", repr(key_format))
             return cls(key_format, f"a key {name} accepts")
         raise ConfigurationError(
@@ -377,6 +378,20 @@ class KeyFormat:
         if self._accepts(key):
             return key
         return InvalidKey(f"{name} must be {self.requirement}", by_format=True)
+
+
+def refuse_async_predicate(predicate: Callable[..., object], option: str, signature: str) -> None:
+    """Refuse an ``async def`` (or an object whose ``__call__`` is one) as the predicate
+    ``option``. A predicate is called on the request path, never awaited: the coroutine it
+    returns is true whatever it would have decided."""
+    if inspect.iscoroutinefunction(predicate) or inspect.iscoroutinefunction(
+        type(predicate).__call__
+    ):
+        name = getattr(predicate, "__qualname__", repr(predicate))
+        raise ConfigurationError(
+            f"{option} must be a plain function {signature} (def, not async def), not {name}: "
+            "the coroutine an async function returns is always true"
+        )
 
 
 async def call_hook(hook: Callable[..., Any], option: str, scope: Scope, *args: Any) -> Any:

@@ -22,7 +22,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypedDict, TypeGuard
 
 from starlette_idempotency._kept_response import Redactor, StoredParts
-from starlette_idempotency._keys import KeyFormat, KeyFunction, KeySource
+from starlette_idempotency._keys import (
+    KeyFormat,
+    KeyFunction,
+    KeySource,
+    refuse_async_predicate,
+)
 from starlette_idempotency.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -72,7 +77,10 @@ def _release_check(statuses: ReleaseStatuses | None) -> Callable[[int], bool]:
 
 def _release_statuses(statuses: object) -> ReleaseStatuses | None:
     """``statuses`` checked, a collection of them as a frozenset."""
-    if statuses is None or callable(statuses):
+    if statuses is None:
+        return None
+    if callable(statuses):
+        refuse_async_predicate(statuses, "release_statuses", "status -> bool")
         return statuses
     if isinstance(statuses, str | bytes) or not isinstance(statuses, Iterable):
         raise ConfigurationError(

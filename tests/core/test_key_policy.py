@@ -43,6 +43,15 @@ from tests.support.guarded import make_client
 # -- every option is checked where it is given ------------------------------------------------
 
 
+async def async_predicate(value: object) -> bool:
+    return False
+
+
+class AsyncPredicate:
+    async def __call__(self, value: object) -> bool:
+        return False
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -58,6 +67,10 @@ from tests.support.guarded import make_client
         ({"release_statuses": [500, 99]}, r"from 100 to 599\), not 99"),
         ({"release_statuses": [True]}, "not True"),
         ({"release_statuses": ["500"]}, "not '500'"),
+        ({"key_format": async_predicate}, r"key_format must be a plain function str -> bool"),
+        ({"key_format": AsyncPredicate()}, r"\(def, not async def\)"),
+        ({"release_statuses": async_predicate}, "release_statuses must be a plain function"),
+        ({"release_statuses": AsyncPredicate()}, r"\(def, not async def\), not <tests"),
     ],
 )
 def test_a_wrong_value_is_refused_by_the_decorator_and_the_middleware(
