@@ -8,6 +8,8 @@ order of its values), and the body, whose form is named by its kind:
     A JSON body (``application/json``, ``application/*+json``), parsed by orjson and written
     back with sorted keys and no whitespace, so two encodings of one value are one request.
     Excluded fields are dropped at every depth, their names matched case-insensitively.
+    So is a body labelled a form on a route that reads its key from a JSON field of it
+    (``KeySource.json_field``): the app reads it as JSON too.
 ``json-exact``
     JSON that orjson cannot carry exactly: integers outside 64 bits (orjson reads them as
     floats), ``NaN``, ``Infinity``, ``1e400``, lone surrogates, a byte order mark, UTF-16.
@@ -512,7 +514,11 @@ def raw_body_form(
     urlencoded and multipart forms canonicalised, anything else as its bytes (see the module
     docstring). ``parsed`` is a JSON body already parsed (see :class:`ParsedJson`)."""
     media_type, is_json, charset = _MEDIA_TYPES.get(content_type) or _media_type(content_type)
-    if is_json:  # read from its bytes (UTF-8, -16 or -32, as json.loads tells), whatever charset
+    # A body the route read as JSON (its key is a field of it) is JSON to the app, whatever its
+    # label: as a form, two JSON values would be one ("+" and " ", "%41" and "A"). Under any
+    # other label it keeps its exact bytes, which never make two values one.
+    if is_json or (parsed is not None and media_type == _FORM_MEDIA_TYPE):
+        # read from its bytes (UTF-8, -16 or -32, as json.loads tells), whatever charset
         canonical = canonical_json(body, excluded, parsed)
         if canonical is not None:
             return canonical

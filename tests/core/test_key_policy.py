@@ -209,6 +209,26 @@ async def test_a_float_field_is_still_refused() -> None:
     assert "must be a string or an integer, not float" in response.json()["error"]
 
 
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [('"alice+bob"', '"alice bob"'), ('"%41CME"', '"ACME"')],
+)
+async def test_a_json_body_labelled_a_form_is_fingerprinted_as_the_json_read(
+    first: str, second: str
+) -> None:
+    """The key is read from the body as JSON, and so is the body by the app, whatever its
+    label: as a form, these pairs of JSON values were one request, the second a replay."""
+    runs: list[str] = []
+    _, client = app_with(runs, key_from=KeySource.json_field("id"))
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    sent = await client.post("/hook", content=f'{{"id": "t1", "to": {first}}}', headers=form)
+    retry = await client.post("/hook", content=f'{{"to":{first},"id":"t1"}}', headers=form)
+    other = await client.post("/hook", content=f'{{"id": "t1", "to": {second}}}', headers=form)
+    assert (sent.status_code, retry.headers["x-idempotent-replay"]) == (201, "true")
+    assert other.status_code == 422
+    assert len(runs) == 1
+
+
 async def test_a_header_source_is_parsed_as_the_key_header_is() -> None:
     runs: list[str] = []
     _, client = app_with(runs, key_from=KeySource.header("webhook-id"))
