@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from fastapi import FastAPI
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -55,6 +56,7 @@ from starlette.types import ASGIApp, Message
 from starlette_idempotency import (
     IdempotencyMiddleware,
     IdempotencyStore,
+    KeySource,
     MemoryStore,
     ResponseEncryption,
     idempotent,
@@ -630,6 +632,7 @@ class WebhookContext(Context):
         (path,) = [
             route.path for route in namespace["app"].routes if route.path.startswith("/webhooks")
         ]
+        await self.check_senders_apart(namespace["app"])
         delivery = f"evt_{uuid.uuid4().hex}"
         body = json.dumps({"id": delivery, "type": "test", "data": {"object": {}}}).encode()
         headers = {"Content-Type": "application/json", **self.signed(body, delivery)}
@@ -642,6 +645,22 @@ class WebhookContext(Context):
             assert first.json() == {"received": True}
             retry = await client.post(path, content=body, headers=headers)
             assert retry.headers["x-idempotent-replay"] == "true"
+
+    @staticmethod
+    async def check_senders_apart(app: FastAPI) -> None:
+        """One route for many senders, under the page's ``key_scope``: the same event id from
+        two senders is two events, each run (the storage key holds the route's template)."""
+
+        @app.post("/senders/{sender}")
+        @idempotent(key_from=KeySource.json_field("id"))
+        async def sender_webhook(sender: str) -> dict[str, str]:
+            return {"sender": sender}
+
+        async with serve(app, raise_app_exceptions=True) as client:
+            for sender in ("acme", "globex"):
+                event = {"id": 1001, "sender": sender}
+                response = await client.post(f"/senders/{sender}", json=event)
+                assert response.json() == {"sender": sender}, response.text
 
 
 CONTEXTS: dict[str, Callable[[], Context]] = {
