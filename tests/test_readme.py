@@ -640,6 +640,11 @@ class WebhookContext(Context):
             forged = {**headers, **self.signed(b"another body", delivery)}
             refused = await client.post(path, content=body, headers=forged)
             assert refused.status_code in (400, 401), refused.text
+            for name, value in self.signed(body, delivery).items():
+                # Starlette reads a header as latin-1, and "²" is a digit to str.isdigit().
+                garbled = httpx.Headers({**headers, name: value + "²"}, encoding="latin-1")
+                refused = await client.post(path, content=body, headers=garbled)
+                assert refused.status_code in (400, 401), (name, refused.text)
             first = await client.post(path, content=body, headers=headers)
             assert first.status_code == 200, first.text
             assert first.json() == {"received": True}

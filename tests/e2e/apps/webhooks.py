@@ -39,8 +39,9 @@ def github_signature(body: bytes) -> str:
 
 async def github_delivery(request: HTTPConnection, body: bytes) -> str | None:
     """The delivery's id, once its signature is verified: the raw body is at hand here."""
-    signature = request.headers.get("x-hub-signature-256", "")
-    if not hmac.compare_digest(signature, github_signature(body)):
+    # The header's bytes: compare_digest raises a TypeError (a 500) for a non-ASCII str.
+    signature = request.headers.get("x-hub-signature-256", "").encode("latin-1")
+    if not hmac.compare_digest(signature, github_signature(body).encode()):
         raise HTTPException(401, "bad signature")
     return request.headers.get("x-github-delivery")
 
