@@ -428,9 +428,10 @@ def idempotent(
 def idempotent(func: Any = None, /, *, operation: str | None = None, **options: Any) -> Any:
     """Make a POST/PATCH endpoint idempotent under :class:`IdempotencyMiddleware`.
 
-    Every option left out takes the middleware's value; the documentation's options reference
-    describes each. Put it below ``@app.post(...)``; bare ``@idempotent`` takes every option
-    from the middleware::
+    Every option left out takes the middleware's value, and so does one given as ``None``
+    ("as the middleware says": a route cannot reset an option to its default with ``None``);
+    the documentation's options reference describes each. Put it below ``@app.post(...)``;
+    bare ``@idempotent`` takes every option from the middleware::
 
         @app.post("/payments")
         @idempotent(ttl_hours=48, lock_ttl_seconds=60)

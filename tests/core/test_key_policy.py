@@ -130,6 +130,30 @@ def app_with(
     return app, make_client(app, raise_app_exceptions=False)
 
 
+async def test_an_option_given_as_none_takes_the_middlewares_value() -> None:
+    """``None`` means "as the middleware says" (the options reference), not the default."""
+    runs: list[str] = []
+
+    @idempotent(release_statuses=None, key_from=None)
+    async def hook(request: Request) -> Response:
+        runs.append("run")
+        return JSONResponse({}, status_code=503)
+
+    middleware = Middleware(
+        IdempotencyMiddleware,
+        store=MemoryStore(),
+        key_scope=lambda r: "t",
+        release_statuses=(),
+        key_from=KeySource.json_field("id"),
+    )
+    app = Starlette(routes=[Route("/hook", hook, methods=["POST"])], middleware=[middleware])
+    client = make_client(app)
+    first = await client.post("/hook", json={"id": "e1"})
+    retry = await client.post("/hook", json={"id": "e1"})
+    assert (first.status_code, retry.headers["x-idempotent-replay"]) == (503, "true")
+    assert runs == ["run"]
+
+
 def sync_source(request: HTTPConnection, body: bytes) -> str | None:
     return request.headers.get("x-delivery")
 
