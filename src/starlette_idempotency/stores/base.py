@@ -311,9 +311,8 @@ class StoreBase(IdempotencyStore):
     async def _take_over_lapsed(self, key: str, current: IdempotencyRecord) -> IdempotencyRecord:
         """``current`` under an owner token of its own when its lease ran out after a recovery
         point (judged by the store, on its clock, in the takeover); else ``current``."""
-        if not (self.supports_recovery and current.checkpoints):
-            return current
-        if current.status is not RecordStatus.IN_PROGRESS:
+        lapsable = current.status is RecordStatus.IN_PROGRESS and current.checkpoints
+        if not (self.supports_recovery and lapsable):
             return current
         now = time.time()
         resolver = IdempotencyRecord(
