@@ -52,6 +52,8 @@ class _Connection(Protocol):
 
     async def begin(self) -> None: ...
 
+    def join(self) -> None: ...
+
     async def flush(self) -> None: ...
 
     async def commit(self) -> None: ...
@@ -62,11 +64,15 @@ class _Connection(Protocol):
 
 
 class _Opened:
-    """A driver's connection, and the transaction opened on it (when one was)."""
+    """A driver's connection, and the transaction opened or joined on it."""
 
     def __init__(self, connection: Any) -> None:
         self._connection = connection
         self._transaction: Any = None
+
+    def join(self) -> None:
+        """Take the transaction open on the connection as the block's, to tell whether the
+        app ends it inside the block."""
 
     async def flush(self) -> None:
         """Send what the driver holds back until the commit (a session's pending ORM writes):
@@ -120,6 +126,9 @@ class _SQLAlchemy(_Opened):
 
     async def begin(self) -> None:
         self._transaction = await self._connection.begin()
+
+    def join(self) -> None:
+        self._transaction = self._connection.get_transaction()
 
     async def flush(self) -> None:
         if hasattr(self._connection, "flush"):  # an AsyncSession
@@ -246,19 +255,21 @@ class IdempotencyTransaction:
             raise IdempotencyError(f"{what} after tx.respond(): the outcome is written")
         if not self._lease.transaction_open:
             raise IdempotencyError(f"{what} outside its idempotency_transaction block")
-        if self._opened and self._connection.ended_by_app():
+        if self._connection.ended_by_app():
             raise self._refuse_the_apps_end()
 
     def _refuse_the_apps_end(self) -> IdempotencyError:
-        """The transaction this block opened was committed or rolled back by the app inside
-        it: what it committed is not known here, so nothing more is written for the request
-        and its lock lapses (a retry then finds what committed)."""
+        """The block's transaction (opened by it, or the app's it joined) was committed or
+        rolled back by the app inside it: what it committed is not known here, so nothing
+        more is written for the request and its lock lapses (a retry then finds what
+        committed)."""
         self._lease.in_doubt = True
+        ends = "the block commits it as it ends" if self._opened else "you commit it after"
         return IdempotencyError(
-            f"the transaction idempotency_transaction opened for idempotency key "
-            f"{self._lease.key!r} was committed or rolled back inside the block: the block "
-            "commits it as it ends, with the record. Remove the commit() (or rollback()) "
-            "from the block; the key is left locked until its lock expires"
+            f"the transaction of the idempotency_transaction block for idempotency key "
+            f"{self._lease.key!r} was committed or rolled back inside the block: {ends}, "
+            "with the record. Remove the commit() (or rollback()) from the block; the key is "
+            "left locked until its lock expires"
         )
 
     async def _run(self, statement: Statement) -> Any:
@@ -292,11 +303,15 @@ class IdempotencyTransaction:
                 "the savepoint, the record would be undone while the transaction's other "
                 "writes commit. Open it in the top-level transaction"
             )
+        else:
+            connection.join()
         lease.transaction_open = True
         try:
             try:
                 fenced = await self._run(
-                    self._queries.fence(lease.store_key, lease.record.owner_token)
+                    self._queries.fence(
+                        lease.store_key, lease.record.owner_token, lease.policy.lock_ttl_seconds
+                    )
                 )
             except Exception as exc:
                 if _sqlstate(exc) == _UNDEFINED_TABLE:
@@ -351,12 +366,6 @@ class IdempotencyTransaction:
         failed, a statement in the transaction failed, the connection had closed) committed
         nothing: the key is freed as for any failure."""
         connection = self._connection
-        if connection.ended_by_app():
-            error = self._refuse_the_apps_end()
-            if committing:
-                raise error
-            logger.error("%s", error)  # the block's own exception goes on
-            return
         if not committing:
             await connection.rollback()
             return
@@ -389,7 +398,12 @@ class IdempotencyTransaction:
     ) -> None:
         lease = self._lease
         try:
-            if self._opened:
+            if self._connection.ended_by_app():
+                error = self._refuse_the_apps_end()
+                if kind is None:
+                    raise error
+                logger.error("%s", error)  # the block's own exception goes on
+            elif self._opened:
                 await self._end(committing=kind is None)
             elif kind is None:  # the app's transaction commits the outcome: if it still can
                 await self._still_committable()

@@ -371,6 +371,80 @@ async def test_a_commit_before_the_outcome_leaves_the_key_locked(
     assert await payments(sql, tables, "early") == 1
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_commit_in_a_joined_block_leaves_the_key_locked(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The app's transaction is open (a SELECT began it) when the block joins it; the app
+    commits its payment in the block, then calls ``tx.respond()``. The record was written in
+    a transaction nobody committed, and every retry paid again once the lock lapsed: refused,
+    and the key stays locked (409)."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+
+    async def pay(request: Request) -> Response:
+        async with connected(driver, postgres_dsn) as (connection, fetchval):
+            if driver == "asyncpg":
+                await connection.execute("BEGIN")
+            else:
+                await fetchval("SELECT 1")  # SQLAlchemy begins the transaction
+            async with idempotency_transaction(request, connection) as tx:
+                await fetchval(
+                    f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                    "VALUES ('joined', '9.99', '')"
+                )
+                await _commit(driver, connection)
+                response = await tx.respond(JSONResponse({}, status_code=201))
+            await _commit(driver, connection)
+            return response
+
+    app = guarded(store, pay)
+    headers = {"Idempotency-Key": "joined"}
+    async with client_of(app, store) as client:
+        first = await client.post("/pay", json={}, headers=headers)
+        retry = await client.post("/pay", json={}, headers=headers)
+    assert first.status_code == 500
+    assert retry.status_code == 409
+    assert await status_of(sql, tables, "joined") == "InProgress"
+    assert await payments(sql, tables, "joined") == 1
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_recovery_point_after_a_lapsed_lock_commits(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The lock lapsed before the block (a blocked loop, a pause), and nobody took the key
+    over: the fence lets the request in, so its recovery point must be written too. It was
+    refused as a lock taken over, and the only request for the key got 409."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+
+    async def pay(request: Request) -> Response:
+        key = request.headers["idempotency-key"]
+        await sql.execute(  # the lock lapses, on the database's clock
+            f"UPDATE {tables} SET expires_at = now() - interval '1 second' "
+            "WHERE idempotency_key = $1",
+            key,
+        )
+        async with (
+            connected(driver, postgres_dsn) as (connection, fetchval),
+            idempotency_transaction(request, connection) as tx,
+        ):
+            await fetchval(
+                f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                "VALUES ($1, '9.99', '')",
+                key,
+            )
+            await tx.checkpoint("paid")
+            return await tx.respond(JSONResponse({"paid": key}, status_code=201))
+
+    app = guarded(store, pay, renew_lock=False)
+    headers = {"Idempotency-Key": "lapsed"}
+    async with client_of(app, store) as client:
+        first = await client.post("/pay", json={}, headers=headers)
+        retry = await client.post("/pay", json={}, headers=headers)
+    assert first.status_code == 201
+    await assert_replayed_once(retry, sql, tables, "lapsed")
+
+
 async def test_a_transaction_after_the_response_is_refused(
     postgres_dsn: str, tables: str, sql: Any
 ) -> None:

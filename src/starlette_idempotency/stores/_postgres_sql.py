@@ -208,5 +208,5 @@ class TableQueries:
             ),
         )
 
-    def fence(self, key: str, owner_token: str) -> Statement:
-        return Statement("fence", (self.prefix + key, owner_token))
+    def fence(self, key: str, owner_token: str, lock_ttl: float) -> Statement:
+        return Statement("fence", (self.prefix + key, owner_token, float(lock_ttl)))

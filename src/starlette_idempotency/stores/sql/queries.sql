@@ -154,11 +154,14 @@ RETURNING true;
 -- idempotency_transaction's first statement, in the app's own transaction: lock the row of
 -- owner token $2 while it is InProgress, so that it stays this request's until the transaction
 -- ends (a takeover's FOR UPDATE waits for it, then finds the row finished). Expiry is not
--- checked: a lapsed lock that nobody took over is still this request's to finish. $1 storage
--- key. One row (true) when fenced; none when the key was taken over, finished or is gone.
-SELECT true FROM {table}
+-- checked: a lapsed lock that nobody took over is still this request's to finish, and it gets
+-- $3 seconds from now() again, so that the transaction's own writes (save_progress) find it
+-- held. $1 storage key. One row (true) when fenced; none when the key was taken over,
+-- finished or is gone.
+UPDATE {table}
+SET expires_at = greatest(expires_at, now() + make_interval(secs => $3))
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress'
-FOR UPDATE;
+RETURNING true;
 
 -- name: release
 -- Delete the owner's row. $1 storage key, $2 owner token.
