@@ -272,6 +272,19 @@ class IdempotencyTransaction:
             "left locked until its lock expires"
         )
 
+    def _refuse_nothing_recorded(self) -> IdempotencyError:
+        """The block ends with neither the outcome nor a recovery point written: its writes
+        would commit with nothing on the record to say so, and a failure after it (a 500)
+        would free the key for a retry that writes them again."""
+        undone = "it was rolled back" if self._opened else "roll your transaction back"
+        return IdempotencyError(
+            f"the idempotency_transaction block for idempotency key {self._lease.key!r} ended "
+            "without tx.respond() or tx.checkpoint(): what it wrote would commit with nothing "
+            "on the record, and a retry after a failure would write it again. Return "
+            f"`await tx.respond(response)` from the block, or save a recovery point with "
+            f"tx.checkpoint(name, data) in it ({undone})"
+        )
+
     async def _run(self, statement: Statement) -> Any:
         return await self._connection.fetchval(self._queries.sql[statement.query], statement.args)
 
@@ -403,6 +416,10 @@ class IdempotencyTransaction:
                 if kind is None:
                     raise error
                 logger.error("%s", error)  # the block's own exception goes on
+            elif kind is None and self._responded is None and self._record is None:
+                if self._opened:
+                    await self._end(committing=False)
+                raise self._refuse_nothing_recorded()
             elif self._opened:
                 await self._end(committing=kind is None)
             elif kind is None:  # the app's transaction commits the outcome: if it still can

@@ -445,6 +445,39 @@ async def test_a_recovery_point_after_a_lapsed_lock_commits(
     await assert_replayed_once(retry, sql, tables, "lapsed")
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_block_that_records_nothing_is_refused_and_commits_nothing(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """A block that writes the payment but neither the outcome nor a recovery point, then a
+    500 after it: the 500 freed the key, and every retry paid again."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    refused: list[str] = []
+
+    async def pay(request: Request) -> Response:
+        try:
+            async with (
+                connected(driver, postgres_dsn) as (connection, fetchval),
+                idempotency_transaction(request, connection),
+            ):
+                await fetchval(
+                    f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                    "VALUES ('silent', '9.99', '')"
+                )
+        except IdempotencyError as exc:
+            refused.append(str(exc))
+        return JSONResponse({}, status_code=500)
+
+    app = guarded(store, pay)
+    headers = {"Idempotency-Key": "silent"}
+    async with client_of(app, store) as client:
+        for _ in range(2):
+            assert (await client.post("/pay", json={}, headers=headers)).status_code == 500
+    assert len(refused) == 2
+    assert "ended without tx.respond() or tx.checkpoint()" in refused[0]
+    assert await payments(sql, tables, "silent") == 0
+
+
 async def test_a_transaction_after_the_response_is_refused(
     postgres_dsn: str, tables: str, sql: Any
 ) -> None:
