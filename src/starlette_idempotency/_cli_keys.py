@@ -190,10 +190,12 @@ async def run_key_command(store: RedisStore | PostgresStore, args: argparse.Name
         if encryption is not None:
             response = encryption.encrypt(response, key)
         ttl = args.ttl_hours * 3600
-        if not await store.resolve(key, response, ttl, owner_token=record.owner_token):
+        # Without --force, only the record looked at, and only while its handler has stopped.
+        checked = None if args.force else record.owner_token
+        if not await store.resolve(key, response, ttl, owner_token=checked):
             raise CommandFailed(
-                f"{key!r} changed hands meanwhile (a retry took it over, or it was deleted or "
-                "expired): show it again"
+                f"{key!r} changed hands meanwhile, or its handler holds it again (a retry took "
+                "it over, its lease was renewed, or it was deleted or expired): show it again"
             )
         finished = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
         return _done("resolved", key, finished, as_json=args.json)

@@ -622,6 +622,23 @@ async def test_a_resolution_leaves_a_record_that_changed_hands(
     assert stored.owner_token == "owner-b"
 
 
+async def test_a_resolution_leaves_a_record_whose_handler_holds_it_again(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """The operator saw the lease run out (on a clock of its own, or before the handler woke
+    and renewed it): on the store's clock it runs, so the handler may still answer."""
+    require_recovery(store)
+    running = checkpointed(await held(store, make_record), harness.now())
+    assert await store.save_progress("k1", running, RETENTION_TTL, LOCK_TTL)
+
+    assert not await resolving(store).resolve("k1", RESOLVED, owner_token="owner-a")
+
+    stored = await store.get("k1")
+    assert stored is not None
+    assert stored.status is RecordStatus.IN_PROGRESS
+    assert await store.finish("k1", finished(running), RETENTION_TTL)
+
+
 @pytest.mark.parametrize("status_code", [100, 101, 199])
 async def test_resolve_refuses_a_status_no_replay_can_send(
     store: IdempotencyStore, make_record: MakeRecord, status_code: int

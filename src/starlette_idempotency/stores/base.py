@@ -274,9 +274,10 @@ class StoreBase(IdempotencyStore):
         owner_token: str | None = None,
     ) -> bool:
         """Finish the record under ``key`` with ``response`` (for operators and reconcilers),
-        kept ``ttl`` seconds: whoever holds it, or with ``owner_token`` only while that owner
-        does (the one the caller looked at). Returns false when there is no record to resolve,
-        or it changed hands.
+        kept ``ttl`` seconds: whoever holds it, or with ``owner_token`` only the record of
+        that owner (the one the caller looked at) and, when it has recovery points, only once
+        its lease has run out on the store's clock. Returns false when there is no record to
+        resolve, or it changed hands, or its handler holds it again.
 
         A record whose lease ran out after a recovery point (its handler died, or froze) is
         taken over first, as a retry would take it, and finished under an owner token of its
@@ -300,17 +301,24 @@ class StoreBase(IdempotencyStore):
             current = await self.get(key)
             if current is None or owner_token not in (None, current.owner_token):
                 return False
-            current = await self._take_over_lapsed(key, current)
-            record = current.finished(status, response, expires_at=time.time() + ttl)
+            taken = await self._take_over_lapsed(key, current)
+            if taken is None:
+                if owner_token is not None:  # its lease runs: its handler may
+                    return False
+                taken = current
+            record = taken.finished(status, response, expires_at=time.time() + ttl)
             if await self.finish(key, record, ttl):
                 return True
             if owner_token is not None:
                 return False
         return False
 
-    async def _take_over_lapsed(self, key: str, current: IdempotencyRecord) -> IdempotencyRecord:
+    async def _take_over_lapsed(
+        self, key: str, current: IdempotencyRecord
+    ) -> IdempotencyRecord | None:
         """``current`` under an owner token of its own when its lease ran out after a recovery
-        point (judged by the store, on its clock, in the takeover); else ``current``."""
+        point (judged by the store, on its clock, in the takeover); ``None`` when its lease
+        runs; else ``current``."""
         lapsable = current.status is RecordStatus.IN_PROGRESS and current.checkpoints
         if not (self.supports_recovery and lapsable):
             return current
@@ -326,7 +334,7 @@ class StoreBase(IdempotencyStore):
         )
         taken = await self.try_acquire(key, resolver, _RESOLVER_LOCK_SECONDS)
         if not taken.acquired:
-            return current
+            return None
         return replace(current, owner_token=resolver.owner_token)
 
     async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
