@@ -115,13 +115,15 @@ def _report_failure(ending: asyncio.Task[None]) -> None:
 def _going_on_from(record: IdempotencyRecord, taken: IdempotencyRecord | None) -> IdempotencyRecord:
     """``record`` with the recovery points of ``taken``, the record its take-back took over,
     when a successor went on from ``record``'s (it recovered the key, saved more, and let it
-    go): they say what that successor's effects were, for whichever retry comes next."""
+    go): they say what that successor's effects were, for whichever retry comes next. Points
+    are told apart by name: read back from a store, their times are to the millisecond."""
+    own = [point.name for point in record.checkpoints]
     if (
         taken is None
         or taken.status is not RecordStatus.IN_PROGRESS
         or taken.request_fingerprint != record.request_fingerprint
         or taken.fingerprint_version != record.fingerprint_version
-        or taken.checkpoints[: len(record.checkpoints)] != record.checkpoints
+        or [point.name for point in taken.checkpoints[: len(own)]] != own
     ):
         return record
     return replace(record, checkpoints=taken.checkpoints)

@@ -24,6 +24,7 @@ from starlette_idempotency import (
     idempotent,
     storage_key,
 )
+from starlette_idempotency._lease import _going_on_from
 from starlette_idempotency._record import Checkpoint
 from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency.stores import (
@@ -294,3 +295,20 @@ async def test_a_store_written_to_the_protocol_alone_takes_back_too() -> None:
     held = await store.get("k")
     assert held is not None
     assert held.owner_token == "handler"
+
+
+def test_a_successors_points_read_back_from_a_store_are_adopted() -> None:
+    """Redis and PostgreSQL keep a point's time to the millisecond: the successor's points,
+    read back, still go on from the handler's own (which were overwritten when compared
+    exactly)."""
+    own = replace(
+        pending("k", "handler"), checkpoints=(Checkpoint("charged", {"ref": 1}, 1.0001234),)
+    )
+    read_back = replace(
+        own,
+        owner_token="successor",
+        checkpoints=(Checkpoint("charged", {"ref": 1}, 1.0), Checkpoint("refunded", None, 2.0)),
+    )
+    adopted = _going_on_from(own, read_back)
+    assert [point.name for point in adopted.checkpoints] == ["charged", "refunded"]
+    assert adopted.owner_token == "handler"
