@@ -25,6 +25,8 @@ from starlette_idempotency import (
     readiness_route,
     store_ready,
 )
+from starlette_idempotency.stores import AcquireResult, IdempotencyRecord
+from starlette_idempotency.stores._round_trip import RoundTrip
 from starlette_idempotency.testing._processes import free_port
 
 
@@ -178,3 +180,33 @@ def test_the_route_answers_get_and_head() -> None:
     assert route.path == "/healthz/ready"
     assert route.methods == {"GET", "HEAD"}
     assert route.name == "idempotency_readiness"
+
+
+class CountingStore(MemoryStore):
+    """Counts the acquires: the round trip makes one each time it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acquires = 0
+
+    async def try_acquire(
+        self, key: str, pending: IdempotencyRecord, lock_ttl: float, *, recover: bool = True
+    ) -> AcquireResult:
+        self.acquires += 1
+        return await super().try_acquire(key, pending, lock_ttl, recover=recover)
+
+
+async def test_the_round_trip_runs_again_after_a_requests_operation_failed_only() -> None:
+    """An operation claim that fails every 5 s (a schema from before the claims) would have
+    every probe do three writes for as long as it fails; a failed acquire or write says
+    requests fail too."""
+    store = CountingStore()
+    round_trip = RoundTrip(store, "advice", 2.0)
+    assert await round_trip.finding("memory") is None
+    round_trip.failed("claim_operation")
+    round_trip.failed("purge_expired")
+    assert await round_trip.finding("memory") is None
+    assert store.acquires == 1
+    round_trip.failed("finish")
+    assert await round_trip.finding("memory") is None
+    assert store.acquires == 2

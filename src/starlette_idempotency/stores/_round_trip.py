@@ -34,9 +34,17 @@ _CHECK_KEY = "__idempotency_check__"
 IN_ROUND_TRIP: ContextVar[bool] = ContextVar("IN_ROUND_TRIP", default=False)
 
 
+#: The operations a request makes: one that fails says requests may fail the same way (a
+#: failed operation claim, purge or listing does not, and would otherwise have every probe run
+#: the round trip for as long as it fails).
+_REQUEST_OPERATIONS = frozenset(
+    {"try_acquire", "finish", "save_progress", "release", "renew", "get"}
+)
+
+
 class RoundTrip:
-    """A store's round trip, until it has worked; its store sets ``worked`` back to false when
-    one of its operations fails."""
+    """A store's round trip, until it has worked, and again once an operation a request makes
+    has failed (see :meth:`failed`)."""
 
     __slots__ = ("_advice", "_store", "_timeout", "worked")
 
@@ -45,6 +53,12 @@ class RoundTrip:
         self._advice = advice
         self._timeout = timeout
         self.worked = False
+
+    def failed(self, operation: str) -> None:
+        """The store's ``operation`` failed: if a request makes it, the next check runs the
+        round trip again."""
+        if operation in _REQUEST_OPERATIONS:
+            self.worked = False
 
     async def finding(self, where: str) -> StoreFinding | None:
         """An ``error`` when the store (at ``where``) refuses or fails what every request

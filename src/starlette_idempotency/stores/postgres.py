@@ -319,7 +319,7 @@ class PostgresStore(StoreBase):
         except Exception as exc:
             # A database that failed a request (a standby after a failover, a revoked grant)
             # is not ready until the check's round trip works again.
-            self._round_trip.worked = False
+            self._round_trip.failed(operation)
             raise_store_error(exc, operation)
 
     def _fetchval(self, operation: str, query: str, *args: Any) -> Awaitable[Any]:

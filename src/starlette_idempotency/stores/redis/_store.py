@@ -313,7 +313,7 @@ class RedisStore(StoreBase):
         """The driver's failure ``exc`` as the store's. The next check does what a request
         does again: a Redis that failed a request (a primary demoted to a replica, an ACL
         tightened, memory full under ``noeviction``) is not ready until it works again."""
-        self._round_trip.worked = False
+        self._round_trip.failed(operation)
         if isinstance(exc, self._driver.timeouts):
             return StoreTimeoutError(f"redis {operation} timed out for key {key!r}")
         return StoreError(f"redis {operation} failed for key {key!r}: {exc}")
