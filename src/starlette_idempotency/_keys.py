@@ -359,7 +359,12 @@ class KeyFormat:
         if callable(key_format):
             refuse_async_predicate(key_format, "key_format", "str -> bool")
             name = getattr(key_format, "__qualname__", repr(key_format))
-            return cls(key_format, f"a key {name} accepts")
+            accepts = key_format
+
+            def accepted(key: str) -> bool:
+                return predicate_answer(accepts(key), "key_format")
+
+            return cls(accepted, f"a key {name} accepts")
         raise ConfigurationError(
             "key_format must be 'uuid', a regular expression or a function str -> bool, "
             f"not {key_format!r}"
@@ -384,7 +389,7 @@ def refuse_async_predicate(predicate: Callable[..., object], option: str, signat
     """Refuse an ``async def`` (or an object whose ``__call__`` is one) as the predicate
     ``option``. A predicate is called on the request path, never awaited: the coroutine it
     returns is true whatever it would have decided."""
-    if inspect.iscoroutinefunction(predicate) or inspect.iscoroutinefunction(
+    if inspect.iscoroutinefunction(inspect.unwrap(predicate)) or inspect.iscoroutinefunction(
         type(predicate).__call__
     ):
         name = getattr(predicate, "__qualname__", repr(predicate))
@@ -392,6 +397,19 @@ def refuse_async_predicate(predicate: Callable[..., object], option: str, signat
             f"{option} must be a plain function {signature} (def, not async def), not {name}: "
             "the coroutine an async function returns is always true"
         )
+
+
+def predicate_answer(answer: object, option: str) -> bool:
+    """What the predicate ``option`` answered. An awaitable (an async function behind a
+    wrapper :func:`refuse_async_predicate` cannot see through) is refused, never taken as
+    true."""
+    if inspect.isawaitable(answer):
+        if inspect.iscoroutine(answer):
+            answer.close()  # never awaited: no "was never awaited" warning
+        raise ConfigurationError(
+            f"{option} returned an awaitable: it must be a plain function (def, not async def)"
+        )
+    return bool(answer)
 
 
 async def call_hook(hook: Callable[..., Any], option: str, scope: Scope, *args: Any) -> Any:

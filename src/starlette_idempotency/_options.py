@@ -26,6 +26,7 @@ from starlette_idempotency._keys import (
     KeyFormat,
     KeyFunction,
     KeySource,
+    predicate_answer,
     refuse_async_predicate,
 )
 from starlette_idempotency.errors import ConfigurationError
@@ -61,7 +62,7 @@ def _release_check(statuses: ReleaseStatuses | None) -> Callable[[int], bool]:
 
         def released(status: int) -> bool:
             try:
-                return bool(decide(status))
+                return predicate_answer(decide(status), "release_statuses")
             except Exception:
                 logger.exception(
                     "release_statuses %r raised for status %d: the default decides instead "

@@ -4,6 +4,7 @@ Redis is tests/e2e/test_webhooks.py)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import uuid
@@ -52,6 +53,11 @@ class AsyncPredicate:
         return False
 
 
+@functools.wraps(async_predicate)
+def wrapped_async_predicate(value: object) -> Any:
+    return async_predicate(value)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -71,6 +77,8 @@ class AsyncPredicate:
         ({"key_format": AsyncPredicate()}, r"\(def, not async def\)"),
         ({"release_statuses": async_predicate}, "release_statuses must be a plain function"),
         ({"release_statuses": AsyncPredicate()}, r"\(def, not async def\), not <tests"),
+        ({"release_statuses": wrapped_async_predicate}, "must be a plain function"),
+        ({"key_format": wrapped_async_predicate}, "must be a plain function"),
     ],
 )
 def test_a_wrong_value_is_refused_by_the_decorator_and_the_middleware(
@@ -548,3 +556,42 @@ async def test_openapi_lists_a_body_that_is_no_json_for_a_json_field_only() -> N
     invalid = operation["responses"]["400"]["description"]
     assert "Idempotency key is missing" in invalid
     assert "not JSON" not in invalid
+
+
+async def test_a_predicate_answering_an_awaitable_is_never_taken_as_true(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An async function behind a lambda passes the check where it is given; its coroutine,
+    always true, freed every 201 and let every key pass. Refused where it is called: the key
+    is refused, and the default decides what frees the key."""
+    runs = 0
+
+    @idempotent(
+        release_statuses=lambda status: async_predicate(status),
+        key_format=lambda key: async_predicate(key),
+    )
+    async def pay(request: Request) -> Response:
+        nonlocal runs
+        runs += 1
+        return JSONResponse({}, status_code=201)
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    guarded = IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: "t")
+    async with make_client(guarded, raise_app_exceptions=False) as client:
+        refused = await client.post("/pay", headers={"Idempotency-Key": "k1"})
+    assert refused.status_code == 500  # ConfigurationError: key_format returned an awaitable
+    assert runs == 0
+
+    @idempotent(release_statuses=lambda status: async_predicate(status))
+    async def charge(request: Request) -> Response:
+        nonlocal runs
+        runs += 1
+        return JSONResponse({}, status_code=201)
+
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    guarded = IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: "t")
+    async with make_client(guarded) as client:
+        for _ in range(2):
+            await client.post("/charge", headers={"Idempotency-Key": "k1"})
+    assert runs == 1
+    assert "release_statuses returned an awaitable" in caplog.text
