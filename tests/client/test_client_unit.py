@@ -250,6 +250,17 @@ async def test_sent_again_after_an_answer_that_needs_a_new_key_gets_one(
     assert response.request.headers["Idempotency-Key"] == second
 
 
+@pytest.mark.parametrize("code", [400, 401, 403, 422])
+async def test_sent_again_after_a_lost_answer_then_a_401_keeps_its_key(rig: Rig, code: int) -> None:
+    """The first attempt's answer was lost (it may have run the handler); the retry met an
+    auth layer's 401 (a token expired meanwhile). A new key on the refreshed request ran the
+    handler a second time; the same key gets the stored answer."""
+    script = Script(httpx.ReadError("reset"), status(code), status(201))
+    await rig.send(script, json={}, auth=SendAgain())
+    assert script.keys[0] is not None
+    assert script.keys == [script.keys[0]] * 3
+
+
 @pytest.mark.parametrize("code", [201, 202, 404, 409])
 async def test_sent_again_after_another_final_answer_keeps_its_key(rig: Rig, code: int) -> None:
     script = Script(status(code), status(201))

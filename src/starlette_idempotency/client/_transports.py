@@ -136,12 +136,15 @@ class _Attempts:
             )
         if (
             self._generated is not None
+            and self.count == 1
             and response is not None
             and response.status_code in NEW_KEY_STATUSES
         ):
             # Never retried, so final. An auth flow (a refreshed token, DigestAuth) sends this
             # same request object again: a 401 the handler returned is stored under this key,
-            # and only a new key gets past it.
+            # and only a new key gets past it. Only on the key's first attempt: after an
+            # earlier one that may have run (its answer lost), the 401 is a proxy's or an auth
+            # layer's, and a new key would run the handler again.
             self._request.extensions[_GENERATED_KEY_EXTENSION] = replace(
                 self._generated, spent=True
             )
