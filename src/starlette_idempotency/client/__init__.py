@@ -32,7 +32,8 @@ a wait that would end after ``deadline``     no          final: returned (or rai
 409 without a readable ``Retry-After``       no          final
 400, 401, 403, 422                           never       fix the request, then use a new key
                                                          (a generated key is replaced when
-                                                         an auth flow sends the request again)
+                                                         an auth flow sends the request again,
+                                                         if this answered its first attempt)
 202 ``{"status": "requires_recovery"}``      no          final, and not a success: retry later
                                                          with the same key (its request's
                                                          ``Idempotency-Key`` header)
