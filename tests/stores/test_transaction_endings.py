@@ -478,6 +478,41 @@ async def test_a_block_that_records_nothing_is_refused_and_commits_nothing(
     assert await payments(sql, tables, "silent") == 0
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_recovery_point_in_a_long_transaction_commits_with_a_live_lease(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The app's transaction began more than a lock's TTL before the block. Inside it,
+    ``now()`` is when it began: the recovery point's lease was counted from then, committed
+    already over, and a retry recovered the key while the handler still ran."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    leases: list[bool] = []
+
+    async def pay(request: Request) -> Response:
+        async with connected(driver, postgres_dsn) as (connection, fetchval):
+            if driver == "asyncpg":
+                await connection.execute("BEGIN")
+            else:
+                await fetchval("SELECT 1")  # SQLAlchemy begins the transaction
+            await asyncio.sleep(1.5)  # the app's work, the lock renewed meanwhile
+            async with idempotency_transaction(request, connection) as tx:
+                await tx.checkpoint("charged")
+            await _commit(driver, connection)
+        leases.append(
+            await sql.fetchval(
+                f"SELECT locked_until > clock_timestamp() FROM {tables} "
+                "WHERE idempotency_key = 'long'"
+            )
+        )
+        return JSONResponse({}, status_code=201)
+
+    app = guarded(store, pay, lock_ttl_seconds=1)
+    async with client_of(app, store) as client:
+        first = await client.post("/pay", json={}, headers={"Idempotency-Key": "long"})
+    assert first.status_code == 201
+    assert leases == [True]
+
+
 async def test_a_transaction_after_the_response_is_refused(
     postgres_dsn: str, tables: str, sql: Any
 ) -> None:

@@ -107,7 +107,7 @@ WHERE cur.key = $1 AND NOT EXISTS (SELECT 1 FROM prev);
 -- statement's snapshot meets ON CONFLICT, whose WHERE judges its newest version; if written
 -- over, the key was free for a while (RECLAIMED), as for an insert.
 WITH prev AS MATERIALIZED (
-    SELECT owner_token = $6 AND expires_at > now() AS held
+    SELECT owner_token = $6 AND expires_at > clock_timestamp() AS held
     FROM {table}
     WHERE key = $1
     FOR UPDATE
@@ -119,7 +119,7 @@ WITH prev AS MATERIALIZED (
     )
     SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::text, $7::integer,
            $8::text::jsonb, $9::bytea, $10::text, $11::timestamptz, $12::timestamptz,
-           NULL::timestamptz, now() + make_interval(secs => $13), $14::text::jsonb
+           NULL::timestamptz, clock_timestamp() + make_interval(secs => $13), $14::text::jsonb
     FROM (SELECT count(*) FROM prev) AS prev_first
     ON CONFLICT (key) DO UPDATE
     SET idempotency_key = EXCLUDED.idempotency_key, status = EXCLUDED.status,
@@ -130,7 +130,7 @@ WITH prev AS MATERIALIZED (
         response_content_type = EXCLUDED.response_content_type, created_at = EXCLUDED.created_at,
         record_expires_at = EXCLUDED.record_expires_at, locked_until = EXCLUDED.locked_until,
         expires_at = EXCLUDED.expires_at, checkpoints = EXCLUDED.checkpoints
-    WHERE t.owner_token = EXCLUDED.owner_token OR t.expires_at <= now()
+    WHERE t.owner_token = EXCLUDED.owner_token OR t.expires_at <= clock_timestamp()
     RETURNING 1
 )
 SELECT CASE
@@ -145,21 +145,22 @@ END;
 -- token, $5 the record's expires_at (kept as data). One row (true) while the owner holds the
 -- key InProgress: a late write never turns a finished record back.
 UPDATE {table}
-SET checkpoints = $3::text::jsonb, locked_until = now() + make_interval(secs => $4),
-    record_expires_at = $5, expires_at = now() + make_interval(secs => $6)
-WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > now()
+SET checkpoints = $3::text::jsonb, locked_until = clock_timestamp() + make_interval(secs => $4),
+    record_expires_at = $5, expires_at = clock_timestamp() + make_interval(secs => $6)
+WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > clock_timestamp()
 RETURNING true;
 
 -- name: fence
+-- (fence, save_progress and finish also run inside the app's transaction, where now() is the
+-- time the transaction began, maybe long ago: they read the clock with clock_timestamp().)
 -- idempotency_transaction's first statement, in the app's own transaction: lock the row of
 -- owner token $2 while it is InProgress, so that it stays this request's until the transaction
 -- ends (a takeover's FOR UPDATE waits for it, then finds the row finished). Expiry is not
 -- checked: a lapsed lock that nobody took over is still this request's to finish, and it gets
--- $3 seconds from now() again, so that the transaction's own writes (save_progress) find it
--- held. $1 storage key. One row (true) when fenced; none when the key was taken over,
+-- $3 seconds again, so that the transaction's own writes (save_progress) find it held. $1 storage key. One row (true) when fenced; none when the key was taken over,
 -- finished or is gone.
 UPDATE {table}
-SET expires_at = greatest(expires_at, now() + make_interval(secs => $3))
+SET expires_at = greatest(expires_at, clock_timestamp() + make_interval(secs => $3))
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress'
 RETURNING true;
 
