@@ -272,6 +272,19 @@ class IdempotencyTransaction:
             "left locked until its lock expires"
         )
 
+    async def _outcome_committed_by_the_app(self) -> bool:
+        """Whether the app's commit inside the block, after ``tx.respond()``, committed the
+        outcome: the record is finished under this request's owner token."""
+        if self._responded is None:
+            return False
+        lease = self._lease
+        found = await lease.store.get(lease.store_key)
+        return (
+            found is not None
+            and found.owner_token == lease.record.owner_token
+            and found.status is not RecordStatus.IN_PROGRESS
+        )
+
     def _refuse_nothing_recorded(self) -> IdempotencyError:
         """The block ends with neither the outcome nor a recovery point written: its writes
         would commit with nothing on the record to say so, and a failure after it (a 500)
@@ -410,12 +423,16 @@ class IdempotencyTransaction:
         traceback: TracebackType | None,
     ) -> None:
         lease = self._lease
+        commit_seen = self._opened  # else the app's transaction commits it after the block
         try:
             if self._connection.ended_by_app():
-                error = self._refuse_the_apps_end()
-                if kind is None:
-                    raise error
-                logger.error("%s", error)  # the block's own exception goes on
+                if kind is None and await self._outcome_committed_by_the_app():
+                    commit_seen = True
+                else:
+                    error = self._refuse_the_apps_end()
+                    if kind is None:
+                        raise error
+                    logger.error("%s", error)  # the block's own exception goes on
             elif kind is None and self._responded is None and self._record is None:
                 if self._opened:
                     await self._end(committing=False)
@@ -432,7 +449,7 @@ class IdempotencyTransaction:
         # writes from now on builds on it, and an outcome is never written again.
         if self._responded is not None:
             lease.recorded = self._responded
-            lease.in_the_apps_transaction = not self._opened
+            lease.in_the_apps_transaction = not commit_seen
         elif self._record is not None:
             lease.record = self._record
 
