@@ -261,6 +261,24 @@ async def test_sent_again_after_a_lost_answer_then_a_401_keeps_its_key(rig: Rig,
     assert script.keys == [script.keys[0]] * 3
 
 
+@pytest.mark.parametrize(
+    "unsent",
+    [httpx.ConnectError("refused"), httpx.ConnectTimeout("slow"), httpx.PoolTimeout("full")],
+    ids=lambda error: type(error).__name__,
+)
+async def test_sent_again_after_an_unsent_attempt_then_a_401_gets_a_new_key(
+    rig: Rig, unsent: Exception
+) -> None:
+    """The first attempt never left (no connection): the 401 answered the first attempt that
+    reached the server, and the handler's 401 is stored under the key."""
+    script = Script(unsent, status(401), status(201))
+    await rig.send(script, json={}, auth=SendAgain())
+    first, second, third = script.keys
+    assert first == second
+    assert third is not None
+    assert third != first
+
+
 @pytest.mark.parametrize("code", [201, 202, 404, 409])
 async def test_sent_again_after_another_final_answer_keeps_its_key(rig: Rig, code: int) -> None:
     script = Script(status(code), status(201))

@@ -69,6 +69,9 @@ def _replayable_stream_types() -> tuple[type, ...]:
 # Bodies already in memory (bytes, str, data=, json=, files= with seekable files).
 _REPLAYABLE_STREAMS = _replayable_stream_types()
 
+# Failures before the request went out: nothing reached the server.
+_NEVER_SENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
 # httpx copies a request's extensions onto the request it builds for a redirect, together with
 # its headers, so the key the transport generated follows it there; this note tells it apart.
 _GENERATED_KEY_EXTENSION = "starlette_idempotency.generated_key"
@@ -91,7 +94,7 @@ class _GeneratedKey:
 class _Attempts:
     """One request's attempts so far, measured against the policy."""
 
-    __slots__ = ("_generated", "_owner", "_request", "_started", "count", "key")
+    __slots__ = ("_generated", "_owner", "_reached", "_request", "_started", "count", "key")
 
     def __init__(
         self,
@@ -105,6 +108,8 @@ class _Attempts:
         self._request = request
         self._generated = generated
         self._started = owner._monotonic()
+        #: Whether an attempt so far may have reached the server (and run the handler).
+        self._reached = False
         self.count = 0
         self.key = key
 
@@ -136,18 +141,19 @@ class _Attempts:
             )
         if (
             self._generated is not None
-            and self.count == 1
+            and not self._reached
             and response is not None
             and response.status_code in NEW_KEY_STATUSES
         ):
             # Never retried, so final. An auth flow (a refreshed token, DigestAuth) sends this
             # same request object again: a 401 the handler returned is stored under this key,
-            # and only a new key gets past it. Only on the key's first attempt: after an
-            # earlier one that may have run (its answer lost), the 401 is a proxy's or an auth
-            # layer's, and a new key would run the handler again.
+            # and only a new key gets past it. Only if no earlier attempt may have reached the
+            # server: one whose answer was lost may have run the handler, and a new key would
+            # run it again.
             self._request.extensions[_GENERATED_KEY_EXTENSION] = replace(
                 self._generated, spent=True
             )
+        self._reached = self._reached or not isinstance(error, _NEVER_SENT_ERRORS)
         return delay
 
     def give_up(self, error: BaseException) -> None:
