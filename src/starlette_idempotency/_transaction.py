@@ -285,23 +285,10 @@ class IdempotencyTransaction:
             and found.status is not RecordStatus.IN_PROGRESS
         )
 
-    async def _end_without_outcome(self) -> None:
-        """End a block that wrote neither the outcome nor a recovery point: refused if its
-        transaction wrote rows (which would commit with nothing on the record to say so, and
-        a failure after the block, a 500, would free the key for a retry that writes them
-        again); a block that only read ends as it would have (a transaction it opened is
-        committed, with nothing in it)."""
-        connection = self._connection
-        await connection.flush()  # a session's pending ORM writes are writes too
-        if await self._run(self._queries.wrote_rows()):
-            if self._opened:
-                await self._end(committing=False)
-            raise self._refuse_nothing_recorded()
-        if self._opened:
-            await self._end(committing=True)
-
     def _refuse_nothing_recorded(self) -> IdempotencyError:
-        """The block wrote rows, and neither the outcome nor a recovery point."""
+        """The block ends with neither the outcome nor a recovery point written: its writes
+        would commit with nothing on the record to say so, and a failure after it (a 500)
+        would free the key for a retry that writes them again."""
         undone = "it was rolled back" if self._opened else "roll your transaction back"
         return IdempotencyError(
             f"the idempotency_transaction block for idempotency key {self._lease.key!r} ended "
@@ -447,7 +434,9 @@ class IdempotencyTransaction:
                         raise error
                     logger.error("%s", error)  # the block's own exception goes on
             elif kind is None and self._responded is None and self._record is None:
-                await self._end_without_outcome()
+                if self._opened:
+                    await self._end(committing=False)
+                raise self._refuse_nothing_recorded()
             elif self._opened:
                 await self._end(committing=kind is None)
             elif kind is None:  # the app's transaction commits the outcome: if it still can

@@ -513,32 +513,6 @@ async def test_a_recovery_point_in_a_long_transaction_commits_with_a_live_lease(
     assert leases == [True]
 
 
-@pytest.mark.parametrize("driver", DRIVERS)
-async def test_a_block_that_only_reads_ends_as_usual(
-    driver: str, postgres_dsn: str, tables: str, sql: Any
-) -> None:
-    """The block finds the order paid already and returns without writing: nothing could be
-    written twice, and its answer is stored as any response is."""
-    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
-
-    async def pay(request: Request) -> Response:
-        async with (
-            connected(driver, postgres_dsn) as (connection, fetchval),
-            idempotency_transaction(request, connection),
-        ):
-            paid = await fetchval(f"SELECT count(*) FROM {tables}_payments")
-        return JSONResponse({"paid": paid}, status_code=200)
-
-    app = guarded(store, pay)
-    headers = {"Idempotency-Key": "read"}
-    async with client_of(app, store) as client:
-        first = await client.post("/pay", json={}, headers=headers)
-        retry = await client.post("/pay", json={}, headers=headers)
-    assert first.status_code == 200
-    assert retry.headers["x-idempotent-replay"] == "true"
-    assert await status_of(sql, tables, "read") == "Completed"
-
-
 async def test_a_transaction_after_the_response_is_refused(
     postgres_dsn: str, tables: str, sql: Any
 ) -> None:

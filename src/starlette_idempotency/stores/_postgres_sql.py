@@ -210,6 +210,3 @@ class TableQueries:
 
     def fence(self, key: str, owner_token: str, lock_ttl: float) -> Statement:
         return Statement("fence", (self.prefix + key, owner_token, float(lock_ttl)))
-
-    def wrote_rows(self) -> Statement:
-        return Statement("wrote_rows", (self.table,))

@@ -164,14 +164,6 @@ SET expires_at = greatest(expires_at, clock_timestamp() + make_interval(secs => 
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress'
 RETURNING true;
 
--- name: wrote_rows
--- idempotency_transaction's check, as a block that wrote no outcome ends: whether its
--- transaction has inserted, updated or deleted rows of another table than the records'
--- (whose row its fence updated). $1 the records table, quoted as in the statements.
-SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) > 0
-FROM pg_stat_xact_user_tables
-WHERE relid <> $1::regclass;
-
 -- name: release
 -- Delete the owner's row. $1 storage key, $2 owner token.
 -- true when it was deleted or no live row of another owner holds the key; false otherwise.
