@@ -274,9 +274,15 @@ class IdempotencyTransaction:
 
     async def _outcome_committed_by_the_app(self) -> bool:
         """Whether the app's commit inside the block, after ``tx.respond()``, committed the
-        outcome: the record is finished under this request's owner token."""
+        outcome: the record is finished under this request's owner token. Not when the block
+        opened the transaction and the app has begun another since (writes after its commit,
+        which nobody would commit: the block's end commits the transaction it opened)."""
         if self._responded is None:
             return False
+        if self._opened:
+            await self._connection.flush()
+            if self._connection.in_transaction():
+                return False
         lease = self._lease
         found = await lease.store.get(lease.store_key)
         return (

@@ -371,6 +371,32 @@ async def test_a_commit_before_the_outcome_leaves_the_key_locked(
     assert await payments(sql, tables, "early") == 1
 
 
+async def test_writes_after_the_apps_commit_in_an_opened_block_are_refused(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The block opened the session's transaction; the app committed after ``tx.respond()``,
+    then wrote its outbox row in a transaction the session began afresh, which nobody
+    commits: the row was lost without a word. Refused instead."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+
+    async def pay(request: Request) -> Response:
+        async with connected("session", postgres_dsn) as (session, fetchval):
+            async with idempotency_transaction(request, session) as tx:
+                response = await tx.respond(JSONResponse({}, status_code=201))
+                await session.commit()
+                await fetchval(
+                    f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                    "VALUES ('after', '9.99', '')"
+                )
+            return response
+
+    app = guarded(store, pay)
+    async with client_of(app, store) as client:
+        first = await client.post("/pay", json={}, headers={"Idempotency-Key": "after"})
+    assert first.status_code == 500
+    assert await payments(sql, tables, "after") == 0
+
+
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_a_commit_in_a_joined_block_leaves_the_key_locked(
     driver: str, postgres_dsn: str, tables: str, sql: Any
