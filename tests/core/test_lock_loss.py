@@ -84,6 +84,15 @@ class App:
     def lock_lost_notes(self) -> list[str | None]:
         return [e.note for e in self.events if e.result == "LOCK_LOST"]
 
+    async def taken_back_by(self, owner_token: str) -> None:
+        """Wait until the key is held by ``owner_token`` again."""
+
+        async def back() -> bool:
+            record = await self.store.get(KEY)
+            return record is not None and record.owner_token == owner_token
+
+        await eventually(back, message="the lock taken back by its owner")
+
     async def delete_the_lock(self) -> IdempotencyRecord:
         """What an eviction or an operator's DEL does to the held key."""
         record = await self.store.get(KEY)
@@ -98,11 +107,7 @@ async def test_renewal_takes_a_vanished_lock_back_so_a_retry_cannot_run() -> Non
     await eventually(lambda: app.runs == 1, message="the handler to start")
     held = await app.delete_the_lock()
 
-    async def back() -> bool:
-        record = await app.store.get(KEY)
-        return record is not None and record.owner_token == held.owner_token
-
-    await eventually(back, message="the lock taken back by its owner")
+    await app.taken_back_by(held.owner_token)
     # The acquire, then the take-back, marked so that no store undoes it.
     assert app.store.marks == [None, held.owner_token]
     retry = await app.client.post("/slow", headers=HEADERS)
@@ -155,11 +160,7 @@ async def test_renewal_takes_back_a_key_the_other_request_lets_go() -> None:
     held = await taken_by_another(app)
     assert await app.store.release(KEY, "another-request")
 
-    async def back() -> bool:
-        record = await app.store.get(KEY)
-        return record is not None and record.owner_token == held.owner_token
-
-    await eventually(back, message="the lock taken back by its owner")
+    await app.taken_back_by(held.owner_token)
     retry = await app.client.post("/slow", headers=HEADERS)
     assert retry.status_code == 409
     assert app.lock_lost_notes() == ["taken_over", "reclaimed"]
@@ -193,11 +194,7 @@ async def test_renewal_takes_back_a_key_a_successor_kept_for_recovery() -> None:
     assert (await app.store.try_acquire(KEY, successor, 30)).acquired
     assert await app.store.save_progress(KEY, successor, 60, 0.0)
 
-    async def back() -> bool:
-        record = await app.store.get(KEY)
-        return record is not None and record.owner_token == held.owner_token
-
-    await eventually(back, message="the lock taken back by its owner")
+    await app.taken_back_by(held.owner_token)
     retry = await app.client.post("/slow", headers=HEADERS)
     assert retry.status_code == 409
     kept = await app.store.get(KEY)

@@ -143,6 +143,16 @@ async def status_of(sql: Any, table: str, key: str) -> str | None:
     return status
 
 
+async def sent_twice(
+    app: Starlette, store: PostgresStore, headers: dict[str, str]
+) -> tuple[httpx.Response, httpx.Response]:
+    """``POST /pay`` with ``headers``, then its retry, on a client that closes ``store``."""
+    async with client_of(app, store) as client:
+        first = await client.post("/pay", json={}, headers=headers)
+        retry = await client.post("/pay", json={}, headers=headers)
+    return first, retry
+
+
 async def assert_run_once(retry: httpx.Response, sql: Any, table: str, key: str) -> None:
     """``retry`` ran the payment (nothing of the first attempt committed), and one stands."""
     assert retry.status_code == 201
@@ -333,9 +343,7 @@ async def test_a_commit_of_the_apps_after_the_outcome_is_its_commit(
     store = PostgresStore.from_dsn(postgres_dsn, table=tables)
     app = paying_app(store, postgres_dsn, driver, tables, commit_in_the_block)
     headers = {"Idempotency-Key": "committed-inside"}
-    async with client_of(app, store) as client:
-        first = await client.post("/pay", json={}, headers=headers)
-        retry = await client.post("/pay", json={}, headers=headers)
+    first, retry = await sent_twice(app, store, headers)
     assert first.status_code == 201
     await assert_replayed_once(retry, sql, tables, "committed-inside")
 
@@ -362,9 +370,7 @@ async def test_a_commit_before_the_outcome_leaves_the_key_locked(
 
     app = guarded(store, pay)
     headers = {"Idempotency-Key": "early"}
-    async with client_of(app, store) as client:
-        first = await client.post("/pay", json={}, headers=headers)
-        retry = await client.post("/pay", json={}, headers=headers)
+    first, retry = await sent_twice(app, store, headers)
     assert first.status_code == 500
     assert retry.status_code == 409
     assert await status_of(sql, tables, "early") == "InProgress"
@@ -425,9 +431,7 @@ async def test_a_commit_in_a_joined_block_leaves_the_key_locked(
 
     app = guarded(store, pay)
     headers = {"Idempotency-Key": "joined"}
-    async with client_of(app, store) as client:
-        first = await client.post("/pay", json={}, headers=headers)
-        retry = await client.post("/pay", json={}, headers=headers)
+    first, retry = await sent_twice(app, store, headers)
     assert first.status_code == 500
     assert retry.status_code == 409
     assert await status_of(sql, tables, "joined") == "InProgress"
@@ -464,9 +468,7 @@ async def test_a_recovery_point_after_a_lapsed_lock_commits(
 
     app = guarded(store, pay, renew_lock=False)
     headers = {"Idempotency-Key": "lapsed"}
-    async with client_of(app, store) as client:
-        first = await client.post("/pay", json={}, headers=headers)
-        retry = await client.post("/pay", json={}, headers=headers)
+    first, retry = await sent_twice(app, store, headers)
     assert first.status_code == 201
     await assert_replayed_once(retry, sql, tables, "lapsed")
 
