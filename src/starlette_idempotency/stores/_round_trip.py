@@ -6,7 +6,7 @@ Reaching the server says little about whether it lets the store work. A Redis AC
 the handler again once the lock lapses; a PostgreSQL role without ``UPDATE``, or a table
 without its primary key, fails every request. Only doing it finds these.
 
-Once it has worked, a store does not do it again until one of its operations fails
+Once it has worked, a store does not do it again until an operation a request makes fails
 (:class:`RoundTrip`): a readiness probe stays as cheap as it was while the store works, not
 three round trips more on every probe of every pod, and a store that stopped working for
 requests (a Redis primary demoted to a replica, a revoked grant) is not ready again until the
