@@ -37,6 +37,7 @@ from starlette_idempotency._record import (
     StoredResponse,
     record_to_dict,
 )
+from starlette_idempotency._types import REPLAY_HEADER, STRIPE_REPLAY_HEADER
 from starlette_idempotency.errors import ConfigurationError
 from starlette_idempotency.stores.base import (
     DEFAULT_RESOLVED_TTL,
@@ -53,8 +54,12 @@ KEY_COMMANDS = frozenset({"show", "delete", "resolve", "list"})
 #: send as they are (Latin-1, no control characters).
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 _FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
-#: Statuses answered without a body (and so without a Content-Length).
-_NO_BODY_STATUSES = frozenset({204, 304})
+#: Statuses whose answer has no content (RFC 9110, 15.3.5, 15.3.6 and 15.4.5); 204 and 304 are
+#: sent without a Content-Length too, 205 with ``Content-Length: 0``.
+_NO_CONTENT_STATUSES = frozenset({204, 205, 304})
+_NO_LENGTH_STATUSES = frozenset({204, 304})
+#: The replay headers, added to every replay: stored too, a replay would carry them twice.
+_REPLAY_HEADERS = frozenset({REPLAY_HEADER.lower(), STRIPE_REPLAY_HEADER.lower()})
 _LIST_LIMIT = 1000
 
 
@@ -363,7 +368,7 @@ def _response(args: argparse.Namespace) -> StoredResponse:
                 f"--header {name}: the value must be Latin-1 text without control characters "
                 "(percent-encode anything else)"
             )
-        if never_stored(name) or name == "content-length":
+        if never_stored(name) or name == "content-length" or name in _REPLAY_HEADERS:
             raise ConfigurationError(f"--header {name}: this header is never stored")
         headers.append((name, value))
     if args.body_file is not None:
@@ -372,11 +377,11 @@ def _response(args: argparse.Namespace) -> StoredResponse:
         )
     else:
         body = (args.body or "").encode("utf-8")
-    if body and args.status in _NO_BODY_STATUSES:
+    if body and args.status in _NO_CONTENT_STATUSES:
         raise ConfigurationError(f"--status {args.status} is answered without a body: drop it")
     if body and not any(name == "content-type" for name, _ in headers):
         headers.append(("content-type", args.content_type))
-    if args.status not in _NO_BODY_STATUSES:
+    if args.status not in _NO_LENGTH_STATUSES:
         headers.append(("content-length", str(len(body))))
     content_type = next((value for name, value in headers if name == "content-type"), None)
     return StoredResponse(args.status, tuple(headers), body, content_type)

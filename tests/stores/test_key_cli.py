@@ -307,6 +307,9 @@ async def test_bad_usage_is_status_2(setup: Setup) -> None:
     [
         (("--status", "101"), "--status must be a final HTTP status code (200 to 599), not 101"),
         (("--status", "204", "--body", "{}"), "--status 204 is answered without a body"),
+        (("--status", "205", "--body", "{}"), "--status 205 is answered without a body"),
+        (("--header", "x-idempotent-replay: false"), "x-idempotent-replay: this header is never"),
+        (("--header", "Idempotent-Replayed: true"), "idempotent-replayed: this header is never"),
         (("--header", "x-note: paid 10\u20ac"), "the value must be Latin-1 text"),
         (("--header", "x bad: 1"), "--header takes 'NAME: VALUE' with a name of letters"),
     ],
@@ -315,7 +318,8 @@ async def test_a_response_no_replay_can_send_is_refused(
     setup: Setup, options: tuple[str, ...], refusal: str
 ) -> None:
     """Each was stored and reported resolved, and every retry after it then failed: a 500,
-    a dropped connection, or a 204 announcing a body it did not send."""
+    a dropped connection, a 204 announcing a body it did not send, a 205 with content (RFC 9110
+    forbids it), or a replay header twice."""
     assert (await setup.pay("k-6", "/charges")).status_code == 502
     status = () if "--status" in options else ("--status", "201")
     refused = await setup.cli("resolve", *ADDRESS, "/charges", "k-6", *status, *options)
@@ -332,6 +336,16 @@ async def test_a_resolved_no_content_is_replayed_without_a_length(setup: Setup) 
     assert replay.status_code == 204
     assert "content-length" not in replay.headers
     assert replay.headers["x-idempotent-replay"] == "true"
+
+
+async def test_a_resolved_reset_content_is_replayed_with_a_length_of_zero(setup: Setup) -> None:
+    assert (await setup.pay("k-8", "/charges")).status_code == 502
+    resolved = await setup.cli("resolve", *ADDRESS, "/charges", "k-8", "--status", "205")
+    assert resolved.code == 0, resolved.err
+    replay = await setup.pay("k-8", "/charges")
+    assert (replay.status_code, replay.content) == (205, b"")
+    assert replay.headers["content-length"] == "0"
+    assert replay.headers.get_list("x-idempotent-replay") == ["true"]
 
 
 @pytest.mark.parametrize("ttl_hours", ["0", "-1", "0.0001", "nan", "inf", "1e15"])
