@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from starlette_idempotency.errors import StoreError
 from starlette_idempotency.stores._postgres_connections import asyncpg_driver
+from starlette_idempotency.stores._postgres_sql import shown
 from starlette_idempotency.stores.base import StoreFinding
 
 #: The columns of schema.sql, all used by the queries (the check reports the missing ones).
@@ -74,8 +75,7 @@ def findings(
     """What the ``check`` query's ``row`` says about the database at ``location``;
     ``claims_table`` is quoted, as a statement names it."""
     where = f"table {table} in {location}"
-    claims_name = claims_table.replace('"', "")
-    claims_where = f"table {claims_name} in {location}"
+    claims_where = f"table {shown(claims_table)} in {location}"
     missing = ", ".join(row["missing_columns"] or ())
     missing_rights = row["missing_claims_rights"] or []
     why = "a standby" if row["standby"] else "transaction_read_only is on"

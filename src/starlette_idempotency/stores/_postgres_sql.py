@@ -64,6 +64,11 @@ def quote_table(table: str) -> TableNames:
     )
 
 
+def shown(quoted: str) -> str:
+    """A name :func:`quote_table` quoted, as messages show it (``public.keys_operations``)."""
+    return quoted.replace('"', "")
+
+
 def _cut(name: str, limit: int) -> str:
     """``name``, or when longer than ``limit``, its start and a hash of it, ``limit`` long."""
     if len(name) <= limit:

@@ -98,6 +98,7 @@ from starlette_idempotency.stores._postgres_sql import (
     record_from_row,
     row_params,
     schema_sql,
+    shown,
 )
 from starlette_idempotency.stores._round_trip import ROUND_TRIP_TIMEOUT_SECONDS, RoundTrip
 from starlette_idempotency.stores.base import (
@@ -175,7 +176,7 @@ class PostgresStore(StoreBase):
         # Whether statements need an explicit READ COMMITTED transaction (None: not known yet).
         self._explicit_isolation: bool | None = None
         self._undoing: set[asyncio.Task[None]] = set()
-        claims_table = queries.operations.replace('"', "")
+        claims_table = shown(queries.operations)
         self._round_trip = RoundTrip(
             self,
             f"Grant the store's role SELECT, INSERT, UPDATE and DELETE on {table} and "
