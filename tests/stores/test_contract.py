@@ -6,9 +6,14 @@ the key to disappear (``harness.expire``), so the same test bodies cover both.
 
 from __future__ import annotations
 
+import enum
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import UTC, datetime
+from http import HTTPStatus
 
+import orjson
 import pytest
 
 from starlette_idempotency._record import (
@@ -391,6 +396,71 @@ async def test_save_progress_by_the_owner(
     intruder = replace(checkpointed(pending, harness.now()), owner_token="owner-b")
     assert not await store.save_progress("k1", intruder, RETENTION_TTL, LOCK_TTL)
     assert_same(await store.get("k1"), stored)
+
+
+class Stage(enum.StrEnum):
+    CHARGED = "charged"
+
+
+#: Checkpoint data JSON writes in a form of its own, and that form: what every store reads back.
+JSON_WRITTEN = {
+    "stage": Stage.CHARGED,
+    "status": HTTPStatus.ACCEPTED,
+    "charge": uuid.UUID(int=1),
+    "at": datetime(2026, 11, 30, 10, 0, tzinfo=UTC),
+    "pair": ("ch_1", 1),
+    "nan": float("nan"),
+}
+JSON_READ = {
+    "stage": "charged",
+    "status": 202,
+    "charge": "00000000-0000-0000-0000-000000000001",
+    "at": "2026-11-30T10:00:00+00:00",
+    "pair": ["ch_1", 1],
+    "nan": None,
+}
+
+
+async def test_checkpoint_data_reads_back_as_json_reads_it(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """An app moving from one store to another finds its recovery data as it was: each keeps
+    it as JSON, so enum members, UUIDs and datetimes are saved and read back as JSON writes
+    them (MemoryStore once refused them)."""
+    require_recovery(store)
+    pending = await held(store, make_record)
+    point = Checkpoint(Stage.CHARGED, JSON_WRITTEN, harness.now())
+
+    assert await store.save_progress(
+        "k1", replace(pending, checkpoints=(point,)), RETENTION_TTL, LOCK_TTL
+    )
+
+    stored = await store.get("k1")
+    assert stored is not None
+    [kept] = stored.checkpoints
+    assert type(kept.name) is str
+    assert kept.name == "charged"
+    assert kept.data == JSON_READ
+
+
+@pytest.mark.parametrize(
+    "data", [object(), {1: "one"}, 2**64], ids=["object", "int-key", "beyond-64-bits"]
+)
+async def test_checkpoint_data_json_cannot_hold_is_refused(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord, data: object
+) -> None:
+    """Refused alike by every store, and nothing written: the middleware turns the error into
+    a ``StoreError`` for the handler, which then does not go on with its side effect."""
+    require_recovery(store)
+    pending = await held(store, make_record)
+    point = Checkpoint("provider_charge_sent", data, harness.now())
+
+    with pytest.raises(orjson.JSONEncodeError):
+        await store.save_progress(
+            "k1", replace(pending, checkpoints=(point,)), RETENTION_TTL, LOCK_TTL
+        )
+
+    assert_same(await store.get("k1"), pending)
 
 
 async def test_save_progress_needs_a_live_record(

@@ -12,6 +12,12 @@ just acquired is the exception: its record, of strings and numbers only, is held
 until its request settles it, a few milliseconds later (packing it would cost every request
 a second ``marshal`` for a value that is replaced before the collector would see it twice).
 
+Recovery points are packed in their JSON wire form, as RedisStore and PostgresStore keep them,
+not by ``marshal``, which refuses an enum member, a UUID or a datetime that JSON writes and
+keeps what JSON refuses or changes (a number beyond 64 bits, a NaN, a tuple): a handler's
+``checkpoint()`` data is saved, refused and read back the same on every store. Records without
+recovery points, the most, pay nothing for it.
+
 Locks, leases and expiry are measured on a monotonic clock, so a step of the system clock (an
 NTP correction, a VM resumed from a pause) expires nothing; the wall clock only dates what the
 records show (``locked_until``).
@@ -25,11 +31,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import orjson
+
 from starlette_idempotency._record import (
-    Checkpoint,
     IdempotencyRecord,
     RecordStatus,
     StoredResponse,
+    checkpoints_from_wire,
+    checkpoints_to_wire,
 )
 from starlette_idempotency._types import Clock, monotonic_for, system_clock
 from starlette_idempotency.stores.base import (
@@ -62,9 +71,7 @@ def _pack(record: IdempotencyRecord, deadline: float, lease: float | None = None
         if response is None
         else (response.status_code, response.headers, response.body, response.content_type),
         record.locked_until,
-        tuple([(point.name, point.data, point.at) for point in record.checkpoints])
-        if record.checkpoints
-        else (),
+        orjson.dumps(checkpoints_to_wire(record.checkpoints)) if record.checkpoints else b"",
     )
     in_progress = record.status is RecordStatus.IN_PROGRESS
     return deadline, record.owner_token, in_progress, lease, marshal.dumps(fields)
@@ -95,7 +102,7 @@ def _unpack(held: bytes | IdempotencyRecord) -> IdempotencyRecord:
         version,
         None if response is None else StoredResponse(*response),
         lease,
-        tuple(Checkpoint(*point) for point in points) if points else (),
+        checkpoints_from_wire(orjson.loads(points)) if points else (),
     )
 
 
