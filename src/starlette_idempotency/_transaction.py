@@ -214,7 +214,7 @@ class IdempotencyTransaction:
         record = lease.with_checkpoint(self._record or lease.record, name, data)
         policy = lease.policy
         statement = self._queries.save_progress(
-            lease.store_key, record, policy.ttl_seconds, policy.lock_ttl_seconds
+            lease.store_key, record, policy.ttl_seconds, policy.lock_ttl_seconds, fenced=True
         )
         if await self._run(statement) is None:  # the row is locked and ours: cannot happen
             raise LockLostError(f"the record of idempotency key {lease.key!r} changed")
@@ -341,9 +341,7 @@ class IdempotencyTransaction:
         try:
             try:
                 fenced = await self._run(
-                    self._queries.fence(
-                        lease.store_key, lease.record.owner_token, lease.policy.lock_ttl_seconds
-                    )
+                    self._queries.fence(lease.store_key, lease.record.owner_token)
                 )
             except Exception as exc:
                 if _sqlstate(exc) == _UNDEFINED_TABLE:

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from starlette_idempotency import (
+    CheckResult,
     EventHook,
     IdempotencyError,
     IdempotencyEvent,
@@ -471,6 +472,57 @@ async def test_a_recovery_point_after_a_lapsed_lock_commits(
     first, retry = await sent_twice(app, store, headers)
     assert first.status_code == 201
     await assert_replayed_once(retry, sql, tables, "lapsed")
+
+
+@pytest.mark.parametrize("lapsed", [False, True], ids=["live lock", "lapsed lock"])
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_retry_while_the_block_is_open_is_answered_409_at_once(
+    driver: str, postgres_dsn: str, tables: str, sql: Any, lapsed: bool
+) -> None:
+    """A retry comes while the first attempt's transaction is open (a provider call in the
+    block, say). The fence wrote the row, so the retry's insert waited for that transaction,
+    and past ``store_timeout_seconds`` it got 503, logged and counted as a store error, even
+    with the lock live. Once the lock had lapsed, the takeover waited for the row the same way.
+    The fence only locks the row now: the retry reads the holder (409). The block's recovery
+    point after a lapsed lock is still the request's own."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    inside, retried = asyncio.Event(), asyncio.Event()
+
+    async def pay(request: Request) -> Response:
+        key = request.headers["idempotency-key"]
+        if lapsed and not inside.is_set():  # on the database's clock, before the fence
+            await sql.execute(
+                f"UPDATE {tables} SET expires_at = now() - interval '1 second' "
+                "WHERE idempotency_key = $1",
+                key,
+            )
+        async with (
+            connected(driver, postgres_dsn) as (connection, fetchval),
+            idempotency_transaction(request, connection) as tx,
+        ):
+            await fetchval(
+                f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                "VALUES ($1, '9.99', '')",
+                key,
+            )
+            inside.set()
+            await retried.wait()
+            await tx.checkpoint("paid")
+            return await tx.respond(JSONResponse({"paid": key}, status_code=201))
+
+    events: list[IdempotencyEvent] = []
+    app = guarded(store, pay, on_event=events.append, renew_lock=False)
+    headers = {"Idempotency-Key": "open"}
+    async with client_of(app, store) as client:
+        first = asyncio.create_task(client.post("/pay", json={}, headers=headers))
+        await inside.wait()
+        retry = await client.post("/pay", json={}, headers=headers)
+        retried.set()
+        assert (await first).status_code == 201
+        again = await client.post("/pay", json={}, headers=headers)
+    assert retry.status_code == 409
+    assert not [event for event in events if event.result == CheckResult.STORE_ERROR]
+    await assert_replayed_once(again, sql, tables, "open")
 
 
 @pytest.mark.parametrize("driver", DRIVERS)

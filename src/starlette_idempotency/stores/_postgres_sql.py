@@ -199,8 +199,9 @@ class TableQueries:
         return Statement("finish", row_params(self.prefix + key, record, ttl))
 
     def save_progress(
-        self, key: str, record: IdempotencyRecord, ttl: float, lease: float
+        self, key: str, record: IdempotencyRecord, ttl: float, lease: float, *, fenced: bool
     ) -> Statement:
+        """``fenced``: in the transaction whose ``fence`` locked the row."""
         return Statement(
             "save_progress",
             (
@@ -210,8 +211,9 @@ class TableQueries:
                 float(lease),
                 row_time(record.expires_at),
                 float(ttl),
+                fenced,
             ),
         )
 
-    def fence(self, key: str, owner_token: str, lock_ttl: float) -> Statement:
-        return Statement("fence", (self.prefix + key, owner_token, float(lock_ttl)))
+    def fence(self, key: str, owner_token: str) -> Statement:
+        return Statement("fence", (self.prefix + key, owner_token))

@@ -413,7 +413,14 @@ class PostgresStore(StoreBase):
                 if await self._value("acquire_insert", *params):
                     return AcquireResult(acquired=True)
                 row = await self._row("acquire_takeover", *params, recover)
-                if row is None or not (row["taken_over"] or row["live"]):
+                if row is not None and row["busy"]:
+                    row = await self._row("acquire_peek", params[0], recover, *params[3:5])
+                    if row is not None and row["busy"]:
+                        # Takeable, and locked by a transaction still open: the app's that
+                        # fenced it runs its handler's work (idempotency_transaction), or a
+                        # taker's or the owner's statement is about to change it.
+                        return AcquireResult(acquired=False, record=record_from_row(row))
+                if row is None or not row["live"]:
                     continue  # released or changed in between: insert again
                 found = record_from_row(row)
                 if (
@@ -485,7 +492,7 @@ class PostgresStore(StoreBase):
     async def save_progress(
         self, key: str, record: IdempotencyRecord, ttl: float, lease: float
     ) -> bool:
-        statement = self.queries.save_progress(key, record, ttl, lease)
+        statement = self.queries.save_progress(key, record, ttl, lease, fenced=False)
         return await self._execute("save_progress", statement) is not None
 
     async def release(self, key: str, owner_token: str) -> bool:

@@ -36,13 +36,15 @@ RETURNING true;
 -- (locked_until) has passed, made by the same request ($4, $5): it keeps its checkpoints and
 -- retention, and only changes owner and lease. Any other row is taken over whole.
 -- The row is locked FOR UPDATE, so of many concurrent takers exactly one still sees it
--- takeable and overwrites it; the others wait for that one, re-check the row, and drop it.
+-- takeable and overwrites it. A row another transaction has locked is skipped, not waited for:
+-- a concurrent taker's or the owner's statement, or the app's transaction that fenced it
+-- (idempotency_transaction), open for as long as the app's work takes.
 -- Returns
 --   taken_over = true,  the old row's values                   -> the caller now owns the key;
---   taken_over = false, live = true,  the holder's values      -> the key is held (and
+--   taken_over = false, busy = false, live = true, the holder's values -> the key is held (and
 --     lease_expired says whether the holder is a dead handler's record with checkpoints);
---   taken_over = false, live = false                           -> changed under us: start again
---     (the read branch sees the statement's snapshot, older than the change prev waited for);
+--   taken_over = false, busy = true                            -> takeable but locked, or
+--     changed since the statement's snapshot: acquire_peek reads it afresh;
 --   no row                                                     -> the key vanished: start again.
 WITH prev AS (
     SELECT *, expires_at > now() AS recovering FROM {table}
@@ -51,7 +53,7 @@ WITH prev AS (
         OR ($15 AND status = 'InProgress' AND checkpoints IS NOT NULL AND locked_until <= now()
             AND request_fingerprint = $4 AND fingerprint_version = $5)
     )
-    FOR UPDATE
+    FOR UPDATE SKIP LOCKED
 ), taken AS (
     UPDATE {table} AS t
     SET owner_token = $6,
@@ -73,7 +75,7 @@ WITH prev AS (
     WHERE t.key = prev.key
     RETURNING t.key
 )
-SELECT true AS taken_over, true AS live, true AS lease_expired,
+SELECT true AS taken_over, false AS busy, true AS live, true AS lease_expired,
        prev.idempotency_key, prev.status, prev.request_fingerprint, prev.fingerprint_version,
        prev.owner_token, prev.response_status_code, prev.response_headers::text AS response_headers,
        prev.response_body, prev.response_content_type, prev.created_at,
@@ -82,7 +84,12 @@ SELECT true AS taken_over, true AS live, true AS lease_expired,
        CASE WHEN prev.checkpoints IS NULL THEN NULL ELSE prev.locked_until END AS lease_until
 FROM prev
 UNION ALL
-SELECT false AS taken_over, cur.expires_at > now() AS live,
+SELECT false AS taken_over,
+       cur.expires_at <= now()
+       OR coalesce($15 AND cur.status = 'InProgress' AND cur.checkpoints IS NOT NULL
+                   AND cur.locked_until <= now() AND cur.request_fingerprint = $4
+                   AND cur.fingerprint_version = $5, false) AS busy,
+       cur.expires_at > now() AS live,
        coalesce(cur.status = 'InProgress' AND cur.checkpoints IS NOT NULL
                 AND cur.locked_until <= now(), false) AS lease_expired,
        cur.idempotency_key, cur.status, cur.request_fingerprint, cur.fingerprint_version,
@@ -93,6 +100,29 @@ SELECT false AS taken_over, cur.expires_at > now() AS live,
        CASE WHEN cur.checkpoints IS NULL THEN NULL ELSE cur.locked_until END AS lease_until
 FROM {table} AS cur
 WHERE cur.key = $1 AND NOT EXISTS (SELECT 1 FROM prev);
+
+-- name: acquire_peek
+-- acquire_takeover found the row takeable but did not take it (busy): the row as it is now,
+-- in a snapshot of its own, with busy still true when it is takeable (so locked by another
+-- transaction: a concurrent taker, the owner finishing or releasing it, or the app's
+-- transaction that fenced it) and live as for a holder. $1 storage key; $2, $3, $4 as
+-- acquire_takeover's $15, $4, $5. No row when the key is gone.
+SELECT false AS taken_over,
+       cur.expires_at <= now()
+       OR coalesce($2 AND cur.status = 'InProgress' AND cur.checkpoints IS NOT NULL
+                   AND cur.locked_until <= now() AND cur.request_fingerprint = $3
+                   AND cur.fingerprint_version = $4, false) AS busy,
+       cur.expires_at > now() AS live,
+       coalesce(cur.status = 'InProgress' AND cur.checkpoints IS NOT NULL
+                AND cur.locked_until <= now(), false) AS lease_expired,
+       cur.idempotency_key, cur.status, cur.request_fingerprint, cur.fingerprint_version,
+       cur.owner_token, cur.response_status_code, cur.response_headers::text AS response_headers,
+       cur.response_body, cur.response_content_type, cur.created_at,
+       coalesce(cur.record_expires_at, cur.expires_at) AS record_expires_at,
+       cur.checkpoints::text AS checkpoints,
+       CASE WHEN cur.checkpoints IS NULL THEN NULL ELSE cur.locked_until END AS lease_until
+FROM {table} AS cur
+WHERE cur.key = $1;
 
 -- name: finish
 -- complete() and fail(): store the final record for $13 seconds if the owner still holds the
@@ -142,12 +172,15 @@ END;
 -- name: save_progress
 -- The owner's InProgress record gets new checkpoints ($3) and a lease of $4 seconds from now()
 -- (0 ends it now), and is kept for the retention time ($6 seconds). $1 storage key, $2 owner
--- token, $5 the record's expires_at (kept as data). One row (true) while the owner holds the
--- key InProgress: a late write never turns a finished record back.
+-- token, $5 the record's expires_at (kept as data), $7 true in the transaction whose fence
+-- locked the row (a lock that lapsed there is still the owner's: nobody could take it over).
+-- One row (true) while the owner holds the key InProgress: a late write never turns a finished
+-- record back.
 UPDATE {table}
 SET checkpoints = $3::text::jsonb, locked_until = clock_timestamp() + make_interval(secs => $4),
     record_expires_at = $5, expires_at = clock_timestamp() + make_interval(secs => $6)
-WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > clock_timestamp()
+WHERE key = $1 AND owner_token = $2 AND status = 'InProgress'
+    AND ($7 OR expires_at > clock_timestamp())
 RETURNING true;
 
 -- name: fence
@@ -155,14 +188,16 @@ RETURNING true;
 -- time the transaction began, maybe long ago: they read the clock with clock_timestamp().)
 -- idempotency_transaction's first statement, in the app's own transaction: lock the row of
 -- owner token $2 while it is InProgress, so that it stays this request's until the transaction
--- ends (a takeover's FOR UPDATE waits for it, then finds the row finished). Expiry is not
--- checked: a lapsed lock that nobody took over is still this request's to finish, and it gets
--- $3 seconds again, so that the transaction's own writes (save_progress) find it held. $1 storage key. One row (true) when fenced; none when the key was taken over,
--- finished or is gone.
-UPDATE {table}
-SET expires_at = greatest(expires_at, clock_timestamp() + make_interval(secs => $3))
+-- ends. Expiry is not checked: a lapsed lock that nobody took over is still this request's to
+-- finish, and nobody can take it over while the row is locked (save_progress's $7 lets the
+-- transaction's own recovery points through). A lock, not a write: an acquire's insert meets
+-- the row at once and reads the holder (409), where a row written by a transaction still open
+-- makes it wait for that transaction's end; a takeover skips the locked row (acquire_takeover).
+-- $1 storage key. One row (true) when fenced; none when the key was taken over, finished or
+-- is gone.
+SELECT true FROM {table}
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress'
-RETURNING true;
+FOR UPDATE;
 
 -- name: release
 -- Delete the owner's row. $1 storage key, $2 owner token.
