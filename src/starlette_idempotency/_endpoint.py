@@ -383,9 +383,14 @@ _WRAPPERS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 def idempotent_wrapper(handler: object) -> Callable[..., Any] | None:
     """The ``@idempotent`` wrapper a route's handler is, or wraps through decorators that set
-    ``__wrapped__`` (``functools.wraps``: a rate limiter, a cache); ``None`` when there is none."""
+    ``__wrapped__`` (``functools.wraps``: a rate limiter, a cache); ``None`` when there is none.
+
+    A bound method (an instance's, a classmethod's) is looked through to its function: its
+    ``__wrapped__`` is the function's, which leads past the wrapper to the undecorated one."""
     node: object = handler
     for _ in range(_MAX_WRAPPING):
+        if inspect.ismethod(node):
+            node = node.__func__
         if node in _WRAPPERS:
             return cast(Callable[..., Any], node)
         node = getattr(node, "__wrapped__", None)

@@ -1,10 +1,10 @@
 """Every way an app can be wired: a request the app treats as guarded is guarded, or refused
 with a message that says what to change; never run unguarded in silence.
 
-Class endpoints, partials, a path-rewriting middleware inside the guard, an app without the
-middleware, decorators stacked above ``@idempotent``, apps mounted whole under ``protect_all``,
-the keys of requests the app tells apart (hosts, tenants, operations), and the records a
-renamed handler keeps.
+Class endpoints, partials, bound methods, a path-rewriting middleware inside the guard, an app
+without the middleware, decorators stacked above ``@idempotent``, apps mounted whole under
+``protect_all``, the keys of requests the app tells apart (hosts, tenants, operations), and the
+records a renamed handler keeps.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import functools
 import inspect
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -26,6 +27,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router
+from starlette.testclient import TestClient
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from starlette_idempotency import (
@@ -106,6 +108,55 @@ async def test_a_class_endpoint_method_is_guarded() -> None:
 async def test_a_partial_endpoint_is_guarded() -> None:
     app = charges_app(Middleware(IdempotencyMiddleware, store=MemoryStore()))
     await assert_guarded(make_client(app), "/charges", "partial")
+
+
+class Payments:
+    """A service whose handlers are methods, routed bound to an instance or to the class."""
+
+    @idempotent()
+    async def create(self, request: Request) -> Response:
+        runs["bound"] += 1
+        return JSONResponse({"run": runs["bound"]}, status_code=201)
+
+    @classmethod
+    @idempotent()
+    async def refund(cls) -> dict[str, int]:
+        runs["classmethod"] += 1
+        return {"run": runs["classmethod"]}
+
+
+def bound_method_app() -> Starlette:
+    return Starlette(routes=[Route("/payments", Payments().create, methods=["POST"])])
+
+
+def classmethod_app() -> FastAPI:
+    app = FastAPI()
+    app.post("/payments", status_code=201)(Payments.refund)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("build", "name"),
+    [(bound_method_app, "bound"), (classmethod_app, "classmethod")],
+    ids=["starlette-bound-method", "fastapi-classmethod"],
+)
+def test_a_bound_method_endpoint_starts_and_is_guarded(
+    build: Callable[[], Starlette], name: str
+) -> None:
+    """A bound method's ``__wrapped__`` is its function's, which leads past the wrapper to the
+    undecorated function: followed, it took the decorator for one above the route decorator,
+    and refused the startup and every request."""
+    app = build()
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    before = runs[name]
+    with TestClient(app) as client:  # its lifespan runs the startup checks
+        headers = key()
+        first = client.post("/payments", headers=headers)
+        retry = client.post("/payments", headers=headers)
+    assert first.status_code == 201, first.text
+    assert retry.headers.get("x-idempotent-replay") == "true", retry.text
+    assert retry.content == first.content
+    assert runs[name] == before + 1
 
 
 # -- requests no guard saw --------------------------------------------------------------------
