@@ -15,7 +15,8 @@ that option). Any other body, and a command that cannot be written exactly (nest
 than 254 levels), takes the raw fingerprint, as does every request to a route whose body is a
 form. A body the parser or the model rejects is no command: the app answers its own 422.
 
-Finding the body model uses FastAPI's ``APIRoute.body_field`` (tested with FastAPI 0.115+).
+Finding the body model uses FastAPI's ``APIRoute.body_field``, or for a route of an included
+router the effective route's, which FastAPI validates with (see :mod:`._routing`).
 """
 
 from __future__ import annotations
@@ -151,8 +152,7 @@ def fingerprinter_for_route(route: Any, excluded: frozenset[str]) -> CommandFing
     body_field = getattr(route, "body_field", None)
     if body_field is None or _is_form(body_field):
         return None
-    # A DefaultPlaceholder until set; an including router may still change it, in which case
-    # a body without a content type takes the raw fingerprint, which is always safe.
+    # A DefaultPlaceholder where neither the route nor a router above it sets it.
     strict = getattr(route, "strict_content_type", False)
     field_info = body_field.field_info
     if field_info.is_required():

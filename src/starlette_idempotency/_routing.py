@@ -10,7 +10,9 @@ Nothing is cached by request. Which route a request reaches depends on its host,
 lists that may change after the first request (lists keep no version to compare). Matching
 costs about 1 µs per Starlette route tried, several for FastAPI's included routes, and the
 router pays as much again on the same request. Only the policy of a matched route is cached,
-keyed by the route object, its endpoint and its full template.
+keyed by the route object, its endpoint, the effective route FastAPI runs an included one as
+(read through ``_match``, as the matching itself; its body field is the one FastAPI validates
+with) and its full template.
 
 The routes are those of the app the middleware wraps, found by following ``.app`` down the
 stack: the scope the middleware receives is the scope that app's router will match, however
@@ -93,12 +95,16 @@ class GuardedRoute:
 class _Leaf:
     """The route a request reaches: ``endpoint`` is the route's (a function, a partial, an
     ``HTTPEndpoint`` class or a mounted app); ``host`` is the host the request matched, as
-    the ``Host`` routes above it fill their patterns (``""`` when there are none)."""
+    the ``Host`` routes above it fill their patterns (``""`` when there are none);
+    ``effective`` is what FastAPI runs a route of an included router as (``None`` for any
+    other route), whose body field embeds the body beside the ``Body`` parameters of the
+    inclusion's dependencies."""
 
     route: BaseRoute
     endpoint: Any
     template: str
     host: str = ""
+    effective: object = None
 
 
 def endpoint_handler(endpoint: object, method: str) -> object:
@@ -202,7 +208,7 @@ def find_leaf(
             if isinstance(matched, Mount | Host):
                 return _enter(matched, scope, child_scope, prefix, host)
             template = str(getattr(context, "path", None) or getattr(matched, "path", ""))
-            return _Leaf(matched, child_scope.get("endpoint"), prefix + template, host)
+            return _Leaf(matched, child_scope.get("endpoint"), prefix + template, host, context)
         match, child_scope = route.matches(scope)
         if match is not Match.FULL:
             continue
@@ -359,7 +365,8 @@ class RouteResolver:
         # The key holds ids; the value holds the objects themselves, so that no id in a key can
         # be reused by a new route or endpoint while the entry lives.
         self._cache: dict[
-            tuple[int, int, str, str], tuple[BaseRoute, object, GuardedRoute | None]
+            tuple[int, int, int, str, str],
+            tuple[BaseRoute, object, object, GuardedRoute | None],
         ] = {}
         self._warned_unrouted = False
         # The app the middleware wraps, and the first layer below it with routes (None when
@@ -389,15 +396,21 @@ class RouteResolver:
         if leaf is None:
             return None
         method = scope["method"]
-        cache_key = (id(leaf.route), id(leaf.endpoint), leaf.template, method)
+        route, endpoint, effective = leaf.route, leaf.endpoint, leaf.effective
+        cache_key = (id(route), id(endpoint), id(effective), leaf.template, method)
         cached = self._cache.get(cache_key)
-        if cached is not None and cached[0] is leaf.route and cached[1] is leaf.endpoint:
-            guarded = cached[2]
+        if (
+            cached is not None
+            and cached[0] is route
+            and cached[1] is endpoint
+            and cached[2] is effective
+        ):
+            guarded = cached[3]
         else:
             guarded = self._guarded_route(leaf, method)
             if len(self._cache) >= _MAX_CACHED_ROUTES:
                 self._cache.clear()
-            self._cache[cache_key] = (leaf.route, leaf.endpoint, guarded)
+            self._cache[cache_key] = (route, endpoint, effective, guarded)
         if guarded is None:
             return None
         template = guarded.operation or leaf.template
@@ -518,7 +531,10 @@ class RouteResolver:
         if policy.fingerprint == "validated":
             from starlette_idempotency._command_fingerprint import fingerprinter_for_route
 
-            command = fingerprinter_for_route(leaf.route, policy.excluded_field_names)
+            # The body FastAPI validates: an inclusion's dependencies may embed it.
+            command = fingerprinter_for_route(
+                leaf.effective or leaf.route, policy.excluded_field_names
+            )
             if command is None:
                 logger.warning(
                     "fingerprint='validated' on %s, which has no FastAPI body model: "

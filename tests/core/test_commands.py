@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fastapi import Body, FastAPI, Request, Response, params
+from fastapi import APIRouter, Body, Depends, FastAPI, Request, Response, params
 from fastapi.routing import APIRoute
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -332,6 +332,53 @@ def test_the_routes_content_type_strictness_is_read() -> None:
         kind = fingerprinter.canonical(b'{"amount": 1}', "")
         assert kind is not None
         assert kind[0] == ("bytes;" if strict else "command")
+
+
+def included_orders(app: FastAPI, **inclusion: Any) -> Counter[str]:
+    """``app`` with a router of one validated route included by ``inclusion``; its runs."""
+    runs: Counter[str] = Counter()
+    router = APIRouter()
+
+    @router.post("/orders")
+    @idempotent(fingerprint="validated")
+    async def create(order: Line) -> dict[str, int]:
+        runs["orders"] += 1
+        return {"n": runs["orders"]}
+
+    app.include_router(router, prefix="/v1", **inclusion)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    return runs
+
+
+async def test_the_body_of_an_included_route_is_the_one_fastapi_validates() -> None:
+    """A ``Body`` parameter of the inclusion's dependency embeds the route's body beside it:
+    validated with the route's own model, every request was an invalid command, refused."""
+
+    def verify(signature: str = Body()) -> None: ...
+
+    app = FastAPI()
+    runs = included_orders(app, dependencies=[Depends(verify)])
+    client = make_client(app)
+    headers = {"Idempotency-Key": "k"}
+    sent = {"order": {"sku": "a"}, "signature": "s"}
+    for body in (sent, {"signature": "s", "order": {"sku": "a", "quantity": 1}}):
+        answer = await client.post("/v1/orders", json=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+    assert answer.headers["x-idempotent-replay"] == "true"
+    signed = await client.post("/v1/orders", json={**sent, "signature": "t"}, headers=headers)
+    assert signed.status_code == 422  # the dependency's field is in the command
+    assert runs == Counter({"orders": 1})
+
+
+async def test_an_included_route_reads_the_content_type_strictness_of_its_inclusion() -> None:
+    app = FastAPI(strict_content_type=False)  # the route leaves it to the router above it
+    runs = included_orders(app)
+    client = make_client(app)
+    for body in (b'{"sku": "a"}', b'{"sku": "a", "quantity": 1}'):  # no content type: JSON
+        answer = await client.post("/v1/orders", content=body, headers={"Idempotency-Key": "k"})
+        assert answer.status_code == 200, answer.text
+    assert answer.headers["x-idempotent-replay"] == "true"  # one command, not two bodies
+    assert runs == Counter({"orders": 1})
 
 
 class GzipRequest(Request):
