@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar, Unpack, cast
 
 from starlette.middleware.exceptions import ExceptionMiddleware
@@ -36,7 +36,9 @@ from starlette_idempotency._renewal import LockRenewals
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder, Problem
 from starlette_idempotency._routing import (
+    RouteEntry,
     RouteResolver,
+    app_layers,
     iter_routes,
     mounted_apps,
     operation_of,
@@ -196,26 +198,65 @@ def _route_resolver(route_defaults: Mapping[str, Any], *, protect_all: bool) -> 
     return RouteResolver(IdempotencyPolicy().merged(route_defaults), protect_all=protect_all)
 
 
-def _mounted_problems(routes: Sequence[Any]) -> list[str]:
+def _listed_guard(spec: Any, app: object) -> dict[str, Any] | None:
+    """The options of the ``IdempotencyMiddleware`` an app lists in its ``user_middleware`` as
+    ``spec`` (``None`` for other middleware), its defaults applied; ``ConfigurationError`` for
+    options it would refuse."""
+    cls = getattr(spec, "cls", None)
+    if not (isinstance(cls, type) and issubclass(cls, IdempotencyMiddleware)):
+        return None
+    _check_options(spec.kwargs)
+    values = inspect.signature(cls.__init__).bind(None, app, **spec.kwargs)
+    values.apply_defaults()
+    return values.arguments
+
+
+def _guarded_methods(options: Mapping[str, Any]) -> frozenset[str]:
+    return frozenset(method.upper() for method in options["methods"])
+
+
+def _guarded_by(apps: Iterable[object]) -> frozenset[str]:
+    """The methods the ``IdempotencyMiddleware`` of ``apps`` guard: those wrapping an app (down
+    its ``.app`` chain), and those a Starlette app lists to build into its stack."""
+    methods: set[str] = set()
+    for app in apps:
+        for layer in app_layers(app):
+            if isinstance(layer, IdempotencyMiddleware) and layer._refusal is None:
+                methods |= layer._methods
+            for spec in getattr(layer, "user_middleware", ()):
+                try:
+                    options = _listed_guard(spec, layer)
+                except ConfigurationError:
+                    continue  # refused by the startup check (_mounted_problems): guards nothing
+                if options is not None:
+                    methods |= _guarded_methods(options)
+    return frozenset(methods)
+
+
+def _guarded_elsewhere(above: frozenset[str], entry: RouteEntry) -> frozenset[str]:
+    """The methods the guards on ``entry``'s path guard besides the one asking: those above it
+    (``above``), and those of the apps mounted on the way from it to the route."""
+    return above | _guarded_by(entry.mounts)
+
+
+def _mounted_problems(routes: Sequence[Any], above: frozenset[str]) -> list[str]:
     """What the ``IdempotencyMiddleware`` of each app mounted below ``routes`` would refuse at
-    its own startup, which Starlette never sends it: its options, and its routes."""
+    its own startup, which Starlette never sends it: its options, and its routes, judged with
+    the methods the guards above it guard (``above``, and those of the apps that mount it)."""
     problems = []
-    for path, app in mounted_apps(routes):
+    for path, mounts in mounted_apps(routes):
+        app = mounts[-1]
+        elsewhere = functools.partial(_guarded_elsewhere, above | _guarded_by(mounts[:-1]))
         for spec in getattr(app, "user_middleware", ()):
-            cls = getattr(spec, "cls", None)
-            if not (isinstance(cls, type) and issubclass(cls, IdempotencyMiddleware)):
-                continue
             try:
-                _check_options(spec.kwargs)
-                values = inspect.signature(cls.__init__).bind(None, app, **spec.kwargs)
-                values.apply_defaults()
-                options = values.arguments
+                options = _listed_guard(spec, app)
+                if options is None:
+                    continue
                 resolver = _route_resolver(
                     options["route_defaults"], protect_all=options["protect_all"]
                 )
                 # An app with middleware of its own to build is a Starlette app, with routes.
-                methods = frozenset(method.upper() for method in options["methods"])
-                resolver.check(getattr(app, "routes", ()), methods)
+                resolver.check(getattr(app, "routes", ()), _guarded_methods(options), elsewhere)
             except ConfigurationError as exc:
                 problems.append(f"the IdempotencyMiddleware of the app mounted at {path}: {exc}")
     return problems
@@ -251,6 +292,9 @@ def _check_store_object(store: object) -> None:
 
 #: What GUARDED_SCOPE holds outside any guard's request.
 _NO_SCOPE: Scope = {}
+#: Where a request holds the methods the guards it passed through guard: a guard mounted below
+#: them need not guard those (they guard the routes of its app they see), nor refuse for them.
+_GUARDED_ABOVE = "starlette_idempotency.guarded_above"
 
 
 class IdempotencyMiddleware(metaclass=_CheckedFirst):
@@ -399,6 +443,7 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
             # lease alone). A request the app makes to itself in process has a scope of its own.
             await self.app(scope, receive, send)
             return
+        scope[_GUARDED_ABOVE] = scope.get(_GUARDED_ABOVE, frozenset()) | self._methods
         # The mark tells an @idempotent endpoint that a guard saw its request, and as what;
         # the context variable, how to find it (the endpoint's own arguments need not hold it).
         token = GUARDED_SCOPE.set(scope)
@@ -436,9 +481,12 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
     def _unguarded_methods(self, scope: Scope) -> ConfigurationError | None:
         """What refuses every request of an app whose lifespan did not run (a mounted app, a
         server run with ``--lifespan off``): a decorated handler that would run unguarded for
-        an unsafe method its route serves."""
+        an unsafe method its route serves, which no guard on its path guards."""
         routes = routes_for(scope, self.app)
-        problems = None if routes is None else self._resolver.unguarded(routes, self._methods)
+        if routes is None:
+            return None
+        elsewhere = functools.partial(_guarded_elsewhere, scope.get(_GUARDED_ABOVE, frozenset()))
+        problems = self._resolver.unguarded(routes, self._methods, elsewhere)
         return None if problems is None else ConfigurationError(problems)
 
     def _check_routes(self, scope: Scope) -> list[ServedOperation]:
@@ -446,8 +494,10 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
         routes = routes_for(scope, self.app)
         if routes is None:
             return []
-        self._resolver.check(routes, self._methods)
-        mounted = _mounted_problems(routes)
+        # None above the lifespan's scope; a mounted app's first request passed its guards.
+        above: frozenset[str] = scope.get(_GUARDED_ABOVE, frozenset())
+        self._resolver.check(routes, self._methods, functools.partial(_guarded_elsewhere, above))
+        mounted = _mounted_problems(routes, self._methods | above)
         if mounted:
             raise ConfigurationError("\n".join(mounted))
         guarded = [
