@@ -443,7 +443,8 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
             # lease alone). A request the app makes to itself in process has a scope of its own.
             await self.app(scope, receive, send)
             return
-        scope[_GUARDED_ABOVE] = scope.get(_GUARDED_ABOVE, frozenset()) | self._methods
+        above = scope.get(_GUARDED_ABOVE)
+        scope[_GUARDED_ABOVE] = self._methods if above is None else above | self._methods
         # The mark tells an @idempotent endpoint that a guard saw its request, and as what;
         # the context variable, how to find it (the endpoint's own arguments need not hold it).
         token = GUARDED_SCOPE.set(scope)
