@@ -678,7 +678,8 @@ class Run(_BodyReplay):
             await self._release_final()
         elif kind == "http.response.start":
             self._lease.started = True
-            self.status = status = message["status"]
+            # An IntEnum (HTTPStatus) as the app gave it would reach the store as one.
+            self.status = status = int(message["status"])
             self.raw_headers = headers = list(message.get("headers", ()))
             # A response of a declared length (or of none: 204, 304) is held until its first
             # chunk, so that one of one chunk reaches the client in two writes back to back,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from http import HTTPStatus
+
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -62,3 +65,32 @@ async def test_a_checkpoint_after_the_response_is_refused_and_reopens_nothing(
     assert retry.status_code == 202
     assert retry.headers["x-idempotent-replay"] == "true"
     assert runs == 1
+
+
+async def test_a_status_given_as_an_http_status_member_is_stored_and_replayed(
+    harness: ClockedStore,
+) -> None:
+    """``JSONResponse(..., status_code=HTTPStatus.CREATED)`` and ``HTTPException(HTTPStatus...)``
+    send an ``IntEnum``: MemoryStore could not pack it, the outcome was never stored, and the
+    handler ran again once the lock expired."""
+    runs = 0
+
+    @idempotent(lock_ttl_seconds=5)
+    async def pay(request: Request) -> Response:
+        nonlocal runs
+        runs += 1
+        if request.url.path == "/seat":
+            raise HTTPException(HTTPStatus.CONFLICT, "taken")  # a 4xx: stored, never run again
+        return JSONResponse({"run": runs}, status_code=HTTPStatus.CREATED)
+
+    routes = [Route(path, pay, methods=["POST"]) for path in ("/pay", "/seat")]
+    client = make_client(IdempotencyMiddleware(Starlette(routes=routes), store=harness.store))
+    for path, status in (("/pay", 201), ("/seat", 409)):
+        first = await client.post(path, json={}, headers=HEADERS)
+        retry = await client.post(path, json={}, headers=HEADERS)
+        assert (first.status_code, retry.status_code) == (status, status)
+        assert retry.headers["x-idempotent-replay"] == "true"
+        record = await harness.store.get(storage_key("", "POST", path, "order-1"))
+        assert record is not None
+        assert type(record.response_status_code) is int
+    assert runs == 2
