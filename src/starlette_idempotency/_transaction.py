@@ -8,8 +8,9 @@ first locks the record's row under this request's owner token.
 
 * Fenced: the first statement (``fence``) locks the row while it is ``InProgress`` and this
   request's. A request whose key was taken over gets :class:`LockLostError` before it writes,
-  and its transaction is rolled back; a takeover that comes later waits for the row and then
-  finds it finished. Nothing here depends on the isolation level: the row lock is the fence.
+  and its transaction is rolled back; a retry that comes while it is open is answered 409 (the
+  row is locked, not written, so nothing waits for it), and one after it finds it finished.
+  Nothing here depends on the isolation level: the row lock is the fence.
 * One outcome: ``tx.respond(response)`` writes the finished record in the transaction; once it
   commits, the middleware writes nothing more for the request (a crash after the commit leaves
   the record finished, and the retry is replayed).

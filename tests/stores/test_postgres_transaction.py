@@ -38,13 +38,10 @@ from tests.stores.transaction_app import (
 )
 from tests.support.conditions import eventually
 from tests.support.guarded import make_client
-from tests.support.postgres import lock_waiter
 
 pytestmark = pytest.mark.postgres
 
 DRIVERS = ("asyncpg", "sqlalchemy", "session")
-#: The store's connections, named to be found waiting for a row lock.
-RETRIER = {"application_name": "idempotency-tx-test"}
 
 
 @pytest.fixture(params=DRIVERS)
@@ -176,16 +173,17 @@ async def test_a_lease_taken_over_before_the_transaction_commits_nothing(
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 @pytest.mark.parametrize("driver", DRIVERS)
-async def test_a_takeover_waits_for_the_transaction_then_replays(
+async def test_a_retry_while_the_transaction_is_open_is_held_then_replayed(
     postgres_dsn: str, tables: str, sql: Any, isolation: str, driver: str
 ) -> None:
     """The lease has lapsed (on the database's clock) when the transaction begins, and nobody
-    took the key yet: the transaction fences the row, and a retry's takeover waits for it,
-    then finds it Completed and replays, at every isolation level."""
+    took the key yet: the transaction fences the row, a retry meanwhile is answered 409 at
+    once (it waited for the row, and past the store's timeout got 503), and once the
+    transaction has committed the retry is replayed, at every isolation level."""
     lapsed = asyncio.Event()
     in_transaction = asyncio.Event()
     go_on = asyncio.Event()
-    store = PostgresStore.from_dsn(postgres_dsn, table=tables, server_settings=RETRIER)
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
     database = Database(postgres_dsn, tables, driver)
     runs: list[int] = []
 
@@ -210,17 +208,19 @@ async def test_a_takeover_waits_for_the_transaction_then_replays(
     async with make_client(guarded_by(store, pay)) as client:
         headers = {"Idempotency-Key": "k"}
         first = asyncio.create_task(client.post("/pay", json={}, headers=headers))
-        await eventually(lambda: runs, message="the first attempt to run")
-        await sql.execute(f"UPDATE {tables} SET expires_at = now() - interval '1 second'")
-        lapsed.set()
-        await asyncio.wait_for(in_transaction.wait(), 5)
-        retry = asyncio.create_task(client.post("/pay", json={}, headers=headers))
-        await lock_waiter(sql, RETRIER["application_name"])  # the takeover waits for the row
-        go_on.set()
+        try:
+            await eventually(lambda: runs, message="the first attempt to run")
+            await sql.execute(f"UPDATE {tables} SET expires_at = now() - interval '1 second'")
+            lapsed.set()
+            await asyncio.wait_for(in_transaction.wait(), 5)
+            held = await client.post("/pay", json={}, headers=headers)
+        finally:
+            go_on.set()
         assert (await first).status_code == 201
-        replayed = await retry
+        replayed = await client.post("/pay", json={}, headers=headers)
     await database.aclose()
     await store.aclose()
+    assert held.status_code == 409, held.text
     assert replayed.status_code == 201, replayed.text
     assert replayed.headers["x-idempotent-replay"] == "true"
     assert runs == [1]
