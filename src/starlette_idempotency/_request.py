@@ -410,11 +410,17 @@ class GuardedRequest:
     ) -> IdempotencyRecord:
         """The record this request now owns, having taken over an expired one: ``pending``, or
         the record taken over with its recovery points (which the store kept under our token,
-        with a lease of its own clock)."""
+        with a lease of its own clock). Only this same request's: a store may hand over the
+        record of another request that used the key before its retention ended, whose points
+        and fingerprint are not this one's."""
         if taken_over.status is not RecordStatus.IN_PROGRESS:
             return pending
         self._events.processing_timeout("expired_lease_taken_over")
-        if not taken_over.checkpoints:
+        if (
+            not taken_over.checkpoints
+            or taken_over.request_fingerprint != pending.request_fingerprint
+            or taken_over.fingerprint_version != pending.fingerprint_version
+        ):
             return pending
         return replace(
             taken_over,

@@ -15,10 +15,12 @@ from starlette_idempotency import (
     IdempotencyError,
     IdempotencyMiddleware,
     checkpoint,
+    idempotency_context,
     idempotent,
     storage_key,
 )
 from starlette_idempotency.stores import RecordStatus
+from starlette_idempotency.testing import FakeClock
 from tests.support.guarded import make_client
 from tests.support.stores import ClockedStore, require_recovery
 
@@ -94,3 +96,41 @@ async def test_a_status_given_as_an_http_status_member_is_stored_and_replayed(
         assert record is not None
         assert type(record.response_status_code) is int
     assert runs == 2
+
+
+async def test_a_key_used_again_after_its_retention_starts_afresh(harness: ClockedStore) -> None:
+    """A handler saved a recovery point and failed; its retention passed, and the client used
+    the key for another charge. MemoryStore and PostgresStore handed the new request the old
+    one's recovery points and fingerprint: it resumed from the other charge's point, its
+    outcome was stored under the old fingerprint, and the old charge's retry was replayed the
+    new one's answer. On Redis the key had simply gone."""
+    require_recovery(harness.store)
+    seen: list[tuple[int, str | None]] = []
+
+    @idempotent(ttl_hours=1 / 3600, lock_ttl_seconds=0.5)
+    async def charge(request: Request) -> Response:
+        body = await request.json()
+        seen.append((body["amount"], idempotency_context(request).recovered_from))
+        if body.get("crash"):
+            await checkpoint(request, "charged", {"amount": body["amount"]})
+            raise RuntimeError("the pod dies after the charge")
+        return JSONResponse({"charged": body["amount"]}, status_code=201)
+
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    guarded = IdempotencyMiddleware(app, store=harness.store, clock=harness.now)
+    client = make_client(guarded, raise_app_exceptions=False)
+    old = {"amount": 10, "crash": True}
+    assert (await client.post("/charge", json=old, headers=HEADERS)).status_code == 500
+    if isinstance(harness.now, FakeClock):
+        harness.now.advance(5)  # with no read between: a read drops an expired record at once
+    else:
+        await harness.expire(storage_key("", "POST", "/charge", "order-1"), 1.0)
+
+    new = await client.post("/charge", json={"amount": 99}, headers=HEADERS)
+    retry = await client.post("/charge", json={"amount": 99}, headers=HEADERS)
+    again = await client.post("/charge", json=old, headers=HEADERS)
+
+    assert seen == [(10, None), (99, None)]
+    assert (new.status_code, retry.status_code) == (201, 201)
+    assert retry.headers["x-idempotent-replay"] == "true"
+    assert again.status_code == 422

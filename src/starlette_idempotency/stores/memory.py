@@ -188,7 +188,10 @@ class MemoryStore(StoreBase):
         entry = self._entries.get(key)
         if entry is None or entry[0] <= now:
             self._entries[key] = _acquired(pending, now + lock_ttl)
-            return AcquireResult(acquired=True, record=_unpack(entry[4]) if entry else None)
+            if entry is None:
+                return AcquireResult(acquired=True)
+            # An expired record's recovery points stay behind, as on Redis (the key is gone).
+            return AcquireResult(acquired=True, record=replace(_unpack(entry[4]), checkpoints=()))
         deadline, owner, in_progress, lease, packed = entry
         current = _unpack(packed)
         if owner == pending.owner_token and in_progress:

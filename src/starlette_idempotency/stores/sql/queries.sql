@@ -40,7 +40,8 @@ RETURNING true;
 -- a concurrent taker's or the owner's statement, or the app's transaction that fenced it
 -- (idempotency_transaction), open for as long as the app's work takes.
 -- Returns
---   taken_over = true,  the old row's values                   -> the caller now owns the key;
+--   taken_over = true,  the old row's values (its checkpoints with a recovery only)
+--                                                              -> the caller now owns the key;
 --   taken_over = false, busy = false, live = true, the holder's values -> the key is held (and
 --     lease_expired says whether the holder is a dead handler's record with checkpoints);
 --   taken_over = false, busy = true                            -> takeable but locked, or
@@ -80,7 +81,8 @@ SELECT true AS taken_over, false AS busy, true AS live, true AS lease_expired,
        prev.owner_token, prev.response_status_code, prev.response_headers::text AS response_headers,
        prev.response_body, prev.response_content_type, prev.created_at,
        coalesce(prev.record_expires_at, prev.expires_at) AS record_expires_at,
-       prev.checkpoints::text AS checkpoints,
+       -- the recovery points go on with a recovery; an expired row's stay behind, as on Redis
+       CASE WHEN prev.recovering THEN prev.checkpoints::text END AS checkpoints,
        CASE WHEN prev.checkpoints IS NULL THEN NULL ELSE prev.locked_until END AS lease_until
 FROM prev
 UNION ALL
