@@ -191,17 +191,20 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
 
     Refused unless the guard of the request it runs for (:data:`GUARDED_SCOPE`) guarded it as
     a request to this very wrapper, or passed it on because its method is not guarded and it
-    runs for a safe one (a GET, not a PUT a method override made of it). With no
-    guard in the context, a call that brings a request a router dispatched is refused; any
-    other runs (a unit test's direct call).
+    runs for a safe one (a GET, not a PUT a method override made of it). With no guard in the
+    context (a decorator above that runs the endpoint in an executor, which copies no context),
+    the request among its arguments says what its guard did; a call that brings a request a
+    router dispatched that no guard saw is refused; any other runs (a unit test's direct
+    call, or one whose context was lost: the guard keeps its answer, see ``Lease.outcome``).
     """
     scope = GUARDED_SCOPE.get(None)
     if scope is None:
         request = _request_in(args, kwargs)
-        # A request a router dispatched, that no guard saw.
-        if request is not None and "endpoint" in request.scope:
+        if request is None or "endpoint" not in request.scope:
+            return
+        if GUARD_SCOPE_KEY not in request.scope:  # a request a router dispatched, unguarded
             raise _refusal(handler, request.scope, _UNSEEN)
-        return
+        scope = request.scope
     mark = scope.get(GUARD_SCOPE_KEY)
     if mark is not handler:
         request = _request_in(args, kwargs)

@@ -411,18 +411,32 @@ class Lease(KeyOwner):
     ) -> tuple[IdempotencyRecord, str | None] | None:
         """The finished record of a response kept as the key's outcome, and the redactor's
         note; ``None`` when a response of ``status`` frees the key for a retry instead: a status
-        ``release_statuses`` frees (by default 5xx, 408, 429), a retryable mark, a status from
-        before the endpoint."""
+        ``release_statuses`` frees (by default 5xx, 408, 429), a retryable mark, a refusal from
+        before the endpoint (any error of a decorated route whose endpoint did not start: its
+        dependencies', its validation's)."""
         route = self._route
         policy = route.policy
-        if (
-            self.retryable
-            or policy.releases(status)
-            or (
-                not self.endpoint_started if route.marks_start else status in _PRE_ENDPOINT_STATUSES
-            )
-        ):
+        if self.retryable or policy.releases(status):
             return None
+        if not route.marks_start:
+            if status in _PRE_ENDPOINT_STATUSES:
+                return None
+        elif not self.endpoint_started:
+            if status >= 400:
+                return None
+            # No dependency or validation answers a success: the endpoint ran where it could
+            # not tell (freed, its answer would let every retry run it again).
+            logger.warning(
+                "%s answered %s for idempotency key %r without its @idempotent endpoint "
+                "reporting that it started: kept as the key's outcome. The endpoint runs outside "
+                "the request's context (a decorator above @idempotent that runs it in an "
+                "executor or a task without copying contextvars: use anyio.to_thread.run_sync "
+                "or contextvars.copy_context().run), or a middleware inside "
+                "IdempotencyMiddleware answered for it",
+                self._events.endpoint,
+                status,
+                self._events.shown_key,
+            )
         kept, note = self._responses.keep(
             policy.stored_parts, self.store_key, status, raw_headers, body
         )

@@ -9,6 +9,7 @@ records a renamed handler keeps.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import uuid
@@ -437,6 +438,64 @@ async def test_the_endpoint_finds_its_guard_through_middleware_that_runs_it_in_a
     assert [answer.status_code for answer in answers] == [201, 201], answers[0].text
     assert answers[1].headers.get("x-idempotent-replay") == "true"
     assert runs["stacked pay"] == before + 1
+
+
+def offloaded(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """A hand-written decorator that runs a blocking endpoint off the loop, in an executor:
+    ``run_in_executor`` copies no context, so the endpoint runs without its guard's."""
+
+    @functools.wraps(endpoint)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, functools.partial(endpoint, *args, **kwargs))
+
+    return wrapper
+
+
+class Amount(BaseModel):
+    amount: int
+
+
+async def test_an_endpoint_run_where_its_context_is_lost_runs_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The endpoint found no guard in its context and took the call for a unit test's: it
+    never reported its start, and the guard, taking its 200 for an answer from before the
+    endpoint, freed the key, so every retry ran it again. A Starlette endpoint was refused,
+    as though no guard had seen its request. The Starlette endpoint now finds its guard in
+    its request; a FastAPI one's answer is kept, with a warning saying why."""
+    fastapi = FastAPI()
+
+    @fastapi.post("/payments")
+    @offloaded
+    @idempotent()
+    def pay(body: Amount) -> dict[str, int]:
+        runs["offloaded pay"] += 1
+        return {"amount": body.amount}
+
+    @offloaded
+    @idempotent()
+    def refund(request: Request) -> Response:
+        runs["offloaded refund"] += 1
+        return JSONResponse({}, status_code=201)
+
+    starlette = Starlette(routes=[Route("/refunds", refund, methods=["POST"])])
+    for app, url, name, status in (
+        (fastapi, "/payments", "offloaded pay", 200),
+        (starlette, "/refunds", "offloaded refund", 201),
+    ):
+        client = make_client(IdempotencyMiddleware(app, store=MemoryStore()))
+        before, headers = runs[name], key()
+        answers = [await client.post(url, json={"amount": 1}, headers=headers) for _ in "123"]
+        assert [answer.status_code for answer in answers] == [status] * 3, answers[0].text
+        assert [answer.headers.get("x-idempotent-replay") for answer in answers[1:]] == [
+            "true",
+            "true",
+        ]
+        assert runs[name] == before + 1
+    [warning] = [record for record in caplog.records if "without its @idempotent" in record.message]
+    assert "POST /payments answered 200" in warning.message
+    assert "copy_context" in warning.message
 
 
 async def test_the_endpoint_finds_its_guard_when_the_server_offers_pathsend() -> None:
