@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -245,72 +245,64 @@ def _inside(route: Mount | Host, prefix: str) -> tuple[_Routes | None, str]:
 @dataclass(frozen=True, slots=True)
 class RouteEntry:
     """A handler :func:`iter_routes` found: its route, full template, the methods it serves
-    (empty for any), the handler (the endpoint, or one method of an ``HTTPEndpoint``), the
-    pattern of the ``Host`` route it is below (``""`` for none), and the apps mounted above it
-    (by a ``Mount`` or a ``Host``), outermost first: their middleware is on its path."""
+    (empty for any), the handler (the endpoint, or one method of an ``HTTPEndpoint``), and the
+    pattern of the ``Host`` route it is below (``""`` for none)."""
 
     route: BaseRoute
     template: str
     methods: frozenset[str]
     handler: object
     host: str = ""
-    mounts: tuple[object, ...] = ()
 
 
 def iter_routes(
-    routes: Iterable[BaseRoute], prefix: str = "", host: str = "", mounts: tuple[object, ...] = ()
+    routes: Iterable[BaseRoute], prefix: str = "", host: str = ""
 ) -> Iterator[RouteEntry]:
     """Every route below ``routes`` that ends a match, in the order :func:`find_leaf` tries
     them: ``Mount``, ``Host`` and FastAPI's included routers are entered as it enters them."""
     for route in routes:
         if not _is_included_router(route):
-            yield from _entries(route, prefix, "", host, mounts)
+            yield from _entries(route, prefix, "", host)
             continue
         included: Any = route
         for candidate in included.effective_candidates():
             if _is_included_router(candidate):
-                yield from iter_routes([candidate], prefix, host, mounts)
+                yield from iter_routes([candidate], prefix, host)
             else:
                 # An included APIRoute keeps its own path; its context holds the prefixed one.
                 target = candidate.starlette_route or candidate.original_route
                 path = str(getattr(candidate, "path", "") or "")
-                yield from _entries(target, prefix, path, host, mounts)
+                yield from _entries(target, prefix, path, host)
 
 
-def mounted_apps(
-    routes: Iterable[BaseRoute], prefix: str = "", mounts: tuple[object, ...] = ()
-) -> Iterator[tuple[str, tuple[object, ...]]]:
+def mounted_apps(routes: Iterable[BaseRoute], prefix: str = "") -> Iterator[tuple[str, object]]:
     """Every app mounted below ``routes`` (by a ``Mount`` or a ``Host``, at any depth), with the
-    path it is mounted at, as the last of the apps mounted on its path (outermost first):
-    Starlette sends them no lifespan of their own."""
+    path it is mounted at: Starlette sends them no lifespan of their own."""
     for route in routes:
         if isinstance(route, Mount | Host):
             below, inner_prefix = _inside(route, prefix)
-            path = (*mounts, route.app)
-            yield inner_prefix, path
+            yield inner_prefix, route.app
             if below is not None:
-                yield from mounted_apps(below.routes, inner_prefix, path)
+                yield from mounted_apps(below.routes, inner_prefix)
 
 
-def _entries(
-    route: BaseRoute, prefix: str, template: str, host: str, mounts: tuple[object, ...]
-) -> Iterator[RouteEntry]:
+def _entries(route: BaseRoute, prefix: str, template: str, host: str) -> Iterator[RouteEntry]:
     if isinstance(route, Mount | Host):
         below, inner_prefix = _inside(route, prefix)
         inner_host = route.host if isinstance(route, Host) else host
         if below is None:
-            yield RouteEntry(route, inner_prefix, frozenset(), route.app, inner_host, mounts)
+            yield RouteEntry(route, inner_prefix, frozenset(), route.app, inner_host)
         else:
-            yield from iter_routes(below.routes, inner_prefix, inner_host, (*mounts, route.app))
+            yield from iter_routes(below.routes, inner_prefix, inner_host)
         return
     methods = frozenset(getattr(route, "methods", None) or ())
     full_template = prefix + (template or getattr(route, "path", ""))
     for method, handler in _handlers(getattr(route, "endpoint", None)).items():
         served = methods if method is None else frozenset({method})
-        yield RouteEntry(route, full_template, served, handler, host, mounts)
+        yield RouteEntry(route, full_template, served, handler, host)
 
 
-def app_layers(app: object) -> Iterator[object]:
+def _stack(app: object) -> Iterator[object]:
     """``app``, what it wraps (its ``.app``), what that wraps, and so on."""
     node: object = app
     for _ in range(_MAX_STACK_DEPTH):
@@ -321,12 +313,12 @@ def app_layers(app: object) -> Iterator[object]:
 
 
 def _wraps(outer: object, app: object) -> bool:
-    return any(node is app for node in app_layers(outer))
+    return any(node is app for node in _stack(outer))
 
 
 def _router_below(app: object) -> object | None:
     """The first layer found by following ``.app`` down from ``app`` that has routes."""
-    for node in app_layers(app):
+    for node in _stack(app):
         routes = getattr(node, "routes", None)
         if isinstance(routes, list) and all(isinstance(route, BaseRoute) for route in routes[:1]):
             return node
@@ -362,11 +354,6 @@ def routes_for(scope: Scope, app: ASGIApp) -> Sequence[BaseRoute] | None:
     """The route list a middleware wrapping ``app`` resolves the requests of ``scope`` in."""
     below = _router_for(scope, app)
     return None if below is None else below.routes
-
-
-#: The methods the guards on a route's path other than the one asking guard (the guards of the
-#: apps that mount its app, and of the apps mounted above it).
-GuardedElsewhere = Callable[[RouteEntry], frozenset[str]]
 
 
 class RouteResolver:
@@ -429,36 +416,27 @@ class RouteResolver:
         template = guarded.operation or leaf.template
         return guarded, leaf.host + template if leaf.host else template
 
-    def check(
-        self, routes: Iterable[BaseRoute], methods: frozenset[str], elsewhere: GuardedElsewhere
-    ) -> None:
+    def check(self, routes: Iterable[BaseRoute], methods: frozenset[str]) -> None:
         """Refuse, at startup, every ``@idempotent`` handler that would not work as written:
-        the decorator above the route decorator, a route any of whose methods no guard on its
-        path guards (a WebSocket route, a route serving POST and PUT), options that do not fit
-        the middleware's (a lock longer than the retention)."""
-        problems = [problem for problem, _ in self._problems(routes, methods, elsewhere)]
+        the decorator above the route decorator, a route any of whose methods is not guarded
+        (a WebSocket route, a route serving POST and PUT), options that do not fit the
+        middleware's (a lock longer than the retention)."""
+        problems = [problem for problem, _ in self._problems(routes, methods)]
         if problems:
             raise ConfigurationError("\n".join(problems))
 
-    def unguarded(
-        self, routes: Iterable[BaseRoute], methods: frozenset[str], elsewhere: GuardedElsewhere
-    ) -> str | None:
+    def unguarded(self, routes: Iterable[BaseRoute], methods: frozenset[str]) -> str | None:
         """What :meth:`check` refuses that would run a decorated handler unguarded for an
-        unsafe method (a ``PUT`` no guard on its path guards), if anything: refused at every
+        unsafe method (a ``PUT`` the middleware does not guard), if anything: refused at every
         request of an app whose lifespan did not run (a mounted app's)."""
-        problems = [
-            problem
-            for problem, unguarded in self._problems(routes, methods, elsewhere)
-            if unguarded
-        ]
+        problems = [problem for problem, unguarded in self._problems(routes, methods) if unguarded]
         return "\n".join(problems) if problems else None
 
     def _problems(
-        self, routes: Iterable[BaseRoute], methods: frozenset[str], elsewhere: GuardedElsewhere
+        self, routes: Iterable[BaseRoute], methods: frozenset[str]
     ) -> Iterator[tuple[str, bool]]:
         """Each problem :meth:`check` refuses, and whether it leaves an unsafe method of a
-        decorated handler unguarded. ``methods`` are this guard's; a method another guard on a
-        route's path guards (``elsewhere``) is guarded too, by that guard and its policy."""
+        decorated handler unguarded."""
         named: dict[tuple[str, str], str] = {}  # (method, operation): the template it names
         for entry in iter_routes(routes):
             wrapper, overrides = decoration(entry.handler)
@@ -475,34 +453,32 @@ class RouteResolver:
                         f"Give each its own operation",
                         False,
                     )
-            guarded = methods | elsewhere(entry)
-            unsafe = not (entry.methods - guarded).issubset(_SAFE_METHODS)
+            unsafe = not (entry.methods - methods).issubset(_SAFE_METHODS)
             if wrapper is None:
                 yield str(misplaced_decorator_error(entry.template)), False
             elif isinstance(entry.route, WebSocketRoute) or (
-                entry.methods and entry.methods.isdisjoint(guarded)
+                entry.methods and entry.methods.isdisjoint(methods)
             ):
                 served = ", ".join(sorted(entry.methods)) or "WebSocket"
                 yield (
                     f"@idempotent on {entry.template} ({served}) does nothing: the middleware "
-                    f"on its path guards {', '.join(sorted(guarded))} requests only. Add the "
-                    f"method to IdempotencyMiddleware(methods=...), or remove @idempotent",
+                    f"guards {', '.join(sorted(methods))} requests only. Add the method to "
+                    f"IdempotencyMiddleware(methods=...), or remove @idempotent",
                     unsafe,
                 )
-            elif entry.methods - guarded:
+            elif entry.methods - methods:
                 # One handler serving a guarded and an unguarded method (POST and PUT): its
                 # unguarded requests would run it twice for one key, with no word.
-                unguarded = ", ".join(sorted(entry.methods - guarded))
+                unguarded = ", ".join(sorted(entry.methods - methods))
                 yield (
                     f"@idempotent on {entry.template} serves {', '.join(sorted(entry.methods))}, "
-                    f"but the middleware on its path guards {', '.join(sorted(guarded))} "
-                    f"requests only: its {unguarded} requests would run unguarded. Split the "
-                    f"route (one route per method, @idempotent on the guarded ones), or guard "
-                    f"the method: IdempotencyMiddleware(methods=[...]) with {unguarded} added",
+                    f"but the middleware guards {', '.join(sorted(methods))} requests only: its "
+                    f"{unguarded} requests would run unguarded. Split the route (one route per "
+                    f"method, @idempotent on the guarded ones), or guard the method: "
+                    f"IdempotencyMiddleware(methods=[...]) with {unguarded} added",
                     unsafe,
                 )
-            elif not entry.methods or not entry.methods.isdisjoint(methods):
-                # Only the policy of a guard that guards one of its methods applies to it.
+            else:
                 try:
                     self._defaults.merged(overrides)
                 except ConfigurationError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, Unpack, cast
 
 from starlette.middleware.exceptions import ExceptionMiddleware
@@ -36,9 +36,7 @@ from starlette_idempotency._renewal import LockRenewals
 from starlette_idempotency._request import GuardedRequest
 from starlette_idempotency._responses import ErrorFormat, ErrorResponder, Problem
 from starlette_idempotency._routing import (
-    RouteEntry,
     RouteResolver,
-    app_layers,
     iter_routes,
     mounted_apps,
     operation_of,
@@ -198,65 +196,26 @@ def _route_resolver(route_defaults: Mapping[str, Any], *, protect_all: bool) -> 
     return RouteResolver(IdempotencyPolicy().merged(route_defaults), protect_all=protect_all)
 
 
-def _listed_guard(spec: Any, app: object) -> dict[str, Any] | None:
-    """The options of the ``IdempotencyMiddleware`` an app lists in its ``user_middleware`` as
-    ``spec`` (``None`` for other middleware), its defaults applied; ``ConfigurationError`` for
-    options it would refuse."""
-    cls = getattr(spec, "cls", None)
-    if not (isinstance(cls, type) and issubclass(cls, IdempotencyMiddleware)):
-        return None
-    _check_options(spec.kwargs)
-    values = inspect.signature(cls.__init__).bind(None, app, **spec.kwargs)
-    values.apply_defaults()
-    return values.arguments
-
-
-def _guarded_methods(options: Mapping[str, Any]) -> frozenset[str]:
-    return frozenset(method.upper() for method in options["methods"])
-
-
-def _guarded_by(apps: Iterable[object]) -> frozenset[str]:
-    """The methods the ``IdempotencyMiddleware`` of ``apps`` guard: those wrapping an app (down
-    its ``.app`` chain), and those a Starlette app lists to build into its stack."""
-    methods: set[str] = set()
-    for app in apps:
-        for layer in app_layers(app):
-            if isinstance(layer, IdempotencyMiddleware) and layer._refusal is None:
-                methods |= layer._methods
-            for spec in getattr(layer, "user_middleware", ()):
-                try:
-                    options = _listed_guard(spec, layer)
-                except ConfigurationError:
-                    continue  # refused by the startup check (_mounted_problems): guards nothing
-                if options is not None:
-                    methods |= _guarded_methods(options)
-    return frozenset(methods)
-
-
-def _guarded_elsewhere(above: frozenset[str], entry: RouteEntry) -> frozenset[str]:
-    """The methods the guards on ``entry``'s path guard besides the one asking: those above it
-    (``above``), and those of the apps mounted on the way from it to the route."""
-    return above | _guarded_by(entry.mounts)
-
-
-def _mounted_problems(routes: Sequence[Any], above: frozenset[str]) -> list[str]:
+def _mounted_problems(routes: Sequence[Any]) -> list[str]:
     """What the ``IdempotencyMiddleware`` of each app mounted below ``routes`` would refuse at
-    its own startup, which Starlette never sends it: its options, and its routes, judged with
-    the methods the guards above it guard (``above``, and those of the apps that mount it)."""
+    its own startup, which Starlette never sends it: its options, and its routes."""
     problems = []
-    for path, mounts in mounted_apps(routes):
-        app = mounts[-1]
-        elsewhere = functools.partial(_guarded_elsewhere, above | _guarded_by(mounts[:-1]))
+    for path, app in mounted_apps(routes):
         for spec in getattr(app, "user_middleware", ()):
+            cls = getattr(spec, "cls", None)
+            if not (isinstance(cls, type) and issubclass(cls, IdempotencyMiddleware)):
+                continue
             try:
-                options = _listed_guard(spec, app)
-                if options is None:
-                    continue
+                _check_options(spec.kwargs)
+                values = inspect.signature(cls.__init__).bind(None, app, **spec.kwargs)
+                values.apply_defaults()
+                options = values.arguments
                 resolver = _route_resolver(
                     options["route_defaults"], protect_all=options["protect_all"]
                 )
                 # An app with middleware of its own to build is a Starlette app, with routes.
-                resolver.check(getattr(app, "routes", ()), _guarded_methods(options), elsewhere)
+                methods = frozenset(method.upper() for method in options["methods"])
+                resolver.check(getattr(app, "routes", ()), methods)
             except ConfigurationError as exc:
                 problems.append(f"the IdempotencyMiddleware of the app mounted at {path}: {exc}")
     return problems
@@ -292,9 +251,6 @@ def _check_store_object(store: object) -> None:
 
 #: What GUARDED_SCOPE holds outside any guard's request.
 _NO_SCOPE: Scope = {}
-#: Where a request holds the methods the guards it passed through guard: a guard mounted below
-#: them need not guard those (they guard the routes of its app they see), nor refuse for them.
-_GUARDED_ABOVE = "starlette_idempotency.guarded_above"
 
 
 class IdempotencyMiddleware(metaclass=_CheckedFirst):
@@ -443,8 +399,6 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
             # lease alone). A request the app makes to itself in process has a scope of its own.
             await self.app(scope, receive, send)
             return
-        above = scope.get(_GUARDED_ABOVE)
-        scope[_GUARDED_ABOVE] = self._methods if above is None else above | self._methods
         # The mark tells an @idempotent endpoint that a guard saw its request, and as what;
         # the context variable, how to find it (the endpoint's own arguments need not hold it).
         token = GUARDED_SCOPE.set(scope)
@@ -482,12 +436,9 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
     def _unguarded_methods(self, scope: Scope) -> ConfigurationError | None:
         """What refuses every request of an app whose lifespan did not run (a mounted app, a
         server run with ``--lifespan off``): a decorated handler that would run unguarded for
-        an unsafe method its route serves, which no guard on its path guards."""
+        an unsafe method its route serves."""
         routes = routes_for(scope, self.app)
-        if routes is None:
-            return None
-        elsewhere = functools.partial(_guarded_elsewhere, scope.get(_GUARDED_ABOVE, frozenset()))
-        problems = self._resolver.unguarded(routes, self._methods, elsewhere)
+        problems = None if routes is None else self._resolver.unguarded(routes, self._methods)
         return None if problems is None else ConfigurationError(problems)
 
     def _check_routes(self, scope: Scope) -> list[ServedOperation]:
@@ -495,10 +446,8 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
         routes = routes_for(scope, self.app)
         if routes is None:
             return []
-        # None above the lifespan's scope; a mounted app's first request passed its guards.
-        above: frozenset[str] = scope.get(_GUARDED_ABOVE, frozenset())
-        self._resolver.check(routes, self._methods, functools.partial(_guarded_elsewhere, above))
-        mounted = _mounted_problems(routes, self._methods | above)
+        self._resolver.check(routes, self._methods)
+        mounted = _mounted_problems(routes)
         if mounted:
             raise ConfigurationError("\n".join(mounted))
         guarded = [

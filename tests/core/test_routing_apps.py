@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from starlette_idempotency import ConfigurationError, IdempotencyMiddleware, MemoryStore, idempotent
+from starlette_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from tests.support.guarded import make_client
 from tests.support.routing import Endpoints, assert_behaviour
 
@@ -104,58 +104,6 @@ async def test_a_guarded_sub_app_mounted_in_a_guarded_parent_is_guarded_once(
     assert (first.status_code, retry.status_code) == (status, status)
     assert retry.headers["x-idempotent-replay"] == "true"
     assert runs == 1
-
-
-def nested_guards(guard: str, runs: Counter[str]) -> Starlette:
-    """A parent guarding POST and PATCH, or PUT too (``guard="outer"``), mounting a sub-app
-    whose own guard guards POST and PATCH, or PUT too (``"inner"``), that serves a decorated
-    PUT; ``"neither"`` guards PUT."""
-
-    async def upsert(request: Request) -> Response:
-        runs["upsert"] += 1
-        return JSONResponse({"run": runs["upsert"]}, status_code=201)
-
-    async def health(request: Request) -> Response:
-        return Response("ok")
-
-    def guard_of(name: str) -> Middleware:
-        methods = ["POST", "PATCH", "PUT"] if guard == name else ["POST", "PATCH"]
-        return Middleware(IdempotencyMiddleware, store=MemoryStore(), methods=methods)
-
-    sub = Starlette(
-        routes=[Route("/items", idempotent()(upsert), methods=["PUT"])],
-        middleware=[guard_of("inner")],
-    )
-    return Starlette(
-        routes=[Route("/health", health), Mount("/v1", sub)], middleware=[guard_of("outer")]
-    )
-
-
-@pytest.mark.parametrize("guard", ["inner", "outer"])
-async def test_without_a_lifespan_a_method_one_guard_on_the_path_guards_is_guarded(
-    guard: str,
-) -> None:
-    """No lifespan ran (``--lifespan off``, a client outside ``with``): the first request
-    judged each guard's routes by its own methods alone, and refused every request, the
-    unrelated ``GET /health`` too."""
-    runs: Counter[str] = Counter()
-    client = make_client(nested_guards(guard, runs))
-    assert (await client.get("/health")).text == "ok"
-    headers = {"Idempotency-Key": "k"}
-    first = await client.put("/v1/items", headers=headers)
-    retry = await client.put("/v1/items", headers=headers)
-    assert (first.status_code, retry.status_code) == (201, 201)
-    assert retry.headers["x-idempotent-replay"] == "true"
-    assert runs == Counter(upsert=1)
-
-
-async def test_without_a_lifespan_a_method_no_guard_on_the_path_guards_is_refused() -> None:
-    runs: Counter[str] = Counter()
-    client = make_client(nested_guards("neither", runs))
-    for method, url in (("GET", "/health"), ("PUT", "/v1/items")):
-        with pytest.raises(ConfigurationError, match=r"/v1/items \(PUT\) does nothing"):
-            await client.request(method, url, headers={"Idempotency-Key": "k"})
-    assert runs == Counter()
 
 
 async def test_a_request_to_itself_from_a_guarded_handler_is_guarded_on_its_own() -> None:

@@ -304,10 +304,10 @@ def test_a_route_whose_every_method_is_guarded_starts() -> None:
     assert start(app) == "lifespan.startup.complete"
 
 
-def sub_app(serves: str = "POST", lock: float = 30, **options: Any) -> Starlette:
+def sub_app(**options: Any) -> Starlette:
     """An app mounted by another, with its own middleware: Starlette sends it no lifespan."""
     return Starlette(
-        routes=[Route("/items", idempotent(lock_ttl_seconds=lock)(upsert), methods=[serves])],
+        routes=[Route("/items", idempotent()(upsert), methods=["POST"])],
         middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), **options)],
     )
 
@@ -316,7 +316,7 @@ def sub_app(serves: str = "POST", lock: float = 30, **options: Any) -> Starlette
     ("options", "expected"),
     [
         ({"on_store_eror": "fail_open"}, "'on_store_eror' (did you mean 'on_store_error'?)"),
-        ({"ttl_hours": 0.01}, "@idempotent on /items: lock_ttl_seconds (60 s) must not exceed"),
+        ({"methods": ["PUT"]}, "@idempotent on /items (POST) does nothing"),
     ],
     ids=["option", "route"],
 )
@@ -324,35 +324,12 @@ def test_the_middleware_of_a_mounted_app_is_checked_at_the_outer_startup(
     options: dict[str, Any], expected: str
 ) -> None:
     app = Starlette(
-        routes=[Mount("/v2", app=Starlette(routes=[Mount("/sub", sub_app(lock=60, **options))]))]
+        routes=[Mount("/v2", app=Starlette(routes=[Mount("/sub", sub_app(**options))]))]
     )
     app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), check_store="off")
     message = failed_startup(app)
     assert "the IdempotencyMiddleware of the app mounted at /v2/sub:" in message
     assert expected in message
-
-
-def mounting(sub: Starlette, **options: Any) -> Starlette:
-    app = Starlette(routes=[Mount("/v2", app=Starlette(routes=[Mount("/sub", sub)]))])
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), check_store="off", **options)
-    return app
-
-
-@pytest.mark.parametrize("guard", ["inner", "outer"])
-def test_a_method_one_guard_on_the_path_guards_starts(guard: str) -> None:
-    """The outer guard passes on unguarded the methods it does not guard, for the inner one
-    to guard; the inner one passes on the requests the outer one guards. Either way the PUT
-    is guarded, once: judged by one guard's methods alone, it was refused."""
-    put: dict[str, Any] = {"methods": ["POST", "PUT"]}
-    sub = sub_app("PUT", **put) if guard == "inner" else sub_app("PUT")
-    app = mounting(sub, **put) if guard == "outer" else mounting(sub)
-    assert start(app) == "lifespan.startup.complete"
-
-
-def test_a_method_no_guard_on_the_path_guards_refuses_to_start() -> None:
-    message = failed_startup(mounting(sub_app("PUT", methods=["POST", "DELETE"])))
-    assert "@idempotent on /v2/sub/items (PUT) does nothing" in message
-    assert "guards DELETE, PATCH, POST requests only" in message
 
 
 def test_a_well_configured_mounted_app_starts() -> None:
