@@ -411,9 +411,10 @@ class Lease(KeyOwner):
     ) -> tuple[IdempotencyRecord, str | None] | None:
         """The finished record of a response kept as the key's outcome, and the redactor's
         note; ``None`` when a response of ``status`` frees the key for a retry instead: a status
-        ``release_statuses`` frees (by default 5xx, 408, 429), a retryable mark, a refusal from
-        before the endpoint (any error of a decorated route whose endpoint did not start: its
-        dependencies', its validation's)."""
+        ``release_statuses`` frees (by default 5xx, 408, 429), a retryable mark, an answer from
+        before the endpoint (any of a decorated route whose endpoint did not start: its
+        dependencies', its validation's, a login redirect's), but a success under a decorator
+        above the endpoint, which may have run it where it could not report its start."""
         route = self._route
         policy = route.policy
         if self.retryable or policy.releases(status):
@@ -422,7 +423,7 @@ class Lease(KeyOwner):
             if status in _PRE_ENDPOINT_STATUSES:
                 return None
         elif not self.endpoint_started:
-            if status >= 400:
+            if not (route.decorated_above and 200 <= status < 300):
                 return None
             # No dependency or validation answers a success: the endpoint ran where it could
             # not tell (freed, its answer would let every retry run it again).

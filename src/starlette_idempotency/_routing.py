@@ -79,7 +79,9 @@ class GuardedRoute:
     ``handler`` is the ``@idempotent`` wrapper the router calls for the request's method,
     itself or through decorators above it (the guard marks the request with it, and the
     wrapper checks the mark), or what the router calls when undecorated; ``operation`` is the
-    ``operation=`` it names itself by (``None``: its method and template name it).
+    ``operation=`` it names itself by (``None``: its method and template name it);
+    ``decorated_above``: the router calls a decorator above the wrapper, which may run it where
+    the request's context is lost (an executor), so that it cannot report its start.
     """
 
     template: str
@@ -89,6 +91,7 @@ class GuardedRoute:
     handler: object
     operation: str | None
     command: CommandFingerprinter | None = None
+    decorated_above: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -551,4 +554,7 @@ class RouteResolver:
             handler=handler if wrapper is None else wrapper,
             operation=getattr(wrapper, OPERATION_ATTRIBUTE, None),
             command=command,
+            # A bound method calls its function, the wrapper, in the request's own context.
+            decorated_above=wrapper is not None
+            and wrapper is not getattr(handler, "__func__", handler),
         )

@@ -26,7 +26,7 @@ from starlette.applications import Starlette
 from starlette.endpoints import HTTPEndpoint
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router
 from starlette.testclient import TestClient
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -496,6 +496,40 @@ async def test_an_endpoint_run_where_its_context_is_lost_runs_once(
     [warning] = [record for record in caplog.records if "without its @idempotent" in record.message]
     assert "POST /payments answered 200" in warning.message
     assert "copy_context" in warning.message
+
+
+def login_required(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator that answers an anonymous request with a redirect to the login page, as
+    Starlette's ``@requires(..., redirect=...)`` does, without running the endpoint."""
+
+    @functools.wraps(endpoint)
+    async def wrapper(request: Request) -> Response:
+        if "x-user" not in request.headers:
+            return RedirectResponse("/login", status_code=303)
+        return await endpoint(request)
+
+    return wrapper
+
+
+async def test_an_answer_from_before_the_endpoint_frees_the_key() -> None:
+    """A decorator above ``@idempotent`` redirected an anonymous request to the login page:
+    the endpoint never ran, so the retry after the login runs it rather than get the
+    redirect again."""
+
+    @login_required
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        runs["logged-in pay"] += 1
+        return JSONResponse({}, status_code=201)
+
+    app = Starlette(routes=[Route("/payments", pay, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore()))
+    before, headers = runs["logged-in pay"], key()
+    anonymous = await client.post("/payments", json={}, headers=headers)
+    logged_in = await client.post("/payments", json={}, headers={**headers, "X-User": "ann"})
+    assert (anonymous.status_code, logged_in.status_code) == (303, 201)
+    assert "x-idempotent-replay" not in logged_in.headers
+    assert runs["logged-in pay"] == before + 1
 
 
 async def test_the_endpoint_finds_its_guard_when_the_server_offers_pathsend() -> None:
