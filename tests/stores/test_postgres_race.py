@@ -16,7 +16,7 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from starlette_idempotency._record import IdempotencyRecord, RecordStatus
+from starlette_idempotency._record import IdempotencyRecord, RecordStatus, StoredResponse
 from starlette_idempotency.stores.base import AcquireResult
 from starlette_idempotency.stores.postgres import PostgresStore
 
@@ -42,11 +42,17 @@ def pending(owner: str) -> IdempotencyRecord:
     )
 
 
-async def plant_expired_row(dsn: str, table: str, key: str) -> None:
-    """A row under ``key`` whose lock has lapsed, for the takeover race."""
+async def plant_expired_row(dsn: str, table: str, key: str, *, finished: bool = False) -> None:
+    """A row under ``key`` whose lock has lapsed, or (``finished``) whose retention has ended,
+    for the takeover race."""
     store = await PostgresStore.connect(dsn, table=table, max_size=1)
     try:
-        assert (await store.try_acquire(key, pending("crashed-owner"), LOCK_TTL)).acquired
+        crashed = pending("crashed-owner")
+        assert (await store.try_acquire(key, crashed, LOCK_TTL)).acquired
+        if finished:
+            answer = StoredResponse(201, (), b"{}", "application/json")
+            done = crashed.finished(RecordStatus.COMPLETED, answer, time.time() + LOCK_TTL)
+            assert await store.finish(key, done, LOCK_TTL)
         connection = await asyncpg.connect(dsn)
         try:
             await connection.execute(
@@ -101,7 +107,10 @@ async def test_concurrent_tasks_each_with_own_connection(
             key = f"task-round-{round_number}"
             takeover = round_number % 2 == 1
             if takeover:
-                await plant_expired_row(postgres_dsn, postgres_table, key)
+                # Losers skip the row the winner has locked, then see the winner's: never the
+                # expired record, whose answer they would have replayed, or judged 422 by.
+                finished = round_number % 4 == 3
+                await plant_expired_row(postgres_dsn, postgres_table, key, finished=finished)
             barrier = asyncio.Barrier(TASKS)
             results = await asyncio.gather(
                 *(contend(store, f"task-{n}", key, barrier) for n, store in enumerate(stores))

@@ -474,17 +474,18 @@ async def test_a_recovery_point_after_a_lapsed_lock_commits(
     await assert_replayed_once(retry, sql, tables, "lapsed")
 
 
+@pytest.mark.parametrize("saved", ["", "saved"], ids=["before a write", "after a checkpoint"])
 @pytest.mark.parametrize("lapsed", [False, True], ids=["live lock", "lapsed lock"])
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_a_retry_while_the_block_is_open_is_answered_409_at_once(
-    driver: str, postgres_dsn: str, tables: str, sql: Any, lapsed: bool
+    driver: str, postgres_dsn: str, tables: str, sql: Any, lapsed: bool, saved: str
 ) -> None:
     """A retry comes while the first attempt's transaction is open (a provider call in the
     block, say). The fence wrote the row, so the retry's insert waited for that transaction,
     and past ``store_timeout_seconds`` it got 503, logged and counted as a store error, even
-    with the lock live. Once the lock had lapsed, the takeover waited for the row the same way.
-    The fence only locks the row now: the retry reads the holder (409). The block's recovery
-    point after a lapsed lock is still the request's own."""
+    with the lock live; so did it after a recovery point in the block, which writes the row.
+    Once the lock had lapsed, the takeover waited for the row the same way. The retry now reads
+    the holder (409). The block's recovery point after a lapsed lock is still the request's."""
     store = PostgresStore.from_dsn(postgres_dsn, table=tables)
     inside, retried = asyncio.Event(), asyncio.Event()
 
@@ -505,6 +506,8 @@ async def test_a_retry_while_the_block_is_open_is_answered_409_at_once(
                 "VALUES ($1, '9.99', '')",
                 key,
             )
+            if saved:
+                await tx.checkpoint("saved")
             inside.set()
             await retried.wait()
             await tx.checkpoint("paid")

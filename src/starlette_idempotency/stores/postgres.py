@@ -122,6 +122,9 @@ DEFAULT_OPERATION_TIMEOUT = 10.0
 # A row can change between the two statements of try_acquire (released, or taken over and
 # finished); then it starts again. Running out of attempts needs sustained churn on one key.
 _ACQUIRE_ATTEMPTS = 5
+# The first pause on a takeable row another transaction has locked, doubled at each attempt
+# (150 ms in all before it is taken for a fenced transaction's).
+_BUSY_PAUSE_SECONDS = 0.01
 
 # How long the undo of an abandoned acquire waits before trying again while the database fails.
 _UNDO_RETRY_SECONDS = 0.1
@@ -409,17 +412,22 @@ class PostgresStore(StoreBase):
         params = row_params(self._prefix + key, pending, lock_ttl)
 
         async def acquire() -> AcquireResult | None:
-            for _ in range(_ACQUIRE_ATTEMPTS):
+            for attempt in range(_ACQUIRE_ATTEMPTS):
                 if await self._value("acquire_insert", *params):
                     return AcquireResult(acquired=True)
                 row = await self._row("acquire_takeover", *params, recover)
                 if row is not None and row["busy"]:
-                    row = await self._row("acquire_peek", params[0], recover, *params[3:5])
-                    if row is not None and row["busy"]:
-                        # Takeable, and locked by a transaction still open: the app's that
-                        # fenced it runs its handler's work (idempotency_transaction), or a
-                        # taker's or the owner's statement is about to change it.
-                        return AcquireResult(acquired=False, record=record_from_row(row))
+                    if attempt + 1 < _ACQUIRE_ATTEMPTS:
+                        # A statement's lock lasts a moment: then the row is the taker's or
+                        # finished, and judged as it is.
+                        await asyncio.sleep(_BUSY_PAUSE_SECONDS * 2**attempt)
+                        continue
+                    if row["status"] == RecordStatus.IN_PROGRESS:
+                        # Locked all this time: by the app's transaction that fenced it
+                        # (idempotency_transaction), whose handler is running.
+                        return AcquireResult(
+                            acquired=False, record=record_from_row(row), lease_expired=False
+                        )
                 if row is None or not row["live"]:
                     continue  # released or changed in between: insert again
                 found = record_from_row(row)

@@ -17,16 +17,20 @@
 
 -- name: acquire_insert
 -- The common case: claim a key nobody holds. One row (true) when inserted; no row when any
--- row, live or expired, already has the key (then acquire_takeover decides).
+-- row, live or expired, already has the key (then acquire_takeover decides). A row the
+-- statement's snapshot shows is never inserted over: ON CONFLICT would wait for a transaction
+-- still open that wrote the row (an idempotency_transaction's recovery point or outcome, for as
+-- long as the app's work in it takes), where the takeover reads the holder at once.
 INSERT INTO {table} AS t (
     key, idempotency_key, status, request_fingerprint, fingerprint_version, owner_token,
     response_status_code, response_headers, response_body, response_content_type,
     created_at, record_expires_at, locked_until, expires_at, checkpoints
 )
-VALUES (
-    $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9, $10, $11, $12,
-    now() + make_interval(secs => $13), now() + make_interval(secs => $13), $14::text::jsonb
-)
+SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::text, $7::integer,
+       $8::text::jsonb, $9::bytea, $10::text, $11::timestamptz, $12::timestamptz,
+       now() + make_interval(secs => $13), now() + make_interval(secs => $13),
+       $14::text::jsonb
+WHERE NOT EXISTS (SELECT 1 FROM {table} WHERE key = $1)
 ON CONFLICT (key) DO NOTHING
 RETURNING true;
 
@@ -44,8 +48,9 @@ RETURNING true;
 --                                                              -> the caller now owns the key;
 --   taken_over = false, busy = false, live = true, the holder's values -> the key is held (and
 --     lease_expired says whether the holder is a dead handler's record with checkpoints);
---   taken_over = false, busy = true                            -> takeable but locked, or
---     changed since the statement's snapshot: acquire_peek reads it afresh;
+--   taken_over = false, busy = true, the row's values           -> takeable but not taken: locked
+--     by another transaction (a taker's or the owner's statement, for a moment; the app's
+--     that fenced an InProgress row, for as long as its work), or changed since the snapshot;
 --   no row                                                     -> the key vanished: start again.
 WITH prev AS (
     SELECT *, expires_at > now() AS recovering FROM {table}
@@ -102,29 +107,6 @@ SELECT false AS taken_over,
        CASE WHEN cur.checkpoints IS NULL THEN NULL ELSE cur.locked_until END AS lease_until
 FROM {table} AS cur
 WHERE cur.key = $1 AND NOT EXISTS (SELECT 1 FROM prev);
-
--- name: acquire_peek
--- acquire_takeover found the row takeable but did not take it (busy): the row as it is now,
--- in a snapshot of its own, with busy still true when it is takeable (so locked by another
--- transaction: a concurrent taker, the owner finishing or releasing it, or the app's
--- transaction that fenced it) and live as for a holder. $1 storage key; $2, $3, $4 as
--- acquire_takeover's $15, $4, $5. No row when the key is gone.
-SELECT false AS taken_over,
-       cur.expires_at <= now()
-       OR coalesce($2 AND cur.status = 'InProgress' AND cur.checkpoints IS NOT NULL
-                   AND cur.locked_until <= now() AND cur.request_fingerprint = $3
-                   AND cur.fingerprint_version = $4, false) AS busy,
-       cur.expires_at > now() AS live,
-       coalesce(cur.status = 'InProgress' AND cur.checkpoints IS NOT NULL
-                AND cur.locked_until <= now(), false) AS lease_expired,
-       cur.idempotency_key, cur.status, cur.request_fingerprint, cur.fingerprint_version,
-       cur.owner_token, cur.response_status_code, cur.response_headers::text AS response_headers,
-       cur.response_body, cur.response_content_type, cur.created_at,
-       coalesce(cur.record_expires_at, cur.expires_at) AS record_expires_at,
-       cur.checkpoints::text AS checkpoints,
-       CASE WHEN cur.checkpoints IS NULL THEN NULL ELSE cur.locked_until END AS lease_until
-FROM {table} AS cur
-WHERE cur.key = $1;
 
 -- name: finish
 -- complete() and fail(): store the final record for $13 seconds if the owner still holds the
