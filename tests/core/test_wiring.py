@@ -14,7 +14,7 @@ import functools
 import inspect
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -498,7 +498,9 @@ async def test_an_endpoint_run_where_its_context_is_lost_runs_once(
     assert "copy_context" in warning.message
 
 
-def login_required(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+def login_required(
+    endpoint: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
     """A decorator that answers an anonymous request with a redirect to the login page, as
     Starlette's ``@requires(..., redirect=...)`` does, without running the endpoint."""
 
