@@ -208,8 +208,11 @@ async def run_key_command(store: RedisStore | PostgresStore, args: argparse.Name
         record = await _record(store, key)
         return _show(key, record, encryption, body=args.body, as_json=args.json)
     record = await _stopped_record(store, key, force=args.force)
-    if not await store.release(key, record.owner_token):
-        raise CommandFailed(f"{key!r} changed hands meanwhile: show it again")
+    if not await store.delete(key, owner_token=None if args.force else record.owner_token):
+        raise CommandFailed(
+            f"{key!r} changed hands meanwhile, or its handler holds it again (a retry took it "
+            "over, or its transaction is writing its outcome): show it again"
+        )
     return _done("deleted", key, record.status, as_json=args.json)
 
 

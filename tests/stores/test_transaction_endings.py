@@ -34,11 +34,13 @@ from starlette_idempotency import (
     IdempotencyMiddleware,
     OutcomeResult,
     PostgresStore,
+    checkpoint,
     idempotency_transaction,
     idempotent,
     mark_retryable,
 )
 from tests.stores.transaction_app import first_value, sqlalchemy_url
+from tests.support.cli import cli as run_cli
 from tests.support.conditions import eventually
 from tests.support.cutting_proxy import CuttingProxy
 from tests.support.guarded import make_client
@@ -526,6 +528,56 @@ async def test_a_retry_while_the_block_is_open_is_answered_409_at_once(
     assert retry.status_code == 409
     assert not [event for event in events if event.result == CheckResult.STORE_ERROR]
     await assert_replayed_once(again, sql, tables, "open")
+
+
+async def test_an_operator_deletes_no_outcome_a_block_is_committing(
+    postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """The handler saved a recovery point, stalled past its lease, then fenced its row and
+    wrote its payment. ``list --stuck`` showed the record, and ``delete`` (without --force:
+    its lease had run out) waited for the block's transaction, then deleted the outcome it
+    had just committed: the next retry paid again. The delete now takes the lapsed record over
+    first, which the open transaction holds, and is refused."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    inside, deleted = asyncio.Event(), asyncio.Event()
+
+    async def pay(request: Request) -> Response:
+        key = request.headers["idempotency-key"]
+        if not inside.is_set():
+            await checkpoint(request, "charging")
+            await sql.execute(  # the lease runs out (on the database's clock): a stall
+                f"UPDATE {tables} SET locked_until = now() - interval '1 second' "
+                "WHERE idempotency_key = $1",
+                key,
+            )
+        async with (
+            connected("asyncpg", postgres_dsn) as (connection, fetchval),
+            idempotency_transaction(request, connection) as tx,
+        ):
+            await fetchval(
+                f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
+                "VALUES ($1, '9.99', '')",
+                key,
+            )
+            inside.set()
+            await deleted.wait()
+            return await tx.respond(JSONResponse({"paid": key}, status_code=201))
+
+    app = guarded(store, pay, renew_lock=False)
+    headers = {"Idempotency-Key": "stalled"}
+    async with client_of(app, store) as client:
+        first = asyncio.create_task(client.post("/pay", json={}, headers=headers))
+        await inside.wait()
+        try:
+            command = ("delete", "--dsn", postgres_dsn, "--table", tables, "--route", "/pay")
+            operator = await asyncio.to_thread(run_cli, *command, "stalled")
+        finally:
+            deleted.set()
+        assert (await first).status_code == 201
+        retry = await client.post("/pay", json={}, headers=headers)
+    assert operator.code == 1
+    assert "its transaction is writing its outcome" in operator.err
+    await assert_replayed_once(retry, sql, tables, "stalled")
 
 
 @pytest.mark.parametrize("driver", DRIVERS)

@@ -39,7 +39,10 @@ class AcquireResult:
     """What :meth:`IdempotencyStore.try_acquire` found.
 
     ``acquired`` is true when the caller now owns the key. Then ``record`` is the expired record
-    it took over, where the store can tell (else ``None``). When ``acquired`` is false,
+    it took over, where the store can tell (else ``None``), with its recovery points only when
+    it recovered them (the same request's record, its lease run out, its retention not): the
+    points of a record whose retention ended stay behind, as the middleware reads them as the
+    caller's own. When ``acquired`` is false,
     ``record`` is the live record that holds the key, and ``lease_expired`` says whether it is
     an ``InProgress`` record with recovery points whose lease has run out on the store's clock
     (its handler died; with ``recover=False`` nobody took it over). ``None`` is a store that
@@ -312,6 +315,27 @@ class StoreBase(IdempotencyStore):
             if owner_token is not None:
                 return False
         return False
+
+    async def delete(self, key: str, *, owner_token: str | None = None) -> bool:
+        """Delete the record under ``key`` (for operators), so that the next retry runs the
+        handler again: whoever holds it, or with ``owner_token`` only the record of that owner
+        (the one the caller looked at) and, when it has recovery points, only once its lease
+        has run out on the store's clock. Returns false when there is no record to delete, or
+        it changed hands, or its handler holds it again.
+
+        A record whose lease ran out after a recovery point is taken over first, as for
+        :meth:`resolve`, and deleted under the takeover's token: a transaction that is still
+        writing its handler's outcome (``idempotency_transaction``) keeps it, and an outcome
+        it committed meanwhile is not deleted."""
+        current = await self.get(key)
+        if current is None or owner_token not in (None, current.owner_token):
+            return False
+        taken = await self._take_over_lapsed(key, current)
+        if taken is None:
+            if owner_token is not None:
+                return False
+            taken = current
+        return await self.release(key, taken.owner_token)
 
     async def _take_over_lapsed(
         self, key: str, current: IdempotencyRecord
