@@ -113,11 +113,7 @@ def paying_app(store: PostgresStore, dsn: str, driver: str, table: str, hook: Ho
             connected(driver, dsn) as (connection, fetchval),
             idempotency_transaction(request, connection) as tx,
         ):
-            await fetchval(
-                f"INSERT INTO {table}_payments (idempotency_key, amount, pod) "
-                "VALUES ($1, '9.99', '')",
-                key,
-            )
+            await insert_payment(fetchval, table, key)
             response = await tx.respond(JSONResponse({"paid": key}, status_code=201))
             await hook(request, connection)
             return response
@@ -137,6 +133,22 @@ async def payments(sql: Any, table: str, key: str) -> int:
         f"SELECT count(*) FROM {table}_payments WHERE idempotency_key = $1", key
     )
     return count
+
+
+async def insert_payment(fetchval: Fetchval, table: str, key: str) -> None:
+    """The handler's own row: one payment under ``key``."""
+    await fetchval(
+        f"INSERT INTO {table}_payments (idempotency_key, amount, pod) VALUES ($1, '9.99', '')",
+        key,
+    )
+
+
+async def lapse_lock(sql: Any, table: str, key: str) -> None:
+    """The lock of ``key`` runs out, on the database's clock (a blocked loop, a pause)."""
+    await sql.execute(
+        f"UPDATE {table} SET expires_at = now() - interval '1 second' WHERE idempotency_key = $1",
+        key,
+    )
 
 
 async def status_of(sql: Any, table: str, key: str) -> str | None:
@@ -452,20 +464,12 @@ async def test_a_recovery_point_after_a_lapsed_lock_commits(
 
     async def pay(request: Request) -> Response:
         key = request.headers["idempotency-key"]
-        await sql.execute(  # the lock lapses, on the database's clock
-            f"UPDATE {tables} SET expires_at = now() - interval '1 second' "
-            "WHERE idempotency_key = $1",
-            key,
-        )
+        await lapse_lock(sql, tables, key)
         async with (
             connected(driver, postgres_dsn) as (connection, fetchval),
             idempotency_transaction(request, connection) as tx,
         ):
-            await fetchval(
-                f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
-                "VALUES ($1, '9.99', '')",
-                key,
-            )
+            await insert_payment(fetchval, tables, key)
             await tx.checkpoint("paid")
             return await tx.respond(JSONResponse({"paid": key}, status_code=201))
 
@@ -494,20 +498,12 @@ async def test_a_retry_while_the_block_is_open_is_answered_409_at_once(
     async def pay(request: Request) -> Response:
         key = request.headers["idempotency-key"]
         if lapsed and not inside.is_set():  # on the database's clock, before the fence
-            await sql.execute(
-                f"UPDATE {tables} SET expires_at = now() - interval '1 second' "
-                "WHERE idempotency_key = $1",
-                key,
-            )
+            await lapse_lock(sql, tables, key)
         async with (
             connected(driver, postgres_dsn) as (connection, fetchval),
             idempotency_transaction(request, connection) as tx,
         ):
-            await fetchval(
-                f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
-                "VALUES ($1, '9.99', '')",
-                key,
-            )
+            await insert_payment(fetchval, tables, key)
             if saved:
                 await tx.checkpoint("saved")
             inside.set()
@@ -554,11 +550,7 @@ async def test_an_operator_deletes_no_outcome_a_block_is_committing(
             connected("asyncpg", postgres_dsn) as (connection, fetchval),
             idempotency_transaction(request, connection) as tx,
         ):
-            await fetchval(
-                f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
-                "VALUES ($1, '9.99', '')",
-                key,
-            )
+            await insert_payment(fetchval, tables, key)
             inside.set()
             await deleted.wait()
             return await tx.respond(JSONResponse({"paid": key}, status_code=201))
