@@ -210,16 +210,20 @@ class IdempotencyTransaction:
     async def checkpoint(self, name: str, data: Any = None) -> None:
         """Write a recovery point (JSON-serialisable ``data``) in the transaction: it commits
         with the handler's own writes, or not at all."""
-        lease = self._lease
         self._usable(f"checkpoint({name!r})")
-        record = lease.with_checkpoint(self._record or lease.record, name, data)
+        record = self._lease.with_checkpoint(self._record or self._lease.record, name, data)
+        await self._save(record)
+        self._record = record
+
+    async def _save(self, record: IdempotencyRecord) -> None:
+        """Write ``record``'s recovery points, with a lease of ``lock_ttl_seconds`` from now."""
+        lease = self._lease
         policy = lease.policy
         statement = self._queries.save_progress(
             lease.store_key, record, policy.ttl_seconds, policy.lock_ttl_seconds, fenced=True
         )
         if await self._run(statement) is None:  # the row is locked and ours: cannot happen
             raise LockLostError(f"the record of idempotency key {lease.key!r} changed")
-        self._record = record
 
     async def respond(self, response: Response) -> Response:
         """Write ``response`` as the request's outcome in the transaction, and return it for
@@ -403,6 +407,10 @@ class IdempotencyTransaction:
         try:
             await connection.flush()
             await self._still_committable()
+            if self._responded is None and self._record is not None:
+                # The lease a recovery point set runs from its statement: stamped again, it
+                # runs from the commit, however long the block went on after it.
+                await self._save(self._record)
         except BaseException:
             with contextlib.suppress(Exception):  # that failure is the one to raise
                 await connection.rollback()

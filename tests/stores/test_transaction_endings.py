@@ -526,6 +526,47 @@ async def test_a_retry_while_the_block_is_open_is_answered_409_at_once(
     await assert_replayed_once(again, sql, tables, "open")
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_recovery_point_leaves_a_lease_counted_from_the_commit(
+    driver: str, postgres_dsn: str, tables: str, sql: Any
+) -> None:
+    """A block saved a recovery point and went on longer than the lock's TTL before its
+    commit; the handler went on after it. The lease, counted from the recovery point's
+    statement, had run out when it committed: a retry recovered the key at once and ran the
+    handler beside the first. The lease now runs from the commit."""
+    store = PostgresStore.from_dsn(postgres_dsn, table=tables)
+    committed, retried = asyncio.Event(), asyncio.Event()
+    runs = 0
+
+    async def pay(request: Request) -> Response:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            async with (
+                connected(driver, postgres_dsn) as (connection, fetchval),
+                idempotency_transaction(request, connection) as tx,
+            ):
+                await insert_payment(fetchval, tables, request.headers["idempotency-key"])
+                await tx.checkpoint("paid")
+                await asyncio.sleep(1.2)  # the block's work goes on past the lock's TTL
+            committed.set()
+            await retried.wait()  # the handler goes on after the block
+        return JSONResponse({"run": runs}, status_code=201)
+
+    app = guarded(store, pay, lock_ttl_seconds=1, renew_lock=False)
+    headers = {"Idempotency-Key": "long-block"}
+    async with client_of(app, store) as client:
+        first = asyncio.create_task(client.post("/pay", json={}, headers=headers))
+        await committed.wait()
+        try:
+            retry = await client.post("/pay", json={}, headers=headers)
+        finally:
+            retried.set()
+        assert (await first).status_code == 201
+    assert retry.status_code == 409
+    assert runs == 1
+
+
 async def test_an_operator_deletes_no_outcome_a_block_is_committing(
     postgres_dsn: str, tables: str, sql: Any
 ) -> None:
