@@ -215,6 +215,12 @@ class IdempotencyTransaction:
         await self._save(record)
         self._record = record
 
+    async def _restamp_lease(self) -> None:
+        """The lease a recovery point set runs from its statement: saved again as the block
+        ends, it runs from the commit (or the block's end), however long the block went on."""
+        if self._responded is None and self._record is not None:
+            await self._save(self._record)
+
     async def _save(self, record: IdempotencyRecord) -> None:
         """Write ``record``'s recovery points, with a lease of ``lock_ttl_seconds`` from now."""
         lease = self._lease
@@ -407,10 +413,7 @@ class IdempotencyTransaction:
         try:
             await connection.flush()
             await self._still_committable()
-            if self._responded is None and self._record is not None:
-                # The lease a recovery point set runs from its statement: stamped again, it
-                # runs from the commit, however long the block went on after it.
-                await self._save(self._record)
+            await self._restamp_lease()
         except BaseException:
             with contextlib.suppress(Exception):  # that failure is the one to raise
                 await connection.rollback()
@@ -454,6 +457,7 @@ class IdempotencyTransaction:
                 await self._end(committing=kind is None)
             elif kind is None:  # the app's transaction commits the outcome: if it still can
                 await self._still_committable()
+                await self._restamp_lease()
         finally:
             lease.transaction_open = False
         if kind is not None:

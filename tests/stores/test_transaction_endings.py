@@ -526,14 +526,16 @@ async def test_a_retry_while_the_block_is_open_is_answered_409_at_once(
     await assert_replayed_once(again, sql, tables, "open")
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["opened", "joined"])
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_a_recovery_point_leaves_a_lease_counted_from_the_commit(
-    driver: str, postgres_dsn: str, tables: str, sql: Any
+    driver: str, postgres_dsn: str, tables: str, sql: Any, joined: bool
 ) -> None:
     """A block saved a recovery point and went on longer than the lock's TTL before its
     commit; the handler went on after it. The lease, counted from the recovery point's
     statement, had run out when it committed: a retry recovered the key at once and ran the
-    handler beside the first. The lease now runs from the commit."""
+    handler beside the first. The lease now runs from the commit (from the block's end, in a
+    transaction of the app's that it joined)."""
     store = PostgresStore.from_dsn(postgres_dsn, table=tables)
     committed, retried = asyncio.Event(), asyncio.Event()
     runs = 0
@@ -542,13 +544,17 @@ async def test_a_recovery_point_leaves_a_lease_counted_from_the_commit(
         nonlocal runs
         runs += 1
         if runs == 1:
-            async with (
-                connected(driver, postgres_dsn) as (connection, fetchval),
-                idempotency_transaction(request, connection) as tx,
-            ):
-                await insert_payment(fetchval, tables, request.headers["idempotency-key"])
-                await tx.checkpoint("paid")
-                await asyncio.sleep(1.2)  # the block's work goes on past the lock's TTL
+            async with connected(driver, postgres_dsn) as (connection, fetchval):
+                if joined:
+                    await (
+                        connection.execute("BEGIN") if driver == "asyncpg" else fetchval("SELECT 1")
+                    )
+                async with idempotency_transaction(request, connection) as tx:
+                    await insert_payment(fetchval, tables, request.headers["idempotency-key"])
+                    await tx.checkpoint("paid")
+                    await asyncio.sleep(1.2)  # the block's work goes on past the lock's TTL
+                if joined:
+                    await _commit(driver, connection)
             committed.set()
             await retried.wait()  # the handler goes on after the block
         return JSONResponse({"run": runs}, status_code=201)
