@@ -478,10 +478,14 @@ def idempotent(func: Any = None, /, *, operation: str | None = None, **options: 
                 f"@idempotent is applied twice to {_name(func)}: keep one, with every option "
                 "the route needs"
             )
-        # Set on the function itself too: in the reverse order the router already holds it.
-        setattr(func, POLICY_ATTRIBUTE, overrides)
-        setattr(func, OPERATION_ATTRIBUTE, operation)
-        return _wrap_marking_start(func)
+        # Set on the function itself too: in the reverse order the router already holds it. A
+        # bound method (one instance's, its operation its own) takes none: its wrapper has them.
+        targets = [func] if not inspect.ismethod(func) else []
+        wrapper = _wrap_marking_start(func)
+        for target in (*targets, wrapper):
+            setattr(target, POLICY_ATTRIBUTE, overrides)
+            setattr(target, OPERATION_ATTRIBUTE, operation)
+        return wrapper
 
     return decorate if func is None else decorate(func)
 

@@ -160,6 +160,35 @@ def test_a_bound_method_endpoint_starts_and_is_guarded(
     assert runs[name] == before + 1
 
 
+class Region:
+    """One instance per region, each routed with ``@idempotent`` applied to its bound method."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def pay(self, request: Request) -> Response:
+        runs[f"region {self.name}"] += 1
+        return JSONResponse({"region": self.name}, status_code=201)
+
+
+def test_a_bound_method_takes_an_operation_of_its_own() -> None:
+    """``idempotent(operation=...)(region.pay)``, one operation per instance, failed at import
+    with ``AttributeError``: the options were set on the bound method, which takes none."""
+    routes = [
+        Route(f"/{name}/pay", idempotent(operation=f"{name}.pay")(region.pay), methods=["POST"])
+        for name, region in (("eu", Region("eu")), ("us", Region("us")))
+    ]
+    app = Starlette(routes=routes)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    before = Counter(runs)
+    with TestClient(app) as client:  # its lifespan runs the startup checks
+        headers = key()
+        answers = [client.post(f"/{name}/pay", headers=headers) for name in ("eu", "us", "eu")]
+    assert [answer.json() for answer in answers] == [{"region": n} for n in ("eu", "us", "eu")]
+    assert answers[2].headers.get("x-idempotent-replay") == "true"
+    assert runs["region eu"] - before["region eu"] == runs["region us"] - before["region us"] == 1
+
+
 # -- requests no guard saw --------------------------------------------------------------------
 
 
