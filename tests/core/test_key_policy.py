@@ -8,6 +8,7 @@ import functools
 import logging
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -571,32 +572,28 @@ async def test_a_predicate_answering_an_awaitable_is_never_taken_as_true(
     is refused, and the default decides what frees the key."""
     runs = 0
 
-    @idempotent(
-        release_statuses=answering_a_coroutine,
-        key_format=answering_a_coroutine,
-    )
-    async def pay(request: Request) -> Response:
-        nonlocal runs
-        runs += 1
-        return JSONResponse({}, status_code=201)
+    def counted(**options: Any) -> Callable[[Request], Awaitable[Response]]:
+        @idempotent(release_statuses=answering_a_coroutine, **options)
+        async def pay(request: Request) -> Response:
+            nonlocal runs
+            runs += 1
+            return JSONResponse({}, status_code=201)
 
-    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+        return pay
+
+    routes = [
+        Route("/pay", counted(key_format=answering_a_coroutine), methods=["POST"]),
+        Route("/charge", counted(), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
     guarded = IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: "t")
     async with make_client(guarded, raise_app_exceptions=False) as client:
         refused = await client.post("/pay", headers={"Idempotency-Key": "k1"})
-    assert refused.status_code == 500  # ConfigurationError: key_format returned an awaitable
-    assert runs == 0
-
-    @idempotent(release_statuses=answering_a_coroutine)
-    async def charge(request: Request) -> Response:
-        nonlocal runs
-        runs += 1
-        return JSONResponse({}, status_code=201)
-
-    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    guarded = IdempotencyMiddleware(app, store=MemoryStore(), key_scope=lambda r: "t")
-    async with make_client(guarded) as client:
+        assert refused.status_code == 500  # ConfigurationError: key_format returned an awaitable
+        assert runs == 0
         for _ in range(2):
-            await client.post("/charge", headers={"Idempotency-Key": "k1"})
+            assert (
+                await client.post("/charge", headers={"Idempotency-Key": "k1"})
+            ).status_code == 201
     assert runs == 1
     assert "release_statuses returned an awaitable" in caplog.text

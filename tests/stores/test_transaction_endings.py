@@ -175,6 +175,19 @@ async def assert_run_once(retry: httpx.Response, sql: Any, table: str, key: str)
     assert await payments(sql, table, key) == 1
 
 
+async def assert_left_locked(
+    app: Starlette, store: PostgresStore, headers: dict[str, str], sql: Any, table: str
+) -> None:
+    """The app committed the payment before the outcome: the request fails, the key stays
+    locked (its retry gets 409), and one payment stands."""
+    first, retry = await sent_twice(app, store, headers)
+    assert first.status_code == 500
+    assert retry.status_code == 409
+    key = headers["Idempotency-Key"]
+    assert await status_of(sql, table, key) == "InProgress"
+    assert await payments(sql, table, key) == 1
+
+
 async def assert_replayed_once(retry: httpx.Response, sql: Any, table: str, key: str) -> None:
     """``retry`` got the committed 201 again, and one payment stands."""
     assert retry.status_code == 201
@@ -385,11 +398,7 @@ async def test_a_commit_before_the_outcome_leaves_the_key_locked(
 
     app = guarded(store, pay)
     headers = {"Idempotency-Key": "early"}
-    first, retry = await sent_twice(app, store, headers)
-    assert first.status_code == 500
-    assert retry.status_code == 409
-    assert await status_of(sql, tables, "early") == "InProgress"
-    assert await payments(sql, tables, "early") == 1
+    await assert_left_locked(app, store, headers, sql, tables)
 
 
 async def test_writes_after_the_apps_commit_in_an_opened_block_are_refused(
@@ -446,11 +455,7 @@ async def test_a_commit_in_a_joined_block_leaves_the_key_locked(
 
     app = guarded(store, pay)
     headers = {"Idempotency-Key": "joined"}
-    first, retry = await sent_twice(app, store, headers)
-    assert first.status_code == 500
-    assert retry.status_code == 409
-    assert await status_of(sql, tables, "joined") == "InProgress"
-    assert await payments(sql, tables, "joined") == 1
+    await assert_left_locked(app, store, headers, sql, tables)
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
