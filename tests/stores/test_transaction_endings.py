@@ -349,6 +349,14 @@ async def test_a_commit_the_server_refuses_frees_the_key(
     await assert_run_once(retry, sql, tables, "refused")
 
 
+async def _begin(driver: str, connection: Any, fetchval: Fetchval) -> None:
+    """The app's own transaction, as each driver's users begin one."""
+    if driver == "asyncpg":
+        await connection.execute("BEGIN")
+    else:
+        await fetchval("SELECT 1")  # SQLAlchemy begins the transaction
+
+
 async def _commit(driver: str, connection: Any) -> None:
     if driver == "asyncpg":
         await connection.execute("COMMIT")
@@ -439,10 +447,7 @@ async def test_a_commit_in_a_joined_block_leaves_the_key_locked(
 
     async def pay(request: Request) -> Response:
         async with connected(driver, postgres_dsn) as (connection, fetchval):
-            if driver == "asyncpg":
-                await connection.execute("BEGIN")
-            else:
-                await fetchval("SELECT 1")  # SQLAlchemy begins the transaction
+            await _begin(driver, connection, fetchval)
             async with idempotency_transaction(request, connection) as tx:
                 await fetchval(
                     f"INSERT INTO {tables}_payments (idempotency_key, amount, pod) "
@@ -551,9 +556,7 @@ async def test_a_recovery_point_leaves_a_lease_counted_from_the_commit(
         if runs == 1:
             async with connected(driver, postgres_dsn) as (connection, fetchval):
                 if joined:
-                    await (
-                        connection.execute("BEGIN") if driver == "asyncpg" else fetchval("SELECT 1")
-                    )
+                    await _begin(driver, connection, fetchval)
                 async with idempotency_transaction(request, connection) as tx:
                     await insert_payment(fetchval, tables, request.headers["idempotency-key"])
                     await tx.checkpoint("paid")
@@ -669,10 +672,7 @@ async def test_a_recovery_point_in_a_long_transaction_commits_with_a_live_lease(
 
     async def pay(request: Request) -> Response:
         async with connected(driver, postgres_dsn) as (connection, fetchval):
-            if driver == "asyncpg":
-                await connection.execute("BEGIN")
-            else:
-                await fetchval("SELECT 1")  # SQLAlchemy begins the transaction
+            await _begin(driver, connection, fetchval)
             await asyncio.sleep(1.5)  # the app's work, the lock renewed meanwhile
             async with idempotency_transaction(request, connection) as tx:
                 await tx.checkpoint("charged")
