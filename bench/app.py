@@ -183,7 +183,8 @@ def _wire(app: FastAPI, settings: AppSettings, endpoint: Endpoint, hooks: Lifesp
             client = redis_client
         else:
             client = DictFloorClient()
-        app.add_middleware(FloorMiddleware, client=client, prefix=prefix)
+        checked = name == "floor-memory-checked"
+        app.add_middleware(FloorMiddleware, client=client, prefix=prefix, check_body=checked)
         return endpoint
     wire = {
         "ours": _wire_ours,

@@ -52,6 +52,11 @@ CONFIGS: tuple[Config, ...] = (
     Config("bare", "bare", "no middleware (the endpoint alone)"),
     Config("floor-redis", "floor", "hand-written ASGI: SET NX PX GET before, SET EX after", _REDIS),
     Config("floor-memory", "floor", "the floor's middleware over a dict in the process"),
+    Config(
+        "floor-memory-checked",
+        "floor",
+        "floor-memory that also reads the body and answers 422 to another body (raw SHA-256)",
+    ),
     Config("ours-memory", "ours", "IdempotencyMiddleware + MemoryStore, @idempotent route"),
     Config(
         "ours-memory-all",
