@@ -36,6 +36,7 @@ import hashlib
 import inspect
 import logging
 import re
+import types
 import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -394,7 +395,9 @@ def idempotent_wrapper(handler: object) -> Callable[..., Any] | None:
     for _ in range(_MAX_WRAPPING):
         if inspect.ismethod(node):
             node = node.__func__
-        if node in _WRAPPERS:
+        # Every wrapper is a plain function, and a set compares by equality: a proxy (wrapt's)
+        # equals what it wraps, and an unhashable endpoint (a dataclass instance) would raise.
+        if type(node) is types.FunctionType and node in _WRAPPERS:
             return cast(Callable[..., Any], node)
         node = getattr(node, "__wrapped__", None)
         if node is None:

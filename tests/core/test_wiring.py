@@ -15,6 +15,7 @@ import inspect
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -187,6 +188,68 @@ def test_a_bound_method_takes_an_operation_of_its_own() -> None:
     assert [answer.json() for answer in answers] == [{"region": n} for n in ("eu", "us", "eu")]
     assert answers[2].headers.get("x-idempotent-replay") == "true"
     assert runs["region eu"] - before["region eu"] == runs["region us"] - before["region us"] == 1
+
+
+class PassingProxy:
+    """A decorator object that passes for the function it wraps, as wrapt's ``FunctionWrapper``
+    (OpenTelemetry's instrumentation, ``deprecated``) does: of its class, equal to it, with
+    its hash, and its attributes read through."""
+
+    def __init__(self, wrapped: Callable[..., Any]) -> None:
+        self.__wrapped__ = wrapped
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return type(self.__wrapped__)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+    def __eq__(self, other: object) -> bool:
+        return self.__wrapped__ == other
+
+    def __hash__(self) -> int:
+        return hash(self.__wrapped__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__wrapped__(*args, **kwargs)
+
+
+@PassingProxy
+@idempotent()
+async def proxied(request: Request) -> Response:
+    runs["proxied"] += 1
+    return JSONResponse({"run": runs["proxied"]}, status_code=201)
+
+
+async def test_a_proxy_above_idempotent_that_equals_it_is_looked_through() -> None:
+    """The wrappers were found by equality, and such a proxy equals the wrapper: taken for it,
+    it was the mark the guard set, and the wrapper, seeing another, refused every request."""
+    app = Starlette(routes=[Route("/payments", proxied, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    await assert_guarded(make_client(app), "/payments", "proxied")
+
+
+@dataclass
+class Greeting:
+    """An ASGI app a route serves as its endpoint: a dataclass instance, unhashable."""
+
+    text: str
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await JSONResponse({"text": self.text})(scope, receive, send)
+
+
+def test_an_unhashable_endpoint_is_served_as_without_the_middleware() -> None:
+    """Looking it up among the wrappers raised ``TypeError``: the startup failed, and every
+    request to the app, a GET to another route too, was answered 500."""
+    app = Starlette(routes=[Route("/hello", Greeting("hi"), methods=["GET", "POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    with TestClient(app) as client:  # its lifespan runs the startup checks
+        answers = [client.get("/hello"), client.post("/hello", headers=key())]
+    assert [(answer.status_code, answer.json()) for answer in answers] == [
+        (200, {"text": "hi"})
+    ] * 2
 
 
 # -- requests no guard saw --------------------------------------------------------------------
