@@ -66,6 +66,9 @@ GUARD_SCOPE_KEY = "starlette_idempotency.guard"
 #: The scope the innermost guard passed on, for the ``@idempotent`` wrapper of its request to
 #: find: set by the middleware for each HTTP request, and reset when the app returns.
 GUARDED_SCOPE: ContextVar[Scope] = ContextVar("starlette_idempotency.guarded_scope")
+#: Set on the scope :data:`GUARDED_SCOPE` holds once its request has ended: a task the request
+#: started may outlive it with a copy of its context, which is no later call's guard.
+ENDED_SCOPE_KEY = "starlette_idempotency.ended"
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,12 +196,15 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
     Refused unless the guard of the request it runs for (:data:`GUARDED_SCOPE`) guarded it as
     a request to this very wrapper, or passed it on because its method is not guarded and it
     runs for a safe one (a GET, not a PUT a method override made of it). With no guard in the
-    context (a decorator above that runs the endpoint in an executor, which copies no context),
-    the request among its arguments says what its guard did; a call that brings a request a
+    context (a decorator above that runs the endpoint in an executor, which copies no context,
+    or in a task started by an earlier request, whose context is that request's), the request
+    among its arguments says what its guard did; a call that brings a request a
     router dispatched that no guard saw is refused; any other runs (a unit test's direct
     call, or one whose context was lost: the guard keeps its answer, see ``Lease.outcome``).
     """
     scope = GUARDED_SCOPE.get(None)
+    if scope is not None and ENDED_SCOPE_KEY in scope:
+        scope = None  # the context of a request that has ended, copied by a task it started
     if scope is None:
         request = _request_in(args, kwargs)
         if request is None or "endpoint" not in request.scope:

@@ -17,6 +17,7 @@ from starlette.middleware.exceptions import ExceptionMiddleware
 
 from starlette_idempotency._claims import ServedOperation, claimable, code_name
 from starlette_idempotency._endpoint import (
+    ENDED_SCOPE_KEY,
     GUARD_SCOPE_KEY,
     GUARDED_SCOPE,
     METHOD_NOT_GUARDED,
@@ -431,6 +432,7 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
             scope[GUARD_SCOPE_KEY] = route.handler
             await GuardedRequest(self._services, route, key_template, scope, receive, send).start()
         finally:
+            GUARDED_SCOPE.get()[ENDED_SCOPE_KEY] = True  # the scope the request's run set last
             GUARDED_SCOPE.reset(token)
 
     def _unguarded_methods(self, scope: Scope) -> ConfigurationError | None:

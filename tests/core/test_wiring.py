@@ -590,6 +590,72 @@ async def test_an_endpoint_run_where_its_context_is_lost_runs_once(
     assert "copy_context" in warning.message
 
 
+class OneWorker:
+    """A decorator above ``@idempotent`` that runs every call on one long-lived task, started
+    by the first call (a per-process mutex): the task copies that first request's context."""
+
+    def __init__(self) -> None:
+        self._calls: asyncio.Queue[tuple[Any, Any, asyncio.Future[Any]]] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+
+    def __call__(self, endpoint: Callable[[Request], Awaitable[Response]]) -> Any:
+        @functools.wraps(endpoint)
+        async def serialized(request: Request) -> Response:
+            if self.task is None:
+                self.task = asyncio.create_task(self._work())
+            answer: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+            await self._calls.put((endpoint, request, answer))
+            return await answer
+
+        return serialized
+
+    async def _work(self) -> None:
+        while True:
+            endpoint, request, answer = await self._calls.get()
+            try:
+                answer.set_result(await endpoint(request))
+            except Exception as exc:  # a refusal: the request's, not the worker's end
+                answer.set_exception(exc)
+
+
+async def test_an_endpoint_run_by_a_task_an_earlier_request_started_is_guarded() -> None:
+    """The task's context is the first request's, whose scope the endpoint took for its guard
+    long after that request ended: a request to another route was refused with a 500, and one
+    to the same route marked the first request's start, not its own, so a 402 after its write
+    freed the key and every retry ran the endpoint again."""
+    worker = OneWorker()
+
+    @worker
+    @idempotent()
+    async def open_account(request: Request) -> Response:
+        runs["worker account"] += 1
+        return JSONResponse({}, status_code=201)
+
+    @worker
+    @idempotent()
+    async def charge(request: Request) -> Response:
+        runs["worker charge"] += 1
+        return JSONResponse({"declined": runs["worker charge"]}, status_code=402)
+
+    routes = [Route("/accounts", open_account, methods=["POST"])]
+    routes.append(Route("/charges", charge, methods=["POST"]))
+    client = make_client(IdempotencyMiddleware(Starlette(routes=routes), store=MemoryStore()))
+    try:
+        assert (await client.post("/accounts", headers=key())).status_code == 201
+        before, headers = runs["worker charge"], key()
+        answers = [await client.post("/charges", headers=headers) for _ in "123"]
+    finally:
+        assert worker.task is not None
+        worker.task.cancel()
+    assert [answer.status_code for answer in answers] == [402] * 3, answers[0].text
+    assert [answer.headers.get("x-idempotent-replay") for answer in answers] == [
+        None,
+        "true",
+        "true",
+    ]
+    assert runs["worker charge"] == before + 1
+
+
 def login_required(
     endpoint: Callable[[Request], Awaitable[Response]],
 ) -> Callable[[Request], Awaitable[Response]]:
