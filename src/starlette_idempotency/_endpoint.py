@@ -389,6 +389,22 @@ _LOOSEST = IdempotencyPolicy(ttl_hours=1e9, lock_ttl_seconds=1e-9)
 #: Every ``@idempotent`` wrapper: what tells one from a decorator above it, which
 #: ``functools.wraps`` gives the same name and attributes.
 _WRAPPERS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+#: The options given for each decorated bound method, by its instance's id and its function:
+#: a bound method takes no attributes, yet a router holding it undecorated (the decorator above
+#: the route decorator, whose wrapper nothing keeps) must be told from one never decorated. An
+#: entry ends with its instance; one that takes no weak reference is kept alive by it instead,
+#: so that no other object comes to have its id.
+_METHOD_OVERRIDES: dict[tuple[int, object], tuple[object, dict[str, Any]]] = {}
+
+
+def _remember_method(method: types.MethodType, overrides: dict[str, Any]) -> None:
+    key = (id(method.__self__), method.__func__)
+    try:
+        weakref.finalize(method.__self__, _METHOD_OVERRIDES.pop, key, None)
+    except TypeError:  # no weak reference to it
+        _METHOD_OVERRIDES[key] = (method.__self__, overrides)
+    else:
+        _METHOD_OVERRIDES[key] = (None, overrides)
 
 
 def idempotent_wrapper(handler: object) -> Callable[..., Any] | None:
@@ -409,6 +425,17 @@ def idempotent_wrapper(handler: object) -> Callable[..., Any] | None:
         if node is None:
             break
     return None
+
+
+def overrides_set_on(handler: object) -> dict[str, Any] | None:
+    """The options ``@idempotent`` set on ``handler`` as the router holds it, undecorated or
+    not: on a function, or on the wrapper made of a bound method (``None``: not decorated)."""
+    if inspect.ismethod(handler):
+        remembered = _METHOD_OVERRIDES.get((id(handler.__self__), handler.__func__))
+        if remembered is not None:
+            return remembered[1]
+    overrides: dict[str, Any] | None = getattr(handler, POLICY_ATTRIBUTE, None)
+    return overrides
 
 
 def _wrap_marking_start(func: _F) -> _F:
@@ -489,9 +516,13 @@ def idempotent(func: Any = None, /, *, operation: str | None = None, **options: 
             )
         # Set on the function itself too: in the reverse order the router already holds it. A
         # bound method (one instance's, its operation its own) takes none: its wrapper has them.
-        targets = [func] if not inspect.ismethod(func) else []
         wrapper = _wrap_marking_start(func)
-        for target in (*targets, wrapper):
+        if inspect.ismethod(func):
+            _remember_method(func, overrides)
+            targets: tuple[object, ...] = (wrapper,)
+        else:
+            targets = (func, wrapper)
+        for target in targets:
             setattr(target, POLICY_ATTRIBUTE, overrides)
             setattr(target, OPERATION_ATTRIBUTE, operation)
         return wrapper

@@ -53,9 +53,9 @@ from starlette.routing import BaseRoute, Host, Match, Mount, WebSocketRoute, rep
 
 from starlette_idempotency._endpoint import (
     OPERATION_ATTRIBUTE,
-    POLICY_ATTRIBUTE,
     idempotent_wrapper,
     misplaced_decorator_error,
+    overrides_set_on,
 )
 from starlette_idempotency._fingerprint import fingerprint_version
 from starlette_idempotency._options import IdempotencyPolicy
@@ -150,8 +150,7 @@ def decoration(handler: object) -> tuple[Any, dict[str, Any] | None]:
     Overrides without a wrapper are a decorator placed above the route decorator: the router
     holds the undecorated function (or one that ``functools.wraps`` gave the attribute)."""
     wrapper = idempotent_wrapper(handler)
-    overrides = getattr(handler if wrapper is None else wrapper, POLICY_ATTRIBUTE, None)
-    return wrapper, overrides
+    return wrapper, overrides_set_on(handler if wrapper is None else wrapper)
 
 
 def operation_of(handler: object) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import inspect
 import uuid
 from collections import Counter
@@ -39,7 +40,8 @@ from starlette_idempotency import (
     idempotent,
     storage_key,
 )
-from starlette_idempotency.errors import UnguardedRequestError
+from starlette_idempotency._routing import decoration
+from starlette_idempotency.errors import ConfigurationError, UnguardedRequestError
 from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
 from tests.support.decorators import counting_wraps
 from tests.support.guarded import make_client
@@ -188,6 +190,24 @@ def test_a_bound_method_takes_an_operation_of_its_own() -> None:
     assert [answer.json() for answer in answers] == [{"region": n} for n in ("eu", "us", "eu")]
     assert answers[2].headers.get("x-idempotent-replay") == "true"
     assert runs["region eu"] - before["region eu"] == runs["region us"] - before["region us"] == 1
+
+
+async def test_idempotent_above_the_route_decorator_on_a_bound_method_is_refused() -> None:
+    """The options of a bound method go on its wrapper, which nothing keeps in this order:
+    the router held the undecorated method, and every request ran it unguarded."""
+    app = FastAPI()
+    region = Region("eu")
+    idempotent(operation="eu.pay")(app.post("/pay")(region.pay))
+    gc.collect()  # the wrapper, thrown away, is gone
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    before = runs["region eu"]
+    async with raising_client(app) as client:
+        with pytest.raises(ConfigurationError) as refused:
+            await client.post("/pay", headers=key())
+    assert "@idempotent is above the route decorator on /pay" in str(refused.value)
+    assert runs["region eu"] == before
+    app.post("/refund")(Region("eu").pay)  # the method of another instance: not decorated
+    assert decoration(app.routes[-1].endpoint) == (None, None)  # type: ignore[attr-defined]
 
 
 class PassingProxy:
