@@ -639,6 +639,64 @@ async def test_renewing_a_checkpointed_lease_keeps_its_checkpoints(
     assert taken.lease_expired is False
 
 
+async def checkpointed_briefly(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord, key: str, lease: float
+) -> IdempotencyRecord:
+    """``owner-a``'s record for ``key`` with a recovery point, kept ``SHORT_TTL`` (the end of
+    its retention) with a lease of ``lease``."""
+    record = make_record(key, "owner-a")
+    assert (await store.try_acquire(key, record, LOCK_TTL)).acquired
+    saved = checkpointed(record, harness.now())
+    assert await store.save_progress(key, saved, SHORT_TTL, lease)
+    return saved
+
+
+async def test_a_recovery_near_the_end_of_the_retention_keeps_the_record_for_its_lease(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """The handler died after its recovery point; a retry recovers the key as the retention
+    counted from that point is about to end. The record lives on while the recovered handler's
+    lease runs: gone, a further retry would run the handler afresh beside it, without the
+    recovery points."""
+    require_recovery(store)
+    await checkpointed_briefly(harness, store, make_record, "k1", 0)
+    await checkpointed_briefly(harness, store, make_record, "control", 0)  # kept past k1's end
+
+    recovered = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+    assert recovered.acquired
+    await harness.expire("control", SHORT_TTL)  # k1's retention has ended too
+
+    stored = await store.get("k1")
+    assert stored is not None, "the record went while its recovered handler's lease ran"
+    assert stored.owner_token == "owner-b"
+    assert [point.name for point in stored.checkpoints] == ["provider_charge_sent"]
+    again = await store.try_acquire("k1", make_record("k1", "owner-c"), LOCK_TTL)
+    assert not again.acquired
+    assert again.lease_expired is False
+    assert await store.renew("k1", "owner-b", LOCK_TTL)
+
+
+async def test_a_renewed_lease_keeps_its_record_past_the_retention(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """A renewal that takes a checkpointed record's lease past the end of its retention keeps
+    the record until the lease's end: the handler still runs and holds it."""
+    require_recovery(store)
+    await checkpointed_briefly(harness, store, make_record, "k1", SHORT_TTL)
+    await checkpointed_briefly(harness, store, make_record, "control", SHORT_TTL)
+
+    assert await store.renew("k1", "owner-a", LOCK_TTL)
+    await harness.expire("control", SHORT_TTL)  # k1's retention has ended too
+
+    stored = await store.get("k1")
+    assert stored is not None, "the record went while its renewed lease ran"
+    assert stored.owner_token == "owner-a"
+    busy = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+    assert not busy.acquired
+    assert busy.lease_expired is False
+    assert await store.renew("k1", "owner-a", LOCK_TTL)
+
+
 def pending_at(record: IdempotencyRecord, now: float) -> IdempotencyRecord:
     """``record`` as a pod whose clock reads ``now`` makes it."""
     return replace(record, created_at=now, expires_at=now + LOCK_TTL)

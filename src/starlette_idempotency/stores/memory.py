@@ -204,10 +204,12 @@ class MemoryStore(StoreBase):
             and current.request_fingerprint == pending.request_fingerprint
             and current.fingerprint_version == pending.fingerprint_version
         ):
-            # A handler that checkpointed died: the retry inherits its recovery points.
+            # A handler that checkpointed died: the retry inherits its recovery points, kept
+            # at least as long as its lease (the retention may end sooner).
             shown_lease = self._clock() + lock_ttl
             taken = replace(current, owner_token=pending.owner_token, locked_until=shown_lease)
-            self._entries[key] = _pack(taken, deadline, now + lock_ttl)
+            lease_end = now + lock_ttl
+            self._entries[key] = _pack(taken, max(deadline, lease_end), lease_end)
             return AcquireResult(acquired=True, record=current)
         return AcquireResult(acquired=False, record=current, lease_expired=lease_expired)
 
@@ -264,9 +266,9 @@ class MemoryStore(StoreBase):
         deadline, _, _, lease, packed = current
         if lease is None:
             self._entries[full_key] = (now + lock_ttl, *current[1:])
-        else:  # a record with recovery points: its lease, inside its retention time
+        else:  # a record with recovery points: its lease, and its retention past the lease
             shown = replace(_unpack(packed), locked_until=self._clock() + lock_ttl)
-            self._entries[full_key] = _pack(shown, deadline, now + lock_ttl)
+            self._entries[full_key] = _pack(shown, max(deadline, now + lock_ttl), now + lock_ttl)
         return True
 
     async def get(self, key: str) -> IdempotencyRecord | None:

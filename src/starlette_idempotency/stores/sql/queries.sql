@@ -38,7 +38,8 @@ RETURNING true;
 -- After acquire_insert hit a row: take it over if it has expired, else read it.
 -- With $15 true, also take over ("recover") an InProgress row with checkpoints whose lease
 -- (locked_until) has passed, made by the same request ($4, $5): it keeps its checkpoints and
--- retention, and only changes owner and lease. Any other row is taken over whole.
+-- retention (which runs on to the new lease's end if that comes later), and only changes owner
+-- and lease. Any other row is taken over whole.
 -- The row is locked FOR UPDATE, so of many concurrent takers exactly one still sees it
 -- takeable and overwrites it. A row another transaction has locked is skipped, not waited for:
 -- a concurrent taker's or the owner's statement, or the app's transaction that fenced it
@@ -75,7 +76,8 @@ WITH prev AS (
         created_at = CASE WHEN prev.recovering THEN t.created_at ELSE $11::timestamptz END,
         record_expires_at = CASE WHEN prev.recovering THEN t.record_expires_at ELSE $12::timestamptz END,
         checkpoints = CASE WHEN prev.recovering THEN t.checkpoints ELSE $14::text::jsonb END,
-        expires_at = CASE WHEN prev.recovering THEN t.expires_at
+        expires_at = CASE WHEN prev.recovering
+                          THEN greatest(t.expires_at, now() + make_interval(secs => $13))
                           ELSE now() + make_interval(secs => $13) END
     FROM prev
     WHERE t.key = prev.key

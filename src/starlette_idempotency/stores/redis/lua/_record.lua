@@ -39,11 +39,16 @@ local function with_lease(value, lease_until, owner)
     return head .. '"lockedUntil":' .. string.format('%.0f', lease_until) .. string.sub(value, rest)
 end
 
--- set_keeping_ttl(value) writes value over KEYS[1], keeping the key's TTL.
-local function set_keeping_ttl(value)
+-- set_keeping_ttl(value, at_least) writes value over KEYS[1], keeping the key's TTL, or, when
+-- at_least (milliseconds) is given and the TTL is shorter, for at_least from now: a record is
+-- never dropped before the end of the lease it is given.
+local function set_keeping_ttl(value, at_least)
     local ttl = redis.call('PTTL', KEYS[1])
     if ttl > 0 then
-        redis.call('SET', KEYS[1], value, 'PX', ttl)
+        if at_least and at_least > ttl then
+            ttl = at_least
+        end
+        redis.call('SET', KEYS[1], value, 'PX', string.format('%.0f', ttl))
     else
         redis.call('SET', KEYS[1], value)
     end

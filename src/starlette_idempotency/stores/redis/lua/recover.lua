@@ -1,6 +1,7 @@
 -- Decide, on the server's clock, whether a retry takes over an InProgress record with recovery
 -- points whose handler died (its lease, lockedUntil, has run out), and take it over in the
--- same step: same record and TTL, the retry's owner token and a new lease.
+-- same step: same record, the retry's owner token and a new lease, and the same TTL unless the
+-- lease outlasts it (then the TTL runs to the lease's end: the retention may be almost over).
 --
 -- KEYS[1]  the storage key
 -- ARGV[1]  the retry's request fingerprint
@@ -24,5 +25,6 @@ if not expired or ARGV[5] ~= '1' or stored.requestFingerprint ~= ARGV[1]
         or stored.fingerprintVersion ~= ARGV[2] then
     return {0, current, expired and 1 or 0}
 end
-set_keeping_ttl(with_lease(current, now + tonumber(ARGV[4]), ARGV[3]))
+local lease_ms = tonumber(ARGV[4])
+set_keeping_ttl(with_lease(current, now + lease_ms, ARGV[3]), lease_ms)
 return {1, current, 1}

@@ -1,6 +1,7 @@
 -- Extend the lock of an InProgress record still held by the given owner: the key's TTL, or for
 -- a record with recovery points its lease (lockedUntil, on the server's clock), keeping its
--- retention TTL and its checkpoints as they are.
+-- checkpoints as they are and its retention TTL unless the lease outlasts it (then the TTL runs
+-- to the lease's end: a record is never dropped while its lease runs).
 --
 -- KEYS[1]  the storage key
 -- ARGV[1]  the owner token of the request that holds the lock
@@ -14,7 +15,8 @@ if stored == nil or stored.ownerToken ~= ARGV[1] or stored.status ~= 'InProgress
     return 0
 end
 if type(stored.lockedUntil) == 'number' then
-    set_keeping_ttl(with_lease(current, now_ms() + tonumber(ARGV[2])))
+    local lease_ms = tonumber(ARGV[2])
+    set_keeping_ttl(with_lease(current, now_ms() + lease_ms), lease_ms)
 else
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
