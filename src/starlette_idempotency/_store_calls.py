@@ -48,6 +48,7 @@ from starlette_idempotency.stores.base import (
     IdempotencyStore,
     StoreBase,
     leases_on_store_clock,
+    renews_retention,
     take_back,
 )
 
@@ -101,6 +102,7 @@ class BoundedStore:
         "_in_flight",
         "_legacy_leases",
         "_metrics",
+        "_renews_retention",
         "_tracer",
         "finish_for",
         "name",
@@ -124,6 +126,7 @@ class BoundedStore:
         self.store = store
         self._clock = clock
         self._legacy_leases = not leases_on_store_clock(store)
+        self._renews_retention = renews_retention(store)
         if self._legacy_leases and store.supports_recovery:
             deprecated(
                 f"{type(store).__name__}.save_progress takes no lease: it implements the store "
@@ -198,10 +201,14 @@ class BoundedStore:
     def renew(
         self, key: str, record: IdempotencyRecord, lock_ttl: float, ttl: float
     ) -> Awaitable[bool]:
-        """Extend the lock of ``record`` (its lease, when it has recovery points, kept for
-        ``ttl``): a 0.1 store renews such a lease by saving the record again."""
+        """Extend the lock of ``record`` (its lease, when it has recovery points, the record
+        then kept for ``ttl`` from now, where the store takes it: see ``renews_retention``): a
+        0.1 store renews such a lease by saving the record again."""
         if self._legacy_leases and record.checkpoints:
             return self.save_progress(key, record, ttl, lock_ttl)
+        if self._renews_retention:
+            renew: Callable[..., Awaitable[bool]] = self.store.renew
+            return self._call("renew", renew, key, record.owner_token, lock_ttl, ttl=ttl)
         return self._call("renew", self.store.renew, key, record.owner_token, lock_ttl)
 
     def take_back(

@@ -87,9 +87,11 @@ def renewal_recording_store(renewed: list[str]) -> MemoryStore:
     store = MemoryStore()
     renew = store.renew
 
-    async def recording_renew(key: str, owner_token: str, lock_ttl: float) -> bool:
+    async def recording_renew(
+        key: str, owner_token: str, lock_ttl: float, *, ttl: float | None = None
+    ) -> bool:
         renewed.append(f"{key}@{REQUEST_ID.get()}")
-        return await renew(key, owner_token, lock_ttl)
+        return await renew(key, owner_token, lock_ttl, ttl=ttl)
 
     store.renew = recording_renew  # type: ignore[method-assign]
     return store

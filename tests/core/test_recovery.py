@@ -22,9 +22,12 @@ from starlette_idempotency import (
     idempotent,
 )
 from starlette_idempotency._keys import storage_key
+from starlette_idempotency._store_calls import BoundedStore
 from starlette_idempotency.stores import AcquireResult, IdempotencyRecord
 from starlette_idempotency.testing import FakeClock
+from tests.support.conditions import eventually
 from tests.support.guarded import make_client
+from tests.support.records import pending
 
 HEADERS = {"Idempotency-Key": "order-1"}
 LOCK_TTL = 5.0
@@ -236,3 +239,92 @@ async def test_a_store_of_the_first_protocol_still_keeps_recovery_points(
     else:
         assert retry.json() == {"charged": 100, "reconciled": True}
     doomed.cancel()
+
+
+class RenewalCountingStore(MemoryStore):
+    """A MemoryStore that counts lock renewals."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock=clock)
+        self.renewals = 0
+
+    async def renew(
+        self, key: str, owner_token: str, lock_ttl: float, *, ttl: float | None = None
+    ) -> bool:
+        self.renewals += 1
+        if ttl is None:  # not given (as before the store protocol had it)
+            return await super().renew(key, owner_token, lock_ttl)
+        return await super().renew(key, owner_token, lock_ttl, ttl=ttl)
+
+
+async def test_a_recovery_late_in_the_retention_keeps_its_record_while_it_runs() -> None:
+    """The handler died after its recovery point; a retry recovers the key ten seconds before
+    the retention counted from that point ends, and runs on. Its renewals keep the record for
+    the route's retention from then: a further retry gets 409, where it ran the handler afresh,
+    without the recovery points, beside the recovered one."""
+    clock = FakeClock()
+    store = RenewalCountingStore(clock)
+    attempts: list[str | None] = []
+    finish = asyncio.Event()
+
+    @idempotent(lock_ttl_seconds=0.3)  # renewed every 0.1 s of the loop's time
+    async def pay(request: Request) -> Response:
+        context = idempotency_context(request)
+        attempts.append(context.recovered_from)
+        if context.recovered_from is None:
+            await checkpoint(request, "provider_charge_sent", {"providerRef": "r"})
+            return JSONResponse({"error": "provider timed out"}, status_code=502)
+        await finish.wait()
+        return JSONResponse({"reconciled": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=store, clock=clock))
+    key = storage_key("", "POST", "/pay", "order-1")
+    assert (await client.post("/pay", json={}, headers=HEADERS)).status_code == 502
+    clock.advance(24 * 3600 - 10)
+    recovered = asyncio.create_task(client.post("/pay", json={}, headers=HEADERS))
+    await eventually(lambda: len(attempts) == 2, timeout=5, message="the recovery")
+    await eventually(lambda: store.renewals >= 1, timeout=5, message="a renewal")
+
+    clock.advance(3600)  # past the retention counted from the recovery point
+
+    record = await store.get(key)
+    assert record is not None, "the record went while its recovered handler ran"
+    assert [point.name for point in record.checkpoints] == ["provider_charge_sent"]
+    renewals = store.renewals
+    await eventually(lambda: store.renewals > renewals, timeout=5, message="a renewal")
+    busy = await client.post("/pay", json={}, headers=HEADERS)
+    assert busy.status_code == 409
+    finish.set()
+    assert (await recovered).status_code == 201
+    assert attempts == [None, "provider_charge_sent"]
+    replay = await client.post("/pay", json={}, headers=HEADERS)
+    assert replay.headers["x-idempotent-replay"] == "true"
+
+
+async def test_a_renewal_passes_the_retention_to_a_store_whose_renew_takes_it() -> None:
+    """The middleware's renewal hands the route's retention to a store whose ``renew`` takes
+    ``ttl``, and renews a store written before it had the parameter as it did."""
+    calls: list[tuple[str, float | None]] = []
+
+    class TakesRetention(MemoryStore):
+        async def renew(
+            self, key: str, owner_token: str, lock_ttl: float, *, ttl: float | None = None
+        ) -> bool:
+            calls.append((type(self).__name__, ttl))
+            if ttl is None:
+                return await super().renew(key, owner_token, lock_ttl)
+            return await super().renew(key, owner_token, lock_ttl, ttl=ttl)
+
+    class TakesNoRetention(MemoryStore):
+        async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:  # type: ignore[override]
+            calls.append((type(self).__name__, None))
+            return await super().renew(key, owner_token, lock_ttl)
+
+    for store in (TakesRetention(), TakesNoRetention()):
+        record = pending("k", "handler")
+        assert (await store.try_acquire("k", record, LOCK_TTL)).acquired
+        bounded = BoundedStore(store, timeout=1.0, metrics=None, tracer=None)
+        assert await bounded.renew("k", record, LOCK_TTL, 3600.0)
+
+    assert calls == [("TakesRetention", 3600.0), ("TakesNoRetention", None)]

@@ -55,10 +55,12 @@ class NamingStore(MemoryStore):
         self._fail("release", key)
         return await super().release(key, owner_token)
 
-    async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
+    async def renew(
+        self, key: str, owner_token: str, lock_ttl: float, *, ttl: float | None = None
+    ) -> bool:
         self.renewals += 1
         self._fail("renew", key)
-        return await super().renew(key, owner_token, lock_ttl)
+        return await super().renew(key, owner_token, lock_ttl, ttl=ttl)
 
 
 async def post(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from http import HTTPStatus
@@ -695,6 +695,45 @@ async def test_a_renewed_lease_keeps_its_record_past_the_retention(
     assert not busy.acquired
     assert busy.lease_expired is False
     assert await store.renew("k1", "owner-a", LOCK_TTL)
+
+
+async def test_a_renewal_keeps_a_checkpointed_record_for_the_retention_it_is_given(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """``renew(..., ttl=)``: the record is kept ``ttl`` from the renewal, on the store's clock,
+    past the end of its lease and of the retention counted from its recovery point; should its
+    handler die, a retry of the same request still recovers it."""
+    require_recovery(store)
+    renew: Callable[..., Awaitable[bool]] = store.renew  # the protocol's optional ttl
+    await checkpointed_briefly(harness, store, make_record, "k1", SHORT_TTL)
+
+    assert await renew("k1", "owner-a", SHORT_TTL / 6, ttl=RETENTION_TTL)
+    await checkpointed_briefly(harness, store, make_record, "control", SHORT_TTL)
+    await harness.expire("control", SHORT_TTL)  # k1's lease and first retention have ended
+
+    stored = await store.get("k1")
+    assert stored is not None, "the record went before the retention its renewal gave it"
+    assert stored.owner_token == "owner-a"
+    recovered = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+    assert recovered.acquired
+    assert recovered.record is not None
+    assert [point.name for point in recovered.record.checkpoints] == ["provider_charge_sent"]
+
+
+async def test_a_renewal_never_shortens_a_checkpointed_records_retention(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """A ``ttl`` shorter than what is left of the retention leaves it as it is."""
+    require_recovery(store)
+    renew: Callable[..., Awaitable[bool]] = store.renew  # the protocol's optional ttl
+    pending = await held(store, make_record)
+    assert await store.save_progress("k1", checkpointed(pending, harness.now()), 3600, 0)
+    await checkpointed_briefly(harness, store, make_record, "control", SHORT_TTL)
+
+    assert await renew("k1", "owner-a", SHORT_TTL / 6, ttl=SHORT_TTL / 6)
+    await harness.expire("control", SHORT_TTL)
+
+    assert await store.get("k1") is not None, "a renewal brought the record's expiry forward"
 
 
 def pending_at(record: IdempotencyRecord, now: float) -> IdempotencyRecord:

@@ -161,7 +161,15 @@ class IdempotencyStore(Protocol):
     async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
         """Extend the lock of an ``InProgress`` record held by ``owner_token`` to ``lock_ttl``
         seconds from now on the store's clock: the record's own expiry, or for a record with
-        recovery points its lease (it keeps its retention time and its checkpoints untouched).
+        recovery points its lease (its checkpoints untouched), the record then kept at least
+        until that lease ends, however soon its retention time would have ended.
+
+        A store may also take a keyword ``ttl`` (``renew(key, owner_token, lock_ttl, *,
+        ttl=None)``), the route's retention time: a record with recovery points is then kept
+        at least ``ttl`` seconds from now, so that it outlives the handler that holds it, and
+        a retry after that handler dies still recovers it (the stores of this package take it;
+        the middleware passes it to a store whose ``renew`` has the parameter, see
+        :func:`renews_retention`). A record's expiry is never brought forward.
 
         Returns false when the lock is gone, held by someone else, or no longer
         ``InProgress``.
@@ -233,6 +241,18 @@ def leases_on_store_clock(store: IdempotencyStore) -> bool:
     except (TypeError, ValueError):  # a builtin or a callable without a signature
         return True
     return "lease" in parameters
+
+
+def renews_retention(store: IdempotencyStore) -> bool:
+    """Whether ``store``'s ``renew`` takes the keyword ``ttl`` (the retention time a renewal
+    keeps a record with recovery points for, see :meth:`IdempotencyStore.renew`). A store
+    without it keeps working: its renewals keep such a record until its lease ends, or as the
+    store decides."""
+    try:
+        parameters = inspect.signature(store.renew).parameters
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        return False
+    return "ttl" in parameters
 
 
 #: The owner token of the take-back the running task makes (see :func:`take_back`): a store

@@ -257,7 +257,11 @@ class MemoryStore(StoreBase):
         self._notify(key)
         return True
 
-    async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
+    async def renew(
+        self, key: str, owner_token: str, lock_ttl: float, *, ttl: float | None = None
+    ) -> bool:
+        """Extend the lock (for a record with recovery points, its lease, and its retention
+        to at least the lease's end, or ``ttl`` seconds from now when given)."""
         full_key = self._prefix + key
         now = self._monotonic()
         current = self._owned(full_key, owner_token, now)
@@ -268,7 +272,8 @@ class MemoryStore(StoreBase):
             self._entries[full_key] = (now + lock_ttl, *current[1:])
         else:  # a record with recovery points: its lease, and its retention past the lease
             shown = replace(_unpack(packed), locked_until=self._clock() + lock_ttl)
-            self._entries[full_key] = _pack(shown, max(deadline, now + lock_ttl), now + lock_ttl)
+            kept = max(deadline, now + max(lock_ttl, ttl or 0.0))
+            self._entries[full_key] = _pack(shown, kept, now + lock_ttl)
         return True
 
     async def get(self, key: str) -> IdempotencyRecord | None:

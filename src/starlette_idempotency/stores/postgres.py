@@ -507,9 +507,15 @@ class PostgresStore(StoreBase):
         released = await self._fetchval("release", "release", self._prefix + key, owner_token)
         return bool(released)
 
-    async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
+    async def renew(
+        self, key: str, owner_token: str, lock_ttl: float, *, ttl: float | None = None
+    ) -> bool:
+        """Extend the lock to ``lock_ttl`` from now on the database clock; for a record with
+        recovery points, its lease, the row then kept at least to the lease's end (or ``ttl``
+        from now, when given)."""
+        retention = None if ttl is None else float(ttl)
         renewed = await self._fetchval(
-            "renew", "renew", self._prefix + key, owner_token, float(lock_ttl)
+            "renew", "renew", self._prefix + key, owner_token, float(lock_ttl), retention
         )
         return renewed is not None
 

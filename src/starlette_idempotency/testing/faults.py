@@ -33,6 +33,7 @@ from starlette_idempotency.stores.base import (
     IdempotencyStore,
     StoreBase,
     leases_on_store_clock,
+    renews_retention,
 )
 
 _T = TypeVar("_T")
@@ -220,8 +221,13 @@ class FaultyStore(StoreBase):
     async def release(self, key: str, owner_token: str) -> bool:
         return await self._call("release", lambda: self.inner.release(key, owner_token))
 
-    async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
-        return await self._call("renew", lambda: self.inner.renew(key, owner_token, lock_ttl))
+    async def renew(
+        self, key: str, owner_token: str, lock_ttl: float, *, ttl: float | None = None
+    ) -> bool:
+        if ttl is None or not renews_retention(self.inner):
+            return await self._call("renew", lambda: self.inner.renew(key, owner_token, lock_ttl))
+        renew: Callable[..., Awaitable[bool]] = self.inner.renew
+        return await self._call("renew", lambda: renew(key, owner_token, lock_ttl, ttl=ttl))
 
     async def get(self, key: str) -> IdempotencyRecord | None:
         return await self._call("get", lambda: self.inner.get(key))

@@ -682,16 +682,19 @@ class RedisStore(StoreBase):
             raise self._failed("release", key, exc) from exc
         return bool(released)
 
-    async def renew(self, key: str, owner_token: str, lock_ttl: float) -> bool:
+    async def renew(
+        self, key: str, owner_token: str, lock_ttl: float, *, ttl: float | None = None
+    ) -> bool:
         """Extend the lock to ``lock_ttl`` if ``owner_token`` holds it ``InProgress``: the key's
-        TTL, or for a record with recovery points its lease, on the server's clock."""
+        TTL, or for a record with recovery points its lease, on the server's clock, the key's
+        TTL then running at least to the lease's end (or ``ttl`` from now, when given)."""
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        px = _ms(lock_ttl)
+        args: list[Arg] = [owner_token, str(_ms(lock_ttl))]
+        if ttl is not None:
+            args.append(str(_ms(ttl)))
         try:
-            renewed = await self._driver.scripts["renew"](
-                [self._prefix + key], [owner_token, str(px)]
-            )
+            renewed = await self._driver.scripts["renew"]([self._prefix + key], args)
         except self._failures as exc:
             raise self._failed("renew", key, exc) from exc
         return bool(renewed)

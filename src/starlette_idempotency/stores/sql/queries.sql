@@ -200,12 +200,15 @@ SELECT EXISTS (SELECT 1 FROM gone)
 
 -- name: renew
 -- Extend the owner's live InProgress lock to $3 seconds from now: for a record with checkpoints,
--- its lease, within a retention time that it keeps (or that the lock outlasts). One row (true)
--- when renewed.
+-- its lease, the row then kept at least until the lease ends and, when $4 is not NULL, for $4
+-- seconds from now (the retention time; a later expiry is kept). One row (true) when renewed.
+-- The new times are read with clock_timestamp(): the UPDATE may wait for the row while the
+-- app's transaction that fenced it is open, and now() is the time the statement began.
 UPDATE {table}
-SET locked_until = now() + make_interval(secs => $3),
-    expires_at = CASE WHEN checkpoints IS NULL THEN now() + make_interval(secs => $3)
-                      ELSE greatest(expires_at, now() + make_interval(secs => $3)) END
+SET locked_until = clock_timestamp() + make_interval(secs => $3),
+    expires_at = CASE WHEN checkpoints IS NULL THEN clock_timestamp() + make_interval(secs => $3)
+                      ELSE greatest(expires_at, clock_timestamp() + make_interval(secs => $3),
+                                    clock_timestamp() + make_interval(secs => $4)) END
 WHERE key = $1 AND owner_token = $2 AND status = 'InProgress' AND expires_at > now()
 RETURNING true;
 
