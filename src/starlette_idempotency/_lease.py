@@ -299,6 +299,22 @@ class Lease(KeyOwner):
             return renewed
         return renewed or await self._reclaim()
 
+    async def keep_recovered(self) -> None:
+        """Renew at once the lease of a record this request recovered, so that the store keeps
+        it for the route's retention from now on: the takeover kept it only until its lease's
+        end, and the retention counted from the dead attempt's recovery point may be all but
+        over. Should this handler die too before its first renewal, a retry still recovers it
+        rather than run afresh without its recovery points. A failure is logged: the renewals,
+        if any, try again."""
+        try:
+            await self.renew()
+        except StoreError as exc:
+            logger.warning(
+                "could not renew the lock for %r after recovering it: %s",
+                self._events.shown_key,
+                self._events.shown_error(exc),
+            )
+
     async def _reclaim(self) -> bool:
         """Take back the key with this request's own owner token if nobody holds it; whether
         to try again at the next renewal.
@@ -650,6 +666,8 @@ class Run(_BodyReplay):
         if self._policy.renew_lock:
             self._await_renewal(renewals)
         try:
+            if lease.inherited:  # recovered: kept for its retention from now
+                await lease.keep_recovered()
             # In here, so that a cancel while a hook takes the event frees the key.
             await events.decided(
                 CheckResult.ACQUIRED, note="recovering" if lease.inherited else None

@@ -328,3 +328,41 @@ async def test_a_renewal_passes_the_retention_to_a_store_whose_renew_takes_it() 
         assert await bounded.renew("k", record, LOCK_TTL, 3600.0)
 
     assert calls == [("TakesRetention", 3600.0), ("TakesNoRetention", None)]
+
+
+async def test_a_recovery_late_in_the_retention_is_kept_should_its_handler_die_too() -> None:
+    """A retry recovers the key ten seconds before the retention counted from the dead
+    attempt's recovery point ends, and its pod dies too before any renewal. The record is kept
+    for the route's retention from the recovery: the next retry recovers it again, with the
+    recovery points, rather than run the handler afresh without them."""
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+    attempts: list[str | None] = []
+    dying = asyncio.Event()
+
+    @idempotent(lock_ttl_seconds=LOCK_TTL, renew_lock=False)
+    async def pay(request: Request) -> Response:
+        context = idempotency_context(request)
+        attempts.append(context.recovered_from)
+        if len(attempts) == 1:
+            await checkpoint(request, "provider_charge_sent", {"providerRef": "r"})
+            return JSONResponse({"error": "provider timed out"}, status_code=502)
+        if len(attempts) == 2:
+            dying.set()
+            await asyncio.Event().wait()  # this pod dies too, its lease left to run out
+        return JSONResponse({"reconciled": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=store, clock=clock))
+    assert (await client.post("/pay", json={}, headers=HEADERS)).status_code == 502
+    clock.advance(24 * 3600 - 10)
+    doomed = asyncio.create_task(client.post("/pay", json={}, headers=HEADERS))
+    async with asyncio.timeout(5):
+        await dying.wait()
+
+    clock.advance(LOCK_TTL + 60)  # past its lease, and the retention from the first point
+
+    retry = await client.post("/pay", json={}, headers=HEADERS)
+    assert retry.status_code == 201
+    assert attempts == [None, "provider_charge_sent", "provider_charge_sent"]
+    doomed.cancel()
