@@ -1,4 +1,5 @@
-"""Shared type aliases and the clock protocol (standard library only)."""
+"""Shared type aliases, the clock protocol and the HTTP names (standard library and the
+package's errors only)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
+
+from starlette_idempotency.errors import ConfigurationError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -23,6 +26,17 @@ DEFAULT_HEADER_NAME = "Idempotency-Key"
 REPLAY_HEADER = "X-Idempotent-Replay"
 #: The replay header of Stripe's API and of the peers that follow it (``replay_header_name``).
 STRIPE_REPLAY_HEADER = "Idempotent-Replayed"
+
+
+def checked_header_name(option: str, name: object, example: str) -> str:
+    """``name``, the value of the option ``option`` that names an HTTP header (the middleware's
+    ``header_name``, its ``replay_header_name``, the CLI's ``--replay-header-name``); refused
+    unless it is one, with ``example`` shown."""
+    if not isinstance(name, str) or not HTTP_TOKEN.fullmatch(name):
+        raise ConfigurationError(
+            f"{option} must be an HTTP header name such as {example!r}, not {name!r}"
+        )
+    return name
 
 
 class Clock(Protocol):

@@ -55,6 +55,7 @@ from starlette_idempotency._types import (
     Receive,
     Scope,
     Send,
+    checked_header_name,
     system_clock,
 )
 from starlette_idempotency._waiting import Waiters
@@ -100,11 +101,7 @@ def _check_own_options(options: Mapping[str, Any]) -> None:
         ("header_name", DEFAULT_HEADER_NAME),
         ("replay_header_name", REPLAY_HEADER),
     ):
-        name = options.get(option, example)
-        if not isinstance(name, str) or not HTTP_TOKEN.fullmatch(name):
-            raise ConfigurationError(
-                f"{option} must be an HTTP header name such as {example!r}, not {name!r}"
-            )
+        checked_header_name(option, options.get(option, example), example)
     methods = options.get("methods", ())
     if isinstance(methods, str | bytes) or not all(
         isinstance(method, str) and HTTP_TOKEN.fullmatch(method) for method in methods
