@@ -37,7 +37,11 @@ from starlette_idempotency._record import (
     StoredResponse,
     record_to_dict,
 )
-from starlette_idempotency._types import REPLAY_HEADER, STRIPE_REPLAY_HEADER
+from starlette_idempotency._types import (
+    REPLAY_HEADER,
+    STRIPE_REPLAY_HEADER,
+    checked_header_name,
+)
 from starlette_idempotency.errors import ConfigurationError
 from starlette_idempotency.stores.base import (
     DEFAULT_RESOLVED_TTL,
@@ -58,7 +62,8 @@ _FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 #: sent without a Content-Length too, 205 with ``Content-Length: 0``.
 _NO_CONTENT_STATUSES = frozenset({204, 205, 304})
 _NO_LENGTH_STATUSES = frozenset({204, 304})
-#: The replay headers, added to every replay: stored too, a replay would carry them twice.
+#: The replay headers of the two usual names; the app's own (``--replay-header-name``) is
+#: refused beside them. Added to every replay: stored too, a replay would carry them twice.
 _REPLAY_HEADERS = frozenset({REPLAY_HEADER.lower(), STRIPE_REPLAY_HEADER.lower()})
 _LIST_LIMIT = 1000
 
@@ -129,7 +134,15 @@ def add_key_commands(
         action="append",
         default=[],
         metavar="'NAME: VALUE'",
-        help="a response header; repeat for more",
+        help="a response header; repeat for more (a replay header is refused: see "
+        "--replay-header-name)",
+    )
+    resolve.add_argument(
+        "--replay-header-name",
+        default=REPLAY_HEADER,
+        metavar="NAME",
+        help="the app's replay_header_name, which every replay adds, so --header refuses it "
+        f"(as it refuses {REPLAY_HEADER} and {STRIPE_REPLAY_HEADER}) ({REPLAY_HEADER})",
     )
     body = resolve.add_mutually_exclusive_group()
     body.add_argument("--body", help="the response body, as text")
@@ -357,6 +370,9 @@ def _response(args: argparse.Namespace) -> StoredResponse:
         raise ConfigurationError(
             f"--status must be a final HTTP status code (200 to 599), not {args.status}"
         )
+    replay_header = checked_header_name(
+        "--replay-header-name", args.replay_header_name, REPLAY_HEADER
+    ).lower()
     headers: list[tuple[str, str]] = []
     for spec in args.header:
         name, sep, value = spec.partition(":")
@@ -371,8 +387,13 @@ def _response(args: argparse.Namespace) -> StoredResponse:
                 f"--header {name}: the value must be Latin-1 text without control characters "
                 "(percent-encode anything else)"
             )
-        if never_stored(name) or name == "content-length" or name in _REPLAY_HEADERS:
+        if never_stored(name) or name == "content-length":
             raise ConfigurationError(f"--header {name}: this header is never stored")
+        if name in _REPLAY_HEADERS or name == replay_header:
+            raise ConfigurationError(
+                f"--header {name}: this header is never stored: it is a replay header, which "
+                "the app adds to every replay (--replay-header-name names the app's own)"
+            )
         headers.append((name, value))
     if args.body_file is not None:
         body = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import pytest
@@ -44,6 +44,7 @@ class Setup:
     store_args: tuple[str, ...]
     running: asyncio.Event
     release: asyncio.Event
+    store: IdempotencyStore
 
     async def cli(self, *args: str, env: dict[str, str] | None = None) -> Ran:
         command, *rest = args
@@ -54,7 +55,12 @@ class Setup:
         return await self.client.post(path, json=body or {"amount": "9.99"}, headers=headers)
 
 
-def build_app(store: IdempotencyStore, running: asyncio.Event, release: asyncio.Event) -> Starlette:
+def build_app(
+    store: IdempotencyStore,
+    running: asyncio.Event,
+    release: asyncio.Event,
+    replay_header_name: str = "X-Idempotent-Replay",
+) -> Starlette:
     @idempotent()
     async def payments(request: Request) -> Response:
         return JSONResponse({"paymentId": "p_1", "amount": "9.99"}, status_code=201)
@@ -97,6 +103,7 @@ def build_app(store: IdempotencyStore, running: asyncio.Event, release: asyncio.
         store=store,
         key_scope=scope,
         encryption=ResponseEncryption({"2026-12": SECRET}),
+        replay_header_name=replay_header_name,
     )
     return app
 
@@ -134,7 +141,7 @@ async def setup(backend: Backend) -> AsyncIterator[Setup]:
     transport = httpx.ASGITransport(app=build_app(store, running, release))
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
-            yield Setup(client, args, running, release)
+            yield Setup(client, args, running, release, store)
             release.set()
     finally:
         await store.aclose()
@@ -310,6 +317,15 @@ async def test_bad_usage_is_status_2(setup: Setup) -> None:
         (("--status", "205", "--body", "{}"), "--status 205 is answered without a body"),
         (("--header", "x-idempotent-replay: false"), "x-idempotent-replay: this header is never"),
         (("--header", "Idempotent-Replayed: true"), "idempotent-replayed: this header is never"),
+        (
+            ("--replay-header-name", "X-Replayed", "--header", "X-Replayed: false"),
+            "--header x-replayed: this header is never stored: it is a replay header",
+        ),
+        (
+            ("--replay-header-name", "X Replayed"),
+            "--replay-header-name must be an HTTP header name such as 'X-Idempotent-Replay', "
+            "not 'X Replayed'",
+        ),
         (("--header", "x-note: paid 10\u20ac"), "the value must be Latin-1 text"),
         (("--header", "x bad: 1"), "--header takes 'NAME: VALUE' with a name of letters"),
     ],
@@ -326,6 +342,27 @@ async def test_a_response_no_replay_can_send_is_refused(
     assert refused.code == 2
     assert refusal in refused.err
     assert (await setup.pay("k-6", "/charges")).status_code == 202
+
+
+async def test_resolve_refuses_the_apps_own_replay_header_as_told(setup: Setup) -> None:
+    """With ``replay_header_name="X-Replayed"``, ``--header 'X-Replayed: false'`` was stored,
+    and every replay carried the header twice: ``--replay-header-name`` names it."""
+    app = build_app(setup.store, setup.running, setup.release, replay_header_name="X-Replayed")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+        own = replace(setup, client=client)
+        assert (await own.pay("k-9", "/charges")).status_code == 502
+        resolve = ("resolve", *ADDRESS, "/charges", "k-9", "--status", "201")
+        told = ("--replay-header-name", "X-Replayed")
+        refused = await own.cli(*resolve, *told, "--header", "X-Replayed: false")
+        assert refused.code == 2
+        assert "--header x-replayed: this header is never stored" in refused.err
+        resolved = await own.cli(*resolve, *told, "--header", "X-Note: settled by hand")
+        assert resolved.code == 0, resolved.err
+        replay = await own.pay("k-9", "/charges")
+        assert replay.status_code == 201
+        assert replay.headers.get_list("x-replayed") == ["true"]
+        assert replay.headers["x-note"] == "settled by hand"
 
 
 async def test_a_resolved_no_content_is_replayed_without_a_length(setup: Setup) -> None:
