@@ -89,19 +89,27 @@ def add_key_commands(
         "seals what resolve stores",
     )
     one = argparse.ArgumentParser(add_help=False, parents=[output, keys])
-    one.add_argument("key", metavar="KEY", help="the Idempotency-Key the client sent")
+    one.add_argument(
+        "key", metavar="KEY", type=utf8_text(), help="the Idempotency-Key the client sent"
+    )
     one.add_argument(
         "--route",
         required=True,
+        type=utf8_text(),
         metavar="TEMPLATE",
         help="the route's path template, as the app declares it (/payments/{payment_id}), or "
         "for a route given operation=, that name (payments.create); under a Host route, the "
         "host it matched followed directly by either, nothing between them "
         "(api.example.com/payments, api.example.compayments.create)",
     )
-    one.add_argument("--method", default="POST", help="the request's method (POST)")
     one.add_argument(
-        "--scope", default="", help="the key scope: key_scope's answer for the client (none)"
+        "--method", default="POST", type=utf8_text(), help="the request's method (POST)"
+    )
+    one.add_argument(
+        "--scope",
+        default="",
+        type=utf8_text(),
+        help="the key scope: key_scope's answer for the client (none)",
     )
     force = argparse.ArgumentParser(add_help=False)
     force.add_argument(
@@ -145,7 +153,12 @@ def add_key_commands(
         f"(as it refuses {REPLAY_HEADER} and {STRIPE_REPLAY_HEADER}) ({REPLAY_HEADER})",
     )
     body = resolve.add_mutually_exclusive_group()
-    body.add_argument("--body", help="the response body, as text")
+    body.add_argument(
+        "--body",
+        type=utf8_text("; pass a body of other bytes with --body-file"),
+        help="the response body, as UTF-8 text (refused otherwise: pass other bytes with "
+        "--body-file)",
+    )
     body.add_argument("--body-file", type=Path, help="the response body, read from a file")
     resolve.add_argument(
         "--content-type",
@@ -172,6 +185,29 @@ def add_key_commands(
         default=_LIST_LIMIT,
         help=f"at most this many ({_LIST_LIMIT})",
     )
+
+
+def utf8_text(hint: str = "") -> Callable[[str], str]:
+    """An argparse ``type``: the text as given, refused unless it is UTF-8 (with ``hint``
+    after the refusal). A command line's bytes that are not UTF-8 reach Python as lone
+    surrogates, which no store and no response can encode."""
+
+    def parse(text: str) -> str:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            char = ord(text[exc.start])
+            # A byte the shell passed comes as U+DC80 to U+DCFF (surrogateescape).
+            what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"U+{char:04X}"
+            offset = len(text[: exc.start].encode("utf-8"))
+            raise argparse.ArgumentTypeError(
+                f"not UTF-8 text ({what} at offset {offset}): check the terminal's encoding and "
+                f"the quoting{hint}"
+            ) from None
+        return text
+
+    parse.__name__ = "text"
+    return parse
 
 
 def _within(

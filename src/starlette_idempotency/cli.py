@@ -40,6 +40,7 @@ from starlette_idempotency._cli_keys import (
     CommandFailed,
     add_key_commands,
     run_key_command,
+    utf8_text,
 )
 from starlette_idempotency._store_check import check_store
 from starlette_idempotency.errors import ConfigurationError, StoreError
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument(
         "--key-prefix",
         default=DEFAULT_KEY_PREFIX,
+        type=utf8_text(),
         help=f"the store's key prefix ({DEFAULT_KEY_PREFIX})",
     )
     doctor = commands.add_parser(

@@ -344,6 +344,41 @@ async def test_a_response_no_replay_can_send_is_refused(
     assert (await setup.pay("k-6", "/charges")).status_code == 202
 
 
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        (
+            ("show", *ADDRESS, "/charges", "k-\udcff"),
+            "argument KEY: not UTF-8 text (byte 0xff at offset 2)",
+        ),
+        (
+            ("delete", "--scope", "acme\udce9", "--route", "/charges", "k-10"),
+            "argument --scope: not UTF-8 text (byte 0xe9 at offset 4)",
+        ),
+        (
+            ("resolve", *ADDRESS, "/charges\udcff", "k-10", "--status", "201"),
+            "argument --route: not UTF-8 text (byte 0xff at offset 8)",
+        ),
+        (
+            ("resolve", *ADDRESS, "/charges", "k-10", "--status", "201", "--body", "\udcff{}"),
+            "argument --body: not UTF-8 text (byte 0xff at offset 0): check the terminal's "
+            "encoding and the quoting; pass a body of other bytes with --body-file",
+        ),
+        (("list", "--key-prefix", "\udcff"), "argument --key-prefix: not UTF-8 text"),
+    ],
+)
+async def test_text_that_is_not_utf8_is_bad_usage(
+    setup: Setup, args: tuple[str, ...], refusal: str
+) -> None:
+    """A key, route, scope or body that is not UTF-8 on the command line (the child gets the
+    bytes these surrogates escape) ended in a UnicodeEncodeError's traceback, exit status 1."""
+    assert (await setup.pay("k-10", "/charges")).status_code == 502
+    refused = await setup.cli(*args)
+    assert refused.code == 2, refused.err
+    assert refusal in refused.err
+    assert (await setup.pay("k-10", "/charges")).status_code == 202
+
+
 async def test_resolve_refuses_the_apps_own_replay_header_as_told(setup: Setup) -> None:
     """With ``replay_header_name="X-Replayed"``, ``--header 'X-Replayed: false'`` was stored,
     and every replay carried the header twice: ``--replay-header-name`` names it."""
