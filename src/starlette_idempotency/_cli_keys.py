@@ -159,7 +159,12 @@ def add_key_commands(
         help="the response body, as UTF-8 text (refused otherwise: pass other bytes with "
         "--body-file)",
     )
-    body.add_argument("--body-file", type=Path, help="the response body, read from a file")
+    body.add_argument(
+        "--body-file",
+        type=Path,
+        metavar="PATH",
+        help="the response body, read from a file as it is (- for standard input)",
+    )
     resolve.add_argument(
         "--content-type",
         default="application/json",
@@ -432,9 +437,7 @@ def _response(args: argparse.Namespace) -> StoredResponse:
             )
         headers.append((name, value))
     if args.body_file is not None:
-        body = (
-            sys.stdin.buffer.read() if str(args.body_file) == "-" else args.body_file.read_bytes()
-        )
+        body = _read_body(args.body_file)
     else:
         body = (args.body or "").encode("utf-8")
     if body and args.status in _NO_CONTENT_STATUSES:
@@ -445,6 +448,19 @@ def _response(args: argparse.Namespace) -> StoredResponse:
         headers.append(("content-length", str(len(body))))
     content_type = next((value for name, value in headers if name == "content-type"), None)
     return StoredResponse(args.status, tuple(headers), body, content_type)
+
+
+def _read_body(path: Path) -> bytes:
+    """``--body-file``'s bytes (``-``: standard input's), refused when it cannot be read."""
+    if str(path) == "-":
+        return sys.stdin.buffer.read()
+    try:
+        return path.read_bytes()
+    except OSError as exc:  # missing, a directory, not readable by this user
+        raise ConfigurationError(
+            f"--body-file {path}: {exc.strerror or exc}: pass a file this user can read, or - "
+            "to read the body from standard input"
+        ) from exc
 
 
 def _done(action: str, key: str, status: RecordStatus, *, as_json: bool) -> str:

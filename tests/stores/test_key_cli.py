@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import httpx
 import pytest
@@ -377,6 +378,32 @@ async def test_text_that_is_not_utf8_is_bad_usage(
     assert refused.code == 2, refused.err
     assert refusal in refused.err
     assert (await setup.pay("k-10", "/charges")).status_code == 202
+
+
+@pytest.mark.parametrize(
+    ("name", "error"), [("missing.json", "No such file or directory"), (".", "Is a directory")]
+)
+async def test_a_body_file_that_cannot_be_read_is_bad_usage(
+    setup: Setup, tmp_path: Path, name: str, error: str
+) -> None:
+    """``--body-file`` naming a missing file or a directory ended in a FileNotFoundError's or
+    an IsADirectoryError's traceback, exit status 1."""
+    assert (await setup.pay("k-11", "/charges")).status_code == 502
+    path = tmp_path / name
+    refused = await setup.cli(
+        "resolve", *ADDRESS, "/charges", "k-11", "--status", "201", "--body-file", str(path)
+    )
+    assert refused.code == 2, refused.err
+    assert f"--body-file {path}: {error}: pass a file this user can read, or -" in refused.err
+    assert (await setup.pay("k-11", "/charges")).status_code == 202
+
+    body = tmp_path / "body.json"
+    body.write_bytes(b'{"chargeId":"ch_9"}')
+    resolved = await setup.cli(
+        "resolve", *ADDRESS, "/charges", "k-11", "--status", "201", "--body-file", str(body)
+    )
+    assert resolved.code == 0, resolved.err
+    assert (await setup.pay("k-11", "/charges")).json() == {"chargeId": "ch_9"}
 
 
 async def test_resolve_refuses_the_apps_own_replay_header_as_told(setup: Setup) -> None:
