@@ -423,11 +423,7 @@ def _response(args: argparse.Namespace) -> StoredResponse:
                 f"--header takes 'NAME: VALUE' with a name of letters, digits and !#$%&'*+-.^_`|~"
                 f", not {spec!r}"
             )
-        if not _FIELD_VALUE.fullmatch(value):
-            raise ConfigurationError(
-                f"--header {name}: the value must be Latin-1 text without control characters "
-                "(percent-encode anything else)"
-            )
+        _check_field_value(f"--header {name}", value)
         if never_stored(name) or name == "content-length":
             raise ConfigurationError(f"--header {name}: this header is never stored")
         if name in _REPLAY_HEADERS or name == replay_header:
@@ -443,11 +439,21 @@ def _response(args: argparse.Namespace) -> StoredResponse:
     if body and args.status in _NO_CONTENT_STATUSES:
         raise ConfigurationError(f"--status {args.status} is answered without a body: drop it")
     if body and not any(name == "content-type" for name, _ in headers):
-        headers.append(("content-type", args.content_type))
+        headers.append(("content-type", _check_field_value("--content-type", args.content_type)))
     if args.status not in _NO_LENGTH_STATUSES:
         headers.append(("content-length", str(len(body))))
     content_type = next((value for name, value in headers if name == "content-type"), None)
     return StoredResponse(args.status, tuple(headers), body, content_type)
+
+
+def _check_field_value(option: str, value: str) -> str:
+    """``value``, for the header ``option`` gives, unless HTTP servers would not send it."""
+    if not _FIELD_VALUE.fullmatch(value):
+        raise ConfigurationError(
+            f"{option}: the value must be Latin-1 text without control characters "
+            "(percent-encode anything else)"
+        )
+    return value
 
 
 def _read_body(path: Path) -> bytes:

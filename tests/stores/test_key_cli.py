@@ -329,6 +329,14 @@ async def test_bad_usage_is_status_2(setup: Setup) -> None:
         ),
         (("--header", "x-note: paid 10\u20ac"), "the value must be Latin-1 text"),
         (("--header", "x bad: 1"), "--header takes 'NAME: VALUE' with a name of letters"),
+        (
+            ("--body", "{}", "--content-type", "text/plain\nx-note: 1"),
+            "--content-type: the value must be Latin-1 text without control characters",
+        ),
+        (
+            ("--body", "{}", "--content-type", "text/plain; charset=\udcff"),
+            "--content-type: the value must be Latin-1 text without control characters",
+        ),
     ],
 )
 async def test_a_response_no_replay_can_send_is_refused(
