@@ -813,3 +813,18 @@ async def test_resolve_refuses_a_status_no_replay_can_send(
     await held(store, make_record)
     with pytest.raises(ValueError, match="a final response"):
         await resolving(store).resolve("k1", StoredResponse(status_code, (), b""))
+
+
+async def test_a_resolution_given_an_http_status_member_is_stored(
+    store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """A reconciler's ``StoredResponse(HTTPStatus.OK, ...)``: MemoryStore raised ``ValueError``
+    (marshal takes no ``int`` subclass), and the record stayed ``InProgress``."""
+    await held(store, make_record)
+    assert await resolving(store).resolve("k1", StoredResponse(HTTPStatus.OK, (), b"{}"))
+    stored = await store.get("k1")
+    assert stored is not None
+    assert stored.status is RecordStatus.COMPLETED
+    assert stored.response is not None
+    assert type(stored.response.status_code) is int
+    assert stored.response.status_code == 200

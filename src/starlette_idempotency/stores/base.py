@@ -320,6 +320,7 @@ class StoreBase(IdempotencyStore):
                 f"resolve() stores a final response (200 to 599), not {response.status_code}"
             )
         status = RecordStatus.COMPLETED if response.status_code < 400 else RecordStatus.FAILED
+        response = replace(response, status_code=int(response.status_code))  # HTTPStatus.OK
         for _ in range(3):
             current = await self.get(key)
             if current is None or owner_token not in (None, current.owner_token):

@@ -69,7 +69,8 @@ def _pack(record: IdempotencyRecord, deadline: float, lease: float | None = None
         record.fingerprint_version,
         None
         if response is None
-        else (response.status_code, response.headers, response.body, response.content_type),
+        # int(): an HTTPStatus a reconciler's StoredResponse holds is an int subclass
+        else (int(response.status_code), response.headers, response.body, response.content_type),
         record.locked_until,
         orjson.dumps(checkpoints_to_wire(record.checkpoints)) if record.checkpoints else b"",
     )
