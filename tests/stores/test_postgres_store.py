@@ -503,6 +503,26 @@ async def test_blocked_statement_raises_store_timeout_error(
         await store.aclose()
 
 
+async def test_an_expired_outcome_a_purge_holds_is_waited_for(
+    postgres_store: PostgresStore, postgres_table: str, sql: Any
+) -> None:
+    """A purge keeps its batch's rows locked until its statement ends. A new request's takeover
+    skipped the expired row and gave up after 150 ms: 503, for as long as the purge ran."""
+    old = pending("owner-old")
+    await postgres_store.try_acquire("k", old, LOCK_TTL)
+    await postgres_store.finish("k", completed(old), TTL)
+    await expire(sql, postgres_table, "k")
+    async with rows_locked(sql, postgres_table):  # the purge's batch, for a while
+        acquiring = asyncio.create_task(postgres_store.try_acquire("k", pending("new"), LOCK_TTL))
+        await asyncio.sleep(0.4)  # longer than a statement's lock is waited for
+        assert not acquiring.done()
+        await sql.execute(f"DELETE FROM {postgres_table}")
+    assert (await acquiring).acquired
+    current = await postgres_store.get("k")
+    assert current is not None
+    assert current.owner_token == "new"
+
+
 async def test_server_side_statement_timeout_is_a_store_timeout_error(
     postgres_dsn: str, postgres_table: str, sql: Any
 ) -> None:

@@ -125,6 +125,8 @@ _ACQUIRE_ATTEMPTS = 5
 # The first pause on a takeable row another transaction has locked, doubled at each attempt
 # (150 ms in all before it is taken for a fenced transaction's).
 _BUSY_PAUSE_SECONDS = 0.01
+# The pause between looks at an expired outcome another transaction has locked (a purge's).
+_EXPIRED_BUSY_PAUSE_SECONDS = 0.04
 
 # How long the undo of an abandoned acquire waits before trying again while the database fails.
 _UNDO_RETRY_SECONDS = 0.1
@@ -416,6 +418,18 @@ class PostgresStore(StoreBase):
                 if await self._value("acquire_insert", *params):
                     return AcquireResult(acquired=True)
                 row = await self._row("acquire_takeover", *params, recover)
+                while (
+                    row is not None
+                    and row["busy"]
+                    and not row["live"]
+                    and row["status"] != RecordStatus.IN_PROGRESS
+                ):
+                    # An expired outcome, yet locked: by a purge deleting it (for as long as its
+                    # batch takes) or a taker's statement, never by a fence (which holds a
+                    # running request's row). It answers nothing: wait for its lock to end,
+                    # within the operation's timeout.
+                    await asyncio.sleep(_EXPIRED_BUSY_PAUSE_SECONDS)
+                    row = await self._row("acquire_takeover", *params, recover)
                 if row is not None and row["busy"]:
                     if attempt + 1 < _ACQUIRE_ATTEMPTS:
                         # A statement's lock lasts a moment: then the row is the taker's or
