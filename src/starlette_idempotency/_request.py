@@ -352,6 +352,24 @@ class GuardedRequest:
         except StoreError as exc:
             await self._on_store_down(exc, body)
             return
+        if not acquired.acquired and self._recovers_across_versions(acquired):
+            # A dead handler's record of the version before a deploy: this request is its
+            # retry (on_fingerprint_change="replay" trusts the key), so recover it under the
+            # fingerprint it was stored with; the store takes it over only if, on its clock,
+            # the lease is still out and the record is still that one.
+            assert acquired.record is not None
+            pending = replace(
+                pending,
+                request_fingerprint=acquired.record.request_fingerprint,
+                fingerprint_version=acquired.record.fingerprint_version,
+            )
+            try:
+                acquired = await services.store.try_acquire(
+                    store_key, pending, policy.lock_ttl_seconds, recover=True
+                )
+            except StoreError as exc:
+                await self._on_store_down(exc, body)
+                return
         if not acquired.acquired:
             if self._is_waitable(acquired, fingerprint):
                 after_wait = await self._wait_for_first(store_key, pending)
@@ -436,6 +454,25 @@ class GuardedRequest:
             # comparing the two would be meaningless, so the policy decides.
             return self._policy.on_fingerprint_change == "replay", "fingerprint_version_changed"
         return record.request_fingerprint == fingerprint, None
+
+    def _recovers_across_versions(self, held: AcquireResult) -> bool:
+        """Whether ``held``, the answer to an acquire, is a record this request recovers as
+        the same request although the store would not: an ``InProgress`` record with recovery
+        points whose lease ran out (on the store's clock), fingerprinted under another
+        fingerprint version (a deploy in between), on a route that recovers by its handler and
+        trusts the key across versions (``on_fingerprint_change="replay"``). A record of this
+        route's own version is never adopted: there the fingerprints decide (the store
+        recovers the same request's; another request's is a 422)."""
+        record = held.record
+        return (
+            held.lease_expired
+            and record is not None
+            and self._policy.recover
+            and self._policy.on_fingerprint_change == "replay"
+            and record.status is RecordStatus.IN_PROGRESS
+            and bool(record.checkpoints)
+            and record.fingerprint_version != self._route.fingerprint_version
+        )
 
     def _is_waitable(self, held: AcquireResult, fingerprint: str) -> bool:
         record = held.record
