@@ -366,3 +366,111 @@ async def test_a_recovery_late_in_the_retention_is_kept_should_its_handler_die_t
     assert retry.status_code == 201
     assert attempts == [None, "provider_charge_sent", "provider_charge_sent"]
     doomed.cancel()
+
+
+class DeployedPayments:
+    """A route that saves a recovery point and fails (version "1"), deployed again with another
+    fingerprint version that reconciles from the point: one store and one clock across both."""
+
+    def __init__(self, **options: Any) -> None:
+        self.clock = FakeClock()
+        self.store = MemoryStore(clock=self.clock)
+        self.recovered_from: list[str | None] = []
+        self.options = options
+
+    def release(self, version: str, **options: Any) -> Any:
+        @idempotent(lock_ttl_seconds=LOCK_TTL, fingerprint_version=version, **options)
+        async def pay(request: Request) -> Response:
+            context = idempotency_context(request)
+            self.recovered_from.append(context.recovered_from)
+            if context.recovered_from == "provider_charge_sent":
+                return JSONResponse({"reconciled": context.recovery_data}, status_code=201)
+            await checkpoint(request, "provider_charge_sent", {"providerRef": "r"})
+            return JSONResponse({"error": "provider timed out"}, status_code=502)
+
+        app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+        return make_client(IdempotencyMiddleware(app, store=self.store, clock=self.clock))
+
+    async def died_before_the_deploy(self, **options: Any) -> Any:
+        """The first attempt saves its point and fails under version "1" (which ends its lease
+        at once); the client of the release of version "2" with ``options``."""
+        old = self.release("1", **options)
+        assert (await old.post("/pay", json={"amount": 100}, headers=HEADERS)).status_code == 502
+        return self.release("2", **options)
+
+
+# The body changed too: under on_fingerprint_change="replay" the key is trusted across versions.
+@pytest.mark.parametrize("body", [{"amount": 100}, {"amount": 100, "currency": "EUR"}])
+async def test_a_retry_after_a_fingerprint_version_bump_recovers_the_dead_handler(
+    body: dict[str, Any],
+) -> None:
+    """The stores recover only a record of the retry's own fingerprint version, and the
+    middleware answered each retry 202 requires_recovery (as if on_recovery="hold") until the
+    retention ended, though nothing reconciles the record under on_recovery="handler"."""
+    deployed = DeployedPayments()
+    new = await deployed.died_before_the_deploy()
+
+    retry = await new.post("/pay", json=body, headers=HEADERS)
+
+    assert retry.status_code == 201
+    assert retry.json() == {"reconciled": {"providerRef": "r"}}
+    assert deployed.recovered_from == [None, "provider_charge_sent"]
+    # stored as the request it recovered: later retries of the new version are replays
+    (record,) = deployed.store.records().values()
+    assert record.fingerprint_version.endswith(".1")
+    again = await new.post("/pay", json=body, headers=HEADERS)
+    assert again.status_code == 201
+    assert again.headers["x-idempotent-replay"] == "true"
+    assert again.json() == retry.json()
+    assert len(deployed.recovered_from) == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "status"),
+    [({"on_fingerprint_change": "reject"}, 422), ({"on_recovery": "hold"}, 202)],
+)
+async def test_a_fingerprint_version_bump_keeps_reject_and_hold(
+    options: dict[str, Any], status: int
+) -> None:
+    deployed = DeployedPayments()
+    new = await deployed.died_before_the_deploy(**options)
+    for _ in range(2):
+        retry = await new.post("/pay", json={"amount": 100}, headers=HEADERS)
+        assert retry.status_code == status
+    assert deployed.recovered_from == [None]
+    (record,) = deployed.store.records().values()
+    assert record.checkpoints[0].name == "provider_charge_sent"
+
+
+async def test_a_fingerprint_version_bump_never_takes_over_a_live_lease() -> None:
+    """The record of the version before holds a lease still running (on the store's clock):
+    a retry of the new version gets the 409, and takes it over only once the lease is out."""
+    app, store, clock = setup(fingerprint_version="1")
+    doomed = asyncio.create_task(app.client.post("/pay", json={"amount": 100}, headers=HEADERS))
+    async with asyncio.timeout(5):
+        await app.reached_crash.wait()
+    new = PaymentsApp(store, clock, fingerprint_version="2")
+    new.provider = app.provider
+
+    busy = await new.client.post("/pay", json={"amount": 100}, headers=HEADERS)
+    assert busy.status_code == 409
+    clock.advance(LOCK_TTL + 0.1)  # the pod is gone
+    retry = await new.client.post("/pay", json={"amount": 100}, headers=HEADERS)
+
+    assert retry.status_code == 201
+    assert retry.json() == {"charged": 100, "reconciled": True}
+    assert app.calls_to_provider + new.calls_to_provider == 1
+    doomed.cancel()
+
+
+async def test_a_dead_handler_of_the_routes_own_version_is_no_other_requests() -> None:
+    """Only a record of another fingerprint version is recovered whatever its fingerprint: one
+    of the route's own version is recovered by its own request only, and another request with
+    the key is a 422."""
+    deployed = DeployedPayments()
+    new = deployed.release("2")
+    first = await new.post("/pay", json={"amount": 100}, headers=HEADERS)
+    assert first.status_code == 502
+    other = await new.post("/pay", json={"amount": 999}, headers=HEADERS)
+    assert other.status_code == 422
+    assert deployed.recovered_from == [None]
