@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -134,3 +135,38 @@ async def test_a_key_used_again_after_its_retention_starts_afresh(harness: Clock
     assert (new.status_code, retry.status_code) == (201, 201)
     assert retry.headers["x-idempotent-replay"] == "true"
     assert again.status_code == 422
+
+
+async def test_a_dead_handler_is_recovered_across_a_fingerprint_version_bump(
+    harness: ClockedStore,
+) -> None:
+    """A handler saved a recovery point and failed; a deploy changed the route's fingerprint
+    version. Each store recovers only a record of the retry's own version, and the middleware
+    answered every retry 202 requires_recovery until the retention ended. Now the retry
+    recovers it as the same request (on_fingerprint_change="replay"), and the next replays."""
+    require_recovery(harness.store)
+    seen: list[tuple[str, str | None]] = []
+
+    def release(version: str) -> Any:
+        @idempotent(lock_ttl_seconds=5, fingerprint_version=version)
+        async def pay(request: Request) -> Response:
+            recovered_from = idempotency_context(request).recovered_from
+            seen.append((version, recovered_from))
+            if recovered_from is None:
+                await checkpoint(request, "charged", {"ref": "ch_1"})
+                return Response(b"provider down", status_code=503)
+            return JSONResponse({"resumed_from": recovered_from}, status_code=201)
+
+        app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+        return make_client(IdempotencyMiddleware(app, store=harness.store, clock=harness.now))
+
+    old, new = release("1"), release("2")
+    assert (await old.post("/pay", json={"a": 1}, headers=HEADERS)).status_code == 503
+
+    retry = await new.post("/pay", json={"a": 1}, headers=HEADERS)
+    again = await new.post("/pay", json={"a": 1}, headers=HEADERS)
+
+    assert (retry.status_code, retry.json()) == (201, {"resumed_from": "charged"})
+    assert seen == [("1", None), ("2", "charged")]
+    assert again.status_code == 201
+    assert again.headers["x-idempotent-replay"] == "true"
