@@ -465,7 +465,7 @@ class GuardedRequest:
         recovers the same request's; another request's is a 422)."""
         record = held.record
         return (
-            held.lease_expired
+            bool(held.lease_expired)
             and record is not None
             and self._policy.recover
             and self._policy.on_fingerprint_change == "replay"
