@@ -687,10 +687,11 @@ class RedisStore(StoreBase):
     ) -> bool:
         """Extend the lock to ``lock_ttl`` if ``owner_token`` holds it ``InProgress``: the key's
         TTL, or for a record with recovery points its lease, on the server's clock, the key's
-        TTL then running at least to the lease's end (or ``ttl`` from now, when given)."""
+        TTL then running at least to the lease's end (or ``ttl`` from now, when given). A
+        ``lock_ttl`` of ``0`` ends such a lease now (``renew.lua`` keeps a bare lock 1 ms)."""
         if asyncio.get_running_loop() is not self._loop:
             await self._enter_loop()
-        args: list[Arg] = [owner_token, str(_ms(lock_ttl))]
+        args: list[Arg] = [owner_token, str(max(0, round(lock_ttl * 1000)))]
         if ttl is not None:
             args.append(str(_ms(ttl)))
         try:

@@ -5,7 +5,9 @@
 --
 -- KEYS[1]  the storage key
 -- ARGV[1]  the owner token of the request that holds the lock
--- ARGV[2]  the new lock TTL in milliseconds, counted from now (a positive integer)
+-- ARGV[2]  the new lock TTL in milliseconds, counted from now (an integer; for a record with
+--          recovery points 0 ends its lease now, its TTL kept, so that a retry recovers at
+--          once; a lock without a lease is kept at least 1 ms, as PEXPIRE 0 would delete it)
 -- ARGV[3]  optional: for a record with recovery points, the retention in milliseconds from now
 --          it is kept at least for (a TTL that runs longer is kept)
 --
@@ -21,6 +23,6 @@ if type(stored.lockedUntil) == 'number' then
     local kept_ms = math.max(lease_ms, tonumber(ARGV[3] or 0))
     set_keeping_ttl(with_lease(current, now_ms() + lease_ms), kept_ms)
 else
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    redis.call('PEXPIRE', KEYS[1], math.max(1, tonumber(ARGV[2])))
 end
 return 1
