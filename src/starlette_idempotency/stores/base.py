@@ -162,7 +162,9 @@ class IdempotencyStore(Protocol):
         """Extend the lock of an ``InProgress`` record held by ``owner_token`` to ``lock_ttl``
         seconds from now on the store's clock: the record's own expiry, or for a record with
         recovery points its lease (its checkpoints untouched), the record then kept at least
-        until that lease ends, however soon its retention time would have ended.
+        until that lease ends, however soon its retention time would have ended. For such a
+        record a ``lock_ttl`` of ``0`` ends the lease now, its retention kept (how
+        :class:`StoreBase` leaves a record it took over for a retry to recover).
 
         A store may also take a keyword ``ttl`` (``renew(key, owner_token, lock_ttl, *,
         ttl=None)``), the route's retention time: a record with recovery points is then kept
@@ -325,9 +327,9 @@ class StoreBase(IdempotencyStore):
             current = await self.get(key)
             if current is None or owner_token not in (None, current.owner_token):
                 return False
-            taken = await self._take_over_lapsed(key, current)
+            taken = await self._take_over_lapsed(key, current, owner_token)
             if taken is None:
-                if owner_token is not None:  # its lease runs: its handler may
+                if owner_token is not None:  # its lease runs, or it changed hands or went
                     return False
                 taken = current
             record = taken.finished(status, response, expires_at=time.time() + ttl)
@@ -351,7 +353,7 @@ class StoreBase(IdempotencyStore):
         current = await self.get(key)
         if current is None or owner_token not in (None, current.owner_token):
             return False
-        taken = await self._take_over_lapsed(key, current)
+        taken = await self._take_over_lapsed(key, current, owner_token)
         if taken is None:
             if owner_token is not None:
                 return False
@@ -359,11 +361,20 @@ class StoreBase(IdempotencyStore):
         return await self.release(key, taken.owner_token)
 
     async def _take_over_lapsed(
-        self, key: str, current: IdempotencyRecord
+        self, key: str, current: IdempotencyRecord, owner_token: str | None
     ) -> IdempotencyRecord | None:
-        """``current`` under an owner token of its own when its lease ran out after a recovery
-        point (judged by the store, on its clock, in the takeover); ``None`` when its lease
-        runs; else ``current``."""
+        """The record under ``key``, taken over under an owner token of its own, when
+        ``current`` (what the caller read) is a record whose lease ran out after a recovery
+        point (judged by the store, on its clock, in the takeover); else ``current``.
+
+        ``None`` when its lease runs; and, with ``owner_token`` (the owner the caller looked
+        at), when the record changed hands or went since ``current`` was read. A retry may
+        have recovered the record in between, saved a further recovery point and ended its
+        lease (its handler died too): the takeover then takes that retry's record, whose
+        owner was not the one looked at. The takeover says which record it took
+        (``AcquireResult.record``, with its owner token and recovery points): what is
+        returned is built from it, never from ``current``, which may miss points saved since.
+        Without ``owner_token`` (``--force``), whatever the takeover took is acted on."""
         lapsable = current.status is RecordStatus.IN_PROGRESS and current.checkpoints
         if not (self.supports_recovery and lapsable):
             return current
@@ -380,7 +391,32 @@ class StoreBase(IdempotencyStore):
         taken = await self.try_acquire(key, resolver, _RESOLVER_LOCK_SECONDS)
         if not taken.acquired:
             return None
-        return replace(current, owner_token=resolver.owner_token)
+        recovered = taken.record
+        if recovered is None or not recovered.checkpoints:
+            # Not a recovery: the record went (deleted, or its retention ended) and the key
+            # was acquired afresh, bare.
+            if owner_token is None:
+                return replace(current, owner_token=resolver.owner_token)
+            await self.release(key, resolver.owner_token)
+            return None
+        if owner_token is not None and recovered.owner_token != owner_token:
+            await self._give_back(key, resolver.owner_token)
+            return None
+        return replace(recovered, owner_token=resolver.owner_token)
+
+    async def _give_back(self, key: str, taker: str) -> None:
+        """Leave the record ``taker`` recovered as the takeover found it: its lease run out,
+        so that a retry recovers it at once, with all its recovery points (a takeover keeps
+        them, and this touches none).
+
+        A renewal to a lease of ``0`` ends the lease now, on the store's clock, and never
+        brings the record's expiry forward (the takeover kept it at least as long as it
+        was). Not ``save_progress``, whose ``ttl`` sets the retention anew from now: what was
+        left of it on the store's clock is not known here (the record's ``expires_at`` is
+        data, dated by the clock of the pod that wrote it). The record keeps ``taker``'s
+        owner token, as an abandoned recovery keeps its taker's: a lapsed lease is anyone's
+        to recover."""
+        await self.renew(key, taker, 0.0)
 
     async def complete(self, key: str, record: IdempotencyRecord, ttl: float) -> FencedWrite:
         """Deprecated (removed in 0.3.0): :meth:`finish`, the protocol's first spelling for a
