@@ -828,3 +828,160 @@ async def test_a_resolution_given_an_http_status_member_is_stored(
     assert stored.response is not None
     assert type(stored.response.status_code) is int
     assert stored.response.status_code == 200
+
+
+def between_look_and_takeover(
+    monkeypatch: pytest.MonkeyPatch,
+    store: IdempotencyStore,
+    meanwhile: Callable[[], Awaitable[None]],
+) -> None:
+    """Run ``meanwhile`` once, right after ``store``'s next ``get``: between what ``delete`` or
+    ``resolve`` looked at and its takeover, deterministically."""
+    look = store.get
+
+    async def get(key: str) -> IdempotencyRecord | None:
+        seen = await look(key)
+        monkeypatch.setattr(store, "get", look)
+        await meanwhile()
+        return seen
+
+    monkeypatch.setattr(store, "get", get)
+
+
+async def lapsed_after_a_point(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> IdempotencyRecord:
+    """``owner-a``'s record for ``k1`` with a recovery point, its lease ended (it died)."""
+    saved = checkpointed(await held(store, make_record), harness.now())
+    assert await store.save_progress("k1", saved, RETENTION_TTL, 0)
+    return saved
+
+
+async def recovered_and_died_again(
+    harness: ClockedStore, store: IdempotencyStore, make_record: MakeRecord
+) -> None:
+    """A retry (``owner-b``) recovers ``k1``, saves a further point and dies too."""
+    retry = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
+    assert retry.acquired
+    assert retry.record is not None
+    point = Checkpoint("refund_sent", {"n": 2}, harness.now())
+    again = replace(retry.record, owner_token="owner-b")
+    again = replace(again, checkpoints=(*again.checkpoints, point))
+    assert await store.save_progress("k1", again, RETENTION_TTL, 0)
+
+
+async def by_owner(store: StoreBase, operation: str, owner_token: str | None) -> bool:
+    if operation == "delete":
+        return await store.delete("k1", owner_token=owner_token)
+    return await store.resolve("k1", RESOLVED, owner_token=owner_token)
+
+
+@pytest.mark.parametrize("operation", ["delete", "resolve"])
+async def test_an_operator_leaves_a_lapsed_record_that_changed_hands_meanwhile(
+    harness: ClockedStore,
+    store: IdempotencyStore,
+    make_record: MakeRecord,
+    monkeypatch: pytest.MonkeyPatch,
+    operation: str,
+) -> None:
+    """The operator looked at ``owner-a``'s lapsed record; before its takeover, a retry
+    (``owner-b``) recovered it, saved a further point and died too, its lease ended. With the
+    token the operator saw, the takeover of ``owner-b``'s record is given back: lapsed, for the
+    next retry to recover with both points."""
+    require_recovery(store)
+    operator = resolving(store)
+    await lapsed_after_a_point(harness, store, make_record)
+    between_look_and_takeover(
+        monkeypatch, store, lambda: recovered_and_died_again(harness, store, make_record)
+    )
+
+    assert not await by_owner(operator, operation, "owner-a")
+
+    stored = await store.get("k1")
+    assert stored is not None, f"{operation} deleted a record that changed hands"
+    assert stored.status is RecordStatus.IN_PROGRESS
+    assert stored.response is None
+    retry = await store.try_acquire("k1", make_record("k1", "owner-c"), LOCK_TTL)
+    assert retry.acquired, "the record was not left lapsed for a retry to recover"
+    assert retry.record is not None
+    assert [point.name for point in retry.record.checkpoints] == [
+        "provider_charge_sent",
+        "refund_sent",
+    ]
+
+
+@pytest.mark.parametrize("operation", ["delete", "resolve"])
+async def test_an_operator_leaves_a_key_whose_record_went_meanwhile(
+    harness: ClockedStore,
+    store: IdempotencyStore,
+    make_record: MakeRecord,
+    monkeypatch: pytest.MonkeyPatch,
+    operation: str,
+) -> None:
+    """The record looked at went before the takeover: there is nothing of that owner's to
+    act on, and the key is left free (not held by the takeover), nothing resolved into it."""
+    require_recovery(store)
+    operator = resolving(store)
+    await lapsed_after_a_point(harness, store, make_record)
+
+    async def gone() -> None:
+        assert await store.release("k1", "owner-a")
+
+    between_look_and_takeover(monkeypatch, store, gone)
+
+    assert not await by_owner(operator, operation, "owner-a")
+
+    assert await store.get("k1") is None
+    fresh = await store.try_acquire("k1", make_record("k1", "owner-c"), LOCK_TTL)
+    assert fresh.acquired
+    assert fresh.record is None or not fresh.record.checkpoints
+
+
+async def test_a_resolution_keeps_the_points_saved_since_it_looked(
+    harness: ClockedStore,
+    store: IdempotencyStore,
+    make_record: MakeRecord,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``owner-a`` woke, saved a further point and died again, after the operator looked: the
+    resolved record keeps the points its row has, not those the operator saw."""
+    require_recovery(store)
+    operator = resolving(store)
+    saved = await lapsed_after_a_point(harness, store, make_record)
+
+    async def one_more_point() -> None:
+        point = Checkpoint("refund_sent", {"n": 2}, harness.now())
+        later = replace(saved, checkpoints=(*saved.checkpoints, point))
+        assert await store.save_progress("k1", later, RETENTION_TTL, 0)
+
+    between_look_and_takeover(monkeypatch, store, one_more_point)
+
+    assert await operator.resolve("k1", RESOLVED, owner_token="owner-a")
+
+    stored = await store.get("k1")
+    assert stored is not None
+    assert stored.response == RESOLVED
+    assert [point.name for point in stored.checkpoints] == ["provider_charge_sent", "refund_sent"]
+
+
+async def test_a_forced_resolution_finishes_the_record_that_is_there(
+    harness: ClockedStore,
+    store: IdempotencyStore,
+    make_record: MakeRecord,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without an owner token (``--force``), the record that changed hands meanwhile is
+    resolved: with its own recovery points, the retry's among them."""
+    require_recovery(store)
+    operator = resolving(store)
+    await lapsed_after_a_point(harness, store, make_record)
+    between_look_and_takeover(
+        monkeypatch, store, lambda: recovered_and_died_again(harness, store, make_record)
+    )
+
+    assert await operator.resolve("k1", RESOLVED)
+
+    stored = await store.get("k1")
+    assert stored is not None
+    assert stored.response == RESOLVED
+    assert [point.name for point in stored.checkpoints] == ["provider_charge_sent", "refund_sent"]
