@@ -593,3 +593,26 @@ async def test_resolve_refuses_a_ttl_that_would_delete_the_record(
     with pytest.raises(ValueError, match=r"keeps a record 1 to 3\.1536e"):
         await store.resolve("k", StoredResponse(200, (), b""), ttl=ttl)
     assert await store.get("k") is not None
+
+
+@STRATEGIES
+async def test_a_renewal_to_a_lease_of_0_ends_it_now_and_keeps_the_ttl(
+    client: aioredis.Redis, redis_key_prefix: str, acquire: AcquireStrategy
+) -> None:
+    """How ``delete`` and ``resolve`` give back a record they took over that changed hands:
+    a retry recovers it at once, its TTL as it was. A bare lock is kept a millisecond (its
+    TTL, which ``PEXPIRE 0`` would end by deleting it), as before."""
+    store = RedisStore(client, key_prefix=redis_key_prefix, acquire=acquire)
+    held = pending("k", "owner-a")
+    assert (await store.try_acquire("k", held, LOCK_TTL)).acquired
+    saved = replace(held, checkpoints=(Checkpoint("sent", [], time.time()),))
+    assert await store.save_progress("k", saved, RETENTION_TTL, LOCK_TTL)
+
+    assert await store.renew("k", "owner-a", 0)
+
+    assert LOCK_TTL * 1000 < await client.pttl(f"{redis_key_prefix}:k") <= RETENTION_TTL * 1000
+    assert (await store.try_acquire("k", pending("k", "owner-b"), LOCK_TTL)).acquired
+    bare = pending("bare", "owner-a")
+    assert (await store.try_acquire("bare", bare, LOCK_TTL)).acquired
+    assert await store.renew("bare", "owner-a", 0)
+    assert await client.pttl(f"{redis_key_prefix}:bare") <= 1
