@@ -195,18 +195,33 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
 
     Refused unless the guard of the request it runs for (:data:`GUARDED_SCOPE`) guarded it as
     a request to this very wrapper, or passed it on because its method is not guarded and it
-    runs for a safe one (a GET, not a PUT a method override made of it). With no guard in the
-    context (a decorator above that runs the endpoint in an executor, which copies no context,
-    or in a task started by an earlier request, whose context is that request's), the request
-    among its arguments says what its guard did; a call that brings a request a
-    router dispatched that no guard saw is refused; any other runs (a unit test's direct
-    call, or one whose context was lost: the guard keeps its answer, see ``Lease.outcome``).
+    runs for a safe one (a GET, not a PUT a method override made of it). A context that is
+    another request's (a task that request started, running or ended: its guard marked its
+    scope ended) yields to the request among the arguments, and without one is refused. With
+    no guard in the context (a decorator above that runs the endpoint in an executor, which
+    copies no context), the request among its arguments says what its guard did; a call that
+    brings a request a router dispatched that no guard saw is refused; any other runs (a unit
+    test's direct call, or one whose context was lost: the guard keeps its answer, see
+    ``Lease.outcome``).
     """
+    request = _request_in(args, kwargs)
     scope = GUARDED_SCOPE.get(None)
-    if scope is not None and ENDED_SCOPE_KEY in scope:
-        scope = None  # the context of a request that has ended, copied by a task it started
+    if scope is not None:
+        if request is not None and GUARD_SCOPE_KEY in request.scope:
+            # Its marks tell requests apart: a copy of the scope a middleware made has them.
+            if ENDED_SCOPE_KEY in scope or scope.get(REQUEST_SCOPE_KEY) is not request.scope.get(
+                REQUEST_SCOPE_KEY
+            ):
+                scope = request.scope
+        elif ENDED_SCOPE_KEY in scope:
+            raise UnguardedRequestError(
+                f"@idempotent {_name(handler)} runs in a task an earlier request started, "
+                "with that request's context, after it ended, and takes no Request: it cannot "
+                "tell which request it runs for. Give it a Request parameter, or run it in its "
+                "own request's context (await it there, or hand the task "
+                "contextvars.copy_context() from the request)"
+            )
     if scope is None:
-        request = _request_in(args, kwargs)
         if request is None or "endpoint" not in request.scope:
             return
         if GUARD_SCOPE_KEY not in request.scope:  # a request a router dispatched, unguarded
@@ -214,7 +229,6 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
         scope = request.scope
     mark = scope.get(GUARD_SCOPE_KEY)
     if mark is not handler:
-        request = _request_in(args, kwargs)
         seen = scope if request is None else request.scope
         if not (
             isinstance(mark, PassedOn)

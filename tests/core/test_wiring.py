@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.endpoints import HTTPEndpoint
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -43,6 +44,7 @@ from starlette_idempotency import (
 from starlette_idempotency._routing import decoration
 from starlette_idempotency.errors import ConfigurationError, UnguardedRequestError
 from starlette_idempotency.stores import IdempotencyRecord, RecordStatus
+from tests.support.conditions import eventually
 from tests.support.decorators import counting_wraps
 from tests.support.guarded import make_client
 from tests.support.routing import Rewriting
@@ -615,41 +617,49 @@ class OneWorker:
     by the first call (a per-process mutex): the task copies that first request's context."""
 
     def __init__(self) -> None:
-        self._calls: asyncio.Queue[tuple[Any, Any, asyncio.Future[Any]]] = asyncio.Queue()
+        self._calls: asyncio.Queue[Any] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
 
-    def __call__(self, endpoint: Callable[[Request], Awaitable[Response]]) -> Any:
+    def __call__(self, endpoint: Callable[..., Awaitable[Any]]) -> Any:
         @functools.wraps(endpoint)
-        async def serialized(request: Request) -> Response:
+        async def serialized(*args: Any, **kwargs: Any) -> Any:
             if self.task is None:
                 self.task = asyncio.create_task(self._work())
-            answer: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-            await self._calls.put((endpoint, request, answer))
+            answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            await self._calls.put((endpoint, args, kwargs, answer))
             return await answer
 
         return serialized
 
     async def _work(self) -> None:
         while True:
-            endpoint, request, answer = await self._calls.get()
+            endpoint, args, kwargs, answer = await self._calls.get()
             try:
-                answer.set_result(await endpoint(request))
+                answer.set_result(await endpoint(*args, **kwargs))
             except Exception as exc:  # a refusal: the request's, not the worker's end
                 answer.set_exception(exc)
 
 
-async def test_an_endpoint_run_by_a_task_an_earlier_request_started_is_guarded() -> None:
-    """The task's context is the first request's, whose scope the endpoint took for its guard
-    long after that request ended: a request to another route was refused with a 500, and one
-    to the same route marked the first request's start, not its own, so a 402 after its write
-    freed the key and every retry ran the endpoint again."""
+@pytest.mark.parametrize("first_running", [False, True], ids=["first-ended", "first-running"])
+async def test_an_endpoint_run_by_a_task_an_earlier_request_started_is_guarded(
+    first_running: bool,
+) -> None:
+    """The task's context is the first request's, whose scope the endpoint took for its guard:
+    a request to another route was refused with a 500, and one to the same route marked the
+    first request's start, not its own, so a 402 after its write freed the key and every retry
+    ran the endpoint again. The first request may still run (its background task), or not."""
     worker = OneWorker()
+    first_done = asyncio.Event()
+
+    async def send_welcome() -> None:
+        if first_running:
+            await first_done.wait()
 
     @worker
     @idempotent()
     async def open_account(request: Request) -> Response:
         runs["worker account"] += 1
-        return JSONResponse({}, status_code=201)
+        return JSONResponse({}, status_code=201, background=BackgroundTask(send_welcome))
 
     @worker
     @idempotent()
@@ -660,11 +670,16 @@ async def test_an_endpoint_run_by_a_task_an_earlier_request_started_is_guarded()
     routes = [Route("/accounts", open_account, methods=["POST"])]
     routes.append(Route("/charges", charge, methods=["POST"]))
     client = make_client(IdempotencyMiddleware(Starlette(routes=routes), store=MemoryStore()))
+    first = asyncio.create_task(client.post("/accounts", headers=key()))
     try:
-        assert (await client.post("/accounts", headers=key())).status_code == 201
+        await eventually(lambda: worker.task is not None and runs["worker account"] > 0)
+        if not first_running:
+            assert (await first).status_code == 201
         before, headers = runs["worker charge"], key()
         answers = [await client.post("/charges", headers=headers) for _ in "123"]
     finally:
+        first_done.set()
+        assert (await first).status_code == 201
         assert worker.task is not None
         worker.task.cancel()
     assert [answer.status_code for answer in answers] == [402] * 3, answers[0].text
@@ -674,6 +689,38 @@ async def test_an_endpoint_run_by_a_task_an_earlier_request_started_is_guarded()
         "true",
     ]
     assert runs["worker charge"] == before + 1
+
+
+async def test_an_endpoint_without_request_run_by_a_task_of_an_ended_request_is_refused() -> None:
+    """Without a Request among its arguments, nothing says which request it runs for: it ran
+    without reporting its start, so a 402 after its write freed the key for every retry."""
+    worker = OneWorker()
+    app = FastAPI()
+
+    @app.post("/accounts", status_code=201)
+    @worker
+    @idempotent()
+    async def open_account(body: Amount) -> dict[str, int]:
+        return {"amount": body.amount}
+
+    @app.post("/charges", status_code=201)
+    @worker
+    @idempotent()
+    async def charge(body: Amount) -> dict[str, int]:
+        runs["worker charge without request"] += 1
+        return {"amount": body.amount}
+
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore()))
+    try:
+        assert (
+            await client.post("/accounts", json={"amount": 1}, headers=key())
+        ).status_code == 201
+        with pytest.raises(UnguardedRequestError, match="runs in a task an earlier request"):
+            await client.post("/charges", json={"amount": 1}, headers=key())
+    finally:
+        assert worker.task is not None
+        worker.task.cancel()
+    assert runs["worker charge without request"] == 0
 
 
 def login_required(
