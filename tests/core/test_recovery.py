@@ -321,13 +321,25 @@ async def test_a_renewal_passes_the_retention_to_a_store_whose_renew_takes_it() 
             calls.append((type(self).__name__, None))
             return await super().renew(key, owner_token, lock_ttl)
 
-    for store in (TakesRetention(), TakesNoRetention()):
+    class NamesItsLockTtlTtl(MemoryStore):
+        """A store of the 0.2 protocol whose lock TTL is called ``ttl``: it was called with
+        ``ttl=`` beside it, and every renewal failed with ``TypeError``."""
+
+        async def renew(self, key: str, owner_token: str, ttl: float) -> bool:  # type: ignore[override]
+            calls.append((type(self).__name__, None))
+            return await super().renew(key, owner_token, ttl)
+
+    for store in (TakesRetention(), TakesNoRetention(), NamesItsLockTtlTtl()):
         record = pending("k", "handler")
         assert (await store.try_acquire("k", record, LOCK_TTL)).acquired
         bounded = BoundedStore(store, timeout=1.0, metrics=None, tracer=None)
         assert await bounded.renew("k", record, LOCK_TTL, 3600.0)
 
-    assert calls == [("TakesRetention", 3600.0), ("TakesNoRetention", None)]
+    assert calls == [
+        ("TakesRetention", 3600.0),
+        ("TakesNoRetention", None),
+        ("NamesItsLockTtlTtl", None),
+    ]
 
 
 async def test_a_recovery_late_in_the_retention_is_kept_should_its_handler_die_too() -> None:

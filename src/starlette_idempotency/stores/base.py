@@ -251,10 +251,14 @@ def renews_retention(store: IdempotencyStore) -> bool:
     without it keeps working: its renewals keep such a record until its lease ends, or as the
     store decides."""
     try:
-        parameters = inspect.signature(store.renew).parameters
+        signature = inspect.signature(store.renew)
     except (TypeError, ValueError):  # a builtin or a callable without a signature
         return False
-    return "ttl" in parameters
+    try:  # by keyword beside the three: a store may call its lock TTL ``ttl``
+        signature.bind("key", "owner", 1.0, ttl=1.0)
+    except TypeError:
+        return False
+    return True
 
 
 #: The owner token of the take-back the running task makes (see :func:`take_back`): a store
