@@ -136,6 +136,25 @@ async def test_a_tiny_ttl_still_sets_an_expiry(
     assert (await store.try_acquire("k", pending("k", "owner-a"), 0.0001)).acquired
 
 
+async def test_a_record_rewritten_in_its_last_millisecond_keeps_an_expiry(
+    client: aioredis.Redis, redis_key_prefix: str
+) -> None:
+    """A script reads PTTL 0 in the key's last millisecond: it took that for a key without a
+    TTL and wrote the record with none, so a renewal or a recovery then kept it for ever (a
+    reused key answered 422 for good). Each round arrives in that millisecond and renews."""
+    store = RedisStore(client, key_prefix=redis_key_prefix)
+    for round_ in range(20):
+        key = f"k{round_}"
+        record = pending(key, "owner-a")
+        assert (await store.try_acquire(key, record, LOCK_TTL)).acquired
+        saved = replace(record, checkpoints=(Checkpoint("sent", [], time.time()),))
+        assert await store.save_progress(key, saved, 0.02, 10.0)
+        while await client.pttl(f"{redis_key_prefix}:{key}") > 0:
+            pass
+        await store.renew(key, "owner-a", 10.0)
+        assert await client.pttl(f"{redis_key_prefix}:{key}") != -1, f"round {round_}"
+
+
 @STRATEGIES
 async def test_client_with_decoded_responses(
     redis_url: str, redis_key_prefix: str, acquire: AcquireStrategy

@@ -41,16 +41,15 @@ end
 
 -- set_keeping_ttl(value, at_least) writes value over KEYS[1], keeping the key's TTL, or, when
 -- at_least (milliseconds) is given and the TTL is shorter, for at_least from now: a record is
--- never dropped before the end of the lease it is given.
+-- never dropped before the end of the lease it is given. Only a key kept without a TTL (-1)
+-- stays without one: in a key's last millisecond PTTL is 0, and the key is still there.
 local function set_keeping_ttl(value, at_least)
     local ttl = redis.call('PTTL', KEYS[1])
-    if ttl > 0 then
-        if at_least and at_least > ttl then
-            ttl = at_least
-        end
-        redis.call('SET', KEYS[1], value, 'PX', string.format('%.0f', ttl))
-    else
+    if ttl == -1 then
         redis.call('SET', KEYS[1], value)
+    else
+        ttl = math.max(ttl, at_least or 0, 1)
+        redis.call('SET', KEYS[1], value, 'PX', string.format('%.0f', ttl))
     end
 end
 
