@@ -153,6 +153,18 @@ async def test_hold_mode_answers_202_until_resolved() -> None:
     doomed.cancel()
 
 
+async def charge_then_time_out(request: Request, attempts: list[str | None]) -> Response | None:
+    """A handler's first step: it notes the point its attempt recovers from; a first attempt
+    saves one as the provider's charge goes out, and answers 502 (the provider timed out); a
+    recovery gets ``None``, to go on."""
+    recovered_from = idempotency_context(request).recovered_from
+    attempts.append(recovered_from)
+    if recovered_from is not None:
+        return None
+    await checkpoint(request, "provider_charge_sent", {"providerRef": "r"})
+    return JSONResponse({"error": "provider timed out"}, status_code=502)
+
+
 async def test_failure_after_a_checkpoint_keeps_it_for_an_immediate_retry() -> None:
     clock = FakeClock()
     store = MemoryStore(clock=clock)
@@ -160,12 +172,8 @@ async def test_failure_after_a_checkpoint_keeps_it_for_an_immediate_retry() -> N
 
     @idempotent(lock_ttl_seconds=LOCK_TTL)
     async def pay(request: Request) -> Response:
-        context = idempotency_context(request)
-        attempts.append(context.recovered_from)
-        if context.recovered_from is None:
-            await checkpoint(request, "provider_charge_sent", {"providerRef": "r"})
-            return JSONResponse({"error": "provider timed out"}, status_code=502)
-        return JSONResponse({"reconciled": True})
+        timed_out = await charge_then_time_out(request, attempts)
+        return timed_out or JSONResponse({"reconciled": True})
 
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
     client = make_client(IdempotencyMiddleware(app, store=store, clock=clock))
@@ -269,11 +277,8 @@ async def test_a_recovery_late_in_the_retention_keeps_its_record_while_it_runs()
 
     @idempotent(lock_ttl_seconds=0.3)  # renewed every 0.1 s of the loop's time
     async def pay(request: Request) -> Response:
-        context = idempotency_context(request)
-        attempts.append(context.recovered_from)
-        if context.recovered_from is None:
-            await checkpoint(request, "provider_charge_sent", {"providerRef": "r"})
-            return JSONResponse({"error": "provider timed out"}, status_code=502)
+        if timed_out := await charge_then_time_out(request, attempts):
+            return timed_out
         await finish.wait()
         return JSONResponse({"reconciled": True}, status_code=201)
 
@@ -354,11 +359,8 @@ async def test_a_recovery_late_in_the_retention_is_kept_should_its_handler_die_t
 
     @idempotent(lock_ttl_seconds=LOCK_TTL, renew_lock=False)
     async def pay(request: Request) -> Response:
-        context = idempotency_context(request)
-        attempts.append(context.recovered_from)
-        if len(attempts) == 1:
-            await checkpoint(request, "provider_charge_sent", {"providerRef": "r"})
-            return JSONResponse({"error": "provider timed out"}, status_code=502)
+        if timed_out := await charge_then_time_out(request, attempts):
+            return timed_out
         if len(attempts) == 2:
             dying.set()
             await asyncio.Event().wait()  # this pod dies too, its lease left to run out

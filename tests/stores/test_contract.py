@@ -666,14 +666,23 @@ async def test_a_recovery_near_the_end_of_the_retention_keeps_the_record_for_its
     assert recovered.acquired
     await harness.expire("control", SHORT_TTL)  # k1's retention has ended too
 
-    stored = await store.get("k1")
-    assert stored is not None, "the record went while its recovered handler's lease ran"
-    assert stored.owner_token == "owner-b"
+    stored = await assert_held_by(store, make_record, "owner-b")
     assert [point.name for point in stored.checkpoints] == ["provider_charge_sent"]
-    again = await store.try_acquire("k1", make_record("k1", "owner-c"), LOCK_TTL)
-    assert not again.acquired
-    assert again.lease_expired is False
-    assert await store.renew("k1", "owner-b", LOCK_TTL)
+
+
+async def assert_held_by(
+    store: IdempotencyStore, make_record: MakeRecord, owner: str
+) -> IdempotencyRecord:
+    """``k1`` is still there, held by ``owner``'s running lease: another request gets it held,
+    its owner renews it. Returns it as stored."""
+    stored = await store.get("k1")
+    assert stored is not None, "the record went while its handler's lease ran"
+    assert stored.owner_token == owner
+    busy = await store.try_acquire("k1", make_record("k1", "owner-c"), LOCK_TTL)
+    assert not busy.acquired
+    assert busy.lease_expired is False
+    assert await store.renew("k1", owner, LOCK_TTL)
+    return stored
 
 
 async def test_a_renewed_lease_keeps_its_record_past_the_retention(
@@ -688,13 +697,7 @@ async def test_a_renewed_lease_keeps_its_record_past_the_retention(
     assert await store.renew("k1", "owner-a", LOCK_TTL)
     await harness.expire("control", SHORT_TTL)  # k1's retention has ended too
 
-    stored = await store.get("k1")
-    assert stored is not None, "the record went while its renewed lease ran"
-    assert stored.owner_token == "owner-a"
-    busy = await store.try_acquire("k1", make_record("k1", "owner-b"), LOCK_TTL)
-    assert not busy.acquired
-    assert busy.lease_expired is False
-    assert await store.renew("k1", "owner-a", LOCK_TTL)
+    await assert_held_by(store, make_record, "owner-a")
 
 
 async def test_a_renewal_keeps_a_checkpointed_record_for_the_retention_it_is_given(
