@@ -132,15 +132,6 @@ def _name(handler: Any) -> str:
     return f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', handler)}"
 
 
-def _request_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> HTTPConnection | None:
-    """The request among an endpoint's arguments: a Starlette endpoint's first (after ``self``
-    for an ``HTTPEndpoint``), or a FastAPI endpoint's ``Request`` parameter."""
-    for arg in (*args[:2], *kwargs.values()):
-        if isinstance(arg, HTTPConnection):
-            return arg
-    return None
-
-
 def _refusal(handler: Any, scope: Any, mark: Any) -> UnguardedRequestError:
     route = f"{scope.get('method')} {scope.get('path')}"
     if mark is _UNSEEN:
@@ -204,7 +195,13 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
     test's direct call, or one whose context was lost: the guard keeps its answer, see
     ``Lease.outcome``).
     """
-    request = _request_in(args, kwargs)
+    # The request among its arguments: a Starlette endpoint's first (after ``self`` for an
+    # HTTPEndpoint), or a FastAPI endpoint's Request parameter.
+    request: HTTPConnection | None = None
+    for arg in (*args[:2], *kwargs.values()):
+        if isinstance(arg, HTTPConnection):
+            request = arg
+            break
     scope = GUARDED_SCOPE.get(None)
     if scope is not None:
         if request is not None and GUARD_SCOPE_KEY in request.scope:

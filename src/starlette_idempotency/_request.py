@@ -352,7 +352,11 @@ class GuardedRequest:
         except StoreError as exc:
             await self._on_store_down(exc, body)
             return
-        if not acquired.acquired and self._recovers_across_versions(acquired):
+        if (
+            not acquired.acquired
+            and acquired.lease_expired
+            and self._recovers_across_versions(acquired)
+        ):
             # A dead handler's record of the version before a deploy: this request is its
             # retry (on_fingerprint_change="replay" trusts the key), so recover it under the
             # fingerprint it was stored with; the store takes it over only if, on its clock,
@@ -456,17 +460,16 @@ class GuardedRequest:
         return record.request_fingerprint == fingerprint, None
 
     def _recovers_across_versions(self, held: AcquireResult) -> bool:
-        """Whether ``held``, the answer to an acquire, is a record this request recovers as
-        the same request although the store would not: an ``InProgress`` record with recovery
-        points whose lease ran out (on the store's clock), fingerprinted under another
+        """Whether ``held``, an acquire refused by a record whose lease ran out (on the
+        store's clock), is one this request recovers as the same request although the store
+        would not: an ``InProgress`` record with recovery points, fingerprinted under another
         fingerprint version (a deploy in between), on a route that recovers by its handler and
         trusts the key across versions (``on_fingerprint_change="replay"``). A record of this
         route's own version is never adopted: there the fingerprints decide (the store
         recovers the same request's; another request's is a 422)."""
         record = held.record
         return (
-            bool(held.lease_expired)
-            and record is not None
+            record is not None
             and self._policy.recover
             and self._policy.on_fingerprint_change == "replay"
             and record.status is RecordStatus.IN_PROGRESS
