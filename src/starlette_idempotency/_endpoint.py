@@ -66,9 +66,16 @@ GUARD_SCOPE_KEY = "starlette_idempotency.guard"
 #: The scope the innermost guard passed on, for the ``@idempotent`` wrapper of its request to
 #: find: set by the middleware for each HTTP request, and reset when the app returns.
 GUARDED_SCOPE: ContextVar[Scope] = ContextVar("starlette_idempotency.guarded_scope")
-#: Set on the scope :data:`GUARDED_SCOPE` holds once its request has ended: a task the request
-#: started may outlive it with a copy of its context, which is no later call's guard.
-ENDED_SCOPE_KEY = "starlette_idempotency.ended"
+#: Where the guard puts its :class:`GuardRun` for the request it passes on.
+RUN_SCOPE_KEY = "starlette_idempotency.run"
+
+
+class GuardRun:
+    """One pass of a request through a guard: what tells its scope, and a copy a middleware
+    made of it, from another request's (whose context a task that request started carries
+    into calls made for others), and whether it has ended."""
+
+    ended = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,13 +194,14 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
     Refused unless the guard of the request it runs for (:data:`GUARDED_SCOPE`) guarded it as
     a request to this very wrapper, or passed it on because its method is not guarded and it
     runs for a safe one (a GET, not a PUT a method override made of it). A context that is
-    another request's (a task that request started, running or ended: its guard marked its
-    scope ended) yields to the request among the arguments, and without one is refused. With
+    another request's (a task that request started, running or ended: the guard's
+    :class:`GuardRun` tells) yields to the guarded request among the arguments; without one, a
+    context whose request has ended is refused, and one whose request still runs cannot be
+    told from this call's own (an endpoint without a ``Request``: see ``Lease.outcome``). With
     no guard in the context (a decorator above that runs the endpoint in an executor, which
     copies no context), the request among its arguments says what its guard did; a call that
     brings a request a router dispatched that no guard saw is refused; any other runs (a unit
-    test's direct call, or one whose context was lost: the guard keeps its answer, see
-    ``Lease.outcome``).
+    test's direct call, or one whose context was lost: the guard keeps its answer).
     """
     # The request among its arguments: a Starlette endpoint's first (after ``self`` for an
     # HTTPEndpoint), or a FastAPI endpoint's Request parameter.
@@ -204,20 +212,20 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
             break
     scope = GUARDED_SCOPE.get(None)
     if scope is not None:
+        run: GuardRun = scope[RUN_SCOPE_KEY]
         if request is not None and GUARD_SCOPE_KEY in request.scope:
-            # Its marks tell requests apart: a copy of the scope a middleware made has them.
-            if ENDED_SCOPE_KEY in scope or scope.get(REQUEST_SCOPE_KEY) is not request.scope.get(
-                REQUEST_SCOPE_KEY
-            ):
-                scope = request.scope
-        elif ENDED_SCOPE_KEY in scope:
-            raise UnguardedRequestError(
-                f"@idempotent {_name(handler)} runs in a task an earlier request started, "
-                "with that request's context, after it ended, and takes no Request: it cannot "
-                "tell which request it runs for. Give it a Request parameter, or run it in its "
-                "own request's context (await it there, or hand the task "
-                "contextvars.copy_context() from the request)"
-            )
+            if run.ended or request.scope.get(RUN_SCOPE_KEY) is not run:
+                scope = request.scope  # the context is another request's
+        elif run.ended:
+            if request is None:
+                raise UnguardedRequestError(
+                    f"@idempotent {_name(handler)} runs in a task an earlier request started, "
+                    "with that request's context, after it ended, and takes no Request: it "
+                    "cannot tell which request it runs for. Give it a Request parameter, or "
+                    "run it in its own request's context (await it there, or hand the task "
+                    "contextvars.copy_context() from the request)"
+                )
+            scope = None  # what its request says decides, as with no context
     if scope is None:
         if request is None or "endpoint" not in request.scope:
             return

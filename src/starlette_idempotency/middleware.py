@@ -17,11 +17,12 @@ from starlette.middleware.exceptions import ExceptionMiddleware
 
 from starlette_idempotency._claims import ServedOperation, claimable, code_name
 from starlette_idempotency._endpoint import (
-    ENDED_SCOPE_KEY,
     GUARD_SCOPE_KEY,
     GUARDED_SCOPE,
     METHOD_NOT_GUARDED,
     REQUEST_SCOPE_KEY,
+    RUN_SCOPE_KEY,
+    GuardRun,
 )
 from starlette_idempotency._kept_response import ResponseEncryption, ResponseKeeper
 from starlette_idempotency._keys import KeyScope, KeyScopeResolver
@@ -400,6 +401,7 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
         # The mark tells an @idempotent endpoint that a guard saw its request, and as what;
         # the context variable, how to find it (the endpoint's own arguments need not hold it).
         token = GUARDED_SCOPE.set(scope)
+        scope[RUN_SCOPE_KEY] = run = GuardRun()  # anew: the same scope may come again
         try:
             method = scope["method"]
             if method not in self._methods:
@@ -429,7 +431,7 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
             scope[GUARD_SCOPE_KEY] = route.handler
             await GuardedRequest(self._services, route, key_template, scope, receive, send).start()
         finally:
-            GUARDED_SCOPE.get()[ENDED_SCOPE_KEY] = True  # the scope the request's run set last
+            run.ended = True
             GUARDED_SCOPE.reset(token)
 
     def _unguarded_methods(self, scope: Scope) -> ConfigurationError | None:

@@ -640,14 +640,16 @@ class OneWorker:
                 answer.set_exception(exc)
 
 
+@pytest.mark.parametrize("first_keyed", [True, False], ids=["first-keyed", "first-keyless"])
 @pytest.mark.parametrize("first_running", [False, True], ids=["first-ended", "first-running"])
 async def test_an_endpoint_run_by_a_task_an_earlier_request_started_is_guarded(
-    first_running: bool,
+    first_running: bool, first_keyed: bool
 ) -> None:
     """The task's context is the first request's, whose scope the endpoint took for its guard:
     a request to another route was refused with a 500, and one to the same route marked the
     first request's start, not its own, so a 402 after its write freed the key and every retry
-    ran the endpoint again. The first request may still run (its background task), or not."""
+    ran the endpoint again. The first request may still run (its background task), or not;
+    it may own no key (on a route that does not require one), as it told requests apart."""
     worker = OneWorker()
     first_done = asyncio.Event()
 
@@ -656,13 +658,13 @@ async def test_an_endpoint_run_by_a_task_an_earlier_request_started_is_guarded(
             await first_done.wait()
 
     @worker
-    @idempotent()
+    @idempotent(required=False)
     async def open_account(request: Request) -> Response:
         runs["worker account"] += 1
         return JSONResponse({}, status_code=201, background=BackgroundTask(send_welcome))
 
     @worker
-    @idempotent()
+    @idempotent(required=False)
     async def charge(request: Request) -> Response:
         runs["worker charge"] += 1
         return JSONResponse({"declined": runs["worker charge"]}, status_code=402)
@@ -670,11 +672,12 @@ async def test_an_endpoint_run_by_a_task_an_earlier_request_started_is_guarded(
     routes = [Route("/accounts", open_account, methods=["POST"])]
     routes.append(Route("/charges", charge, methods=["POST"]))
     client = make_client(IdempotencyMiddleware(Starlette(routes=routes), store=MemoryStore()))
-    first = asyncio.create_task(client.post("/accounts", headers=key()))
+    first = asyncio.create_task(client.post("/accounts", headers=key() if first_keyed else {}))
     try:
         await eventually(lambda: worker.task is not None and runs["worker account"] > 0)
         if not first_running:
             assert (await first).status_code == 201
+        keyless = await client.post("/charges")  # its guard holds no lease either
         before, headers = runs["worker charge"], key()
         answers = [await client.post("/charges", headers=headers) for _ in "123"]
     finally:
@@ -682,6 +685,7 @@ async def test_an_endpoint_run_by_a_task_an_earlier_request_started_is_guarded(
         assert (await first).status_code == 201
         assert worker.task is not None
         worker.task.cancel()
+    assert keyless.status_code == 402, keyless.text
     assert [answer.status_code for answer in answers] == [402] * 3, answers[0].text
     assert [answer.headers.get("x-idempotent-replay") for answer in answers] == [
         None,
@@ -721,6 +725,75 @@ async def test_an_endpoint_without_request_run_by_a_task_of_an_ended_request_is_
         assert worker.task is not None
         worker.task.cancel()
     assert runs["worker charge without request"] == 0
+
+
+async def test_a_direct_call_in_a_task_an_ended_request_started_runs_as_written() -> None:
+    """A unit test's call with a Request of its own, in a task a request through the app
+    started: no guard saw its request, so it runs, as a direct call does anywhere else."""
+    worker = OneWorker()
+
+    @worker
+    @idempotent()
+    async def refund(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    app = Starlette(routes=[Route("/refunds", refund, methods=["POST"])])
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore()))
+    try:
+        assert (await client.post("/refunds", headers=key())).status_code == 201
+        own = Request({"type": "http", "method": "POST", "path": "/refunds", "headers": []})
+        assert (await refund(own)).status_code == 201
+    finally:
+        assert worker.task is not None
+        worker.task.cancel()
+
+
+class FallbackToV2:
+    """Outside the guard: a request its app answers 404 is dispatched again, the same scope
+    under ``/v2``, with the body the first dispatch read."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        read: list[Message] = []
+        statuses: list[int] = []
+
+        async def reading() -> Message:
+            read.append(await receive())
+            return read[-1]
+
+        async def probing(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
+        await self.app(scope, reading, probing)
+        assert statuses == [404]
+        scope["path"] = "/v2" + scope["path"]
+
+        async def again() -> Message:
+            return read.pop(0) if read else await receive()
+
+        await self.app(scope, again, send)
+
+
+async def test_a_scope_dispatched_again_through_the_guard_is_guarded() -> None:
+    """The guard marked the scope ended as the first dispatch returned; the second one's
+    endpoint then took its own guard's context for an ended request's and was refused."""
+    app = FastAPI()
+
+    @app.post("/v2/charges", status_code=201)
+    @idempotent()
+    async def charge(body: Amount) -> dict[str, int]:
+        runs["charge v2"] += 1
+        return {"amount": body.amount}
+
+    client = make_client(FallbackToV2(IdempotencyMiddleware(app, store=MemoryStore())))
+    before, headers = runs["charge v2"], key()
+    answers = [await client.post("/charges", json={"amount": 1}, headers=headers) for _ in "12"]
+    assert [answer.status_code for answer in answers] == [201, 201], answers[0].text
+    assert answers[1].headers.get("x-idempotent-replay") == "true"
+    assert runs["charge v2"] == before + 1
 
 
 def login_required(
