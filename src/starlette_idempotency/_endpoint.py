@@ -78,6 +78,11 @@ class GuardRun:
     ended = False
 
 
+#: The run of the request whose scope :data:`GUARDED_SCOPE` holds. Apart from the scope, whose
+#: run a guard inside may replace (nested guards share one scope), as its context resets it.
+GUARD_RUN: ContextVar[GuardRun] = ContextVar("starlette_idempotency.guard_run")
+
+
 @dataclass(frozen=True, slots=True)
 class PassedOn:
     """The guard's mark for a request it passed on unguarded: the methods an ``@idempotent``
@@ -212,11 +217,12 @@ def enter_endpoint(handler: object, args: tuple[Any, ...], kwargs: dict[str, Any
             break
     scope = GUARDED_SCOPE.get(None)
     if scope is not None:
-        run: GuardRun = scope[RUN_SCOPE_KEY]
+        run = GUARD_RUN.get(None)
+        ended = run is not None and run.ended
         if request is not None and GUARD_SCOPE_KEY in request.scope:
-            if run.ended or request.scope.get(RUN_SCOPE_KEY) is not run:
+            if ended or request.scope.get(RUN_SCOPE_KEY) is not run:
                 scope = request.scope  # the context is another request's
-        elif run.ended:
+        elif ended:
             if request is None:
                 raise UnguardedRequestError(
                     f"@idempotent {_name(handler)} runs in a task an earlier request started, "

@@ -17,6 +17,7 @@ from starlette.middleware.exceptions import ExceptionMiddleware
 
 from starlette_idempotency._claims import ServedOperation, claimable, code_name
 from starlette_idempotency._endpoint import (
+    GUARD_RUN,
     GUARD_SCOPE_KEY,
     GUARDED_SCOPE,
     METHOD_NOT_GUARDED,
@@ -402,6 +403,7 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
         # the context variable, how to find it (the endpoint's own arguments need not hold it).
         token = GUARDED_SCOPE.set(scope)
         scope[RUN_SCOPE_KEY] = run = GuardRun()  # anew: the same scope may come again
+        run_token = GUARD_RUN.set(run)
         try:
             method = scope["method"]
             if method not in self._methods:
@@ -432,6 +434,7 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
             await GuardedRequest(self._services, route, key_template, scope, receive, send).start()
         finally:
             run.ended = True
+            GUARD_RUN.reset(run_token)
             GUARDED_SCOPE.reset(token)
 
     def _unguarded_methods(self, scope: Scope) -> ConfigurationError | None:

@@ -796,6 +796,46 @@ async def test_a_scope_dispatched_again_through_the_guard_is_guarded() -> None:
     assert runs["charge v2"] == before + 1
 
 
+class TryMountedFirst:
+    """Inside the outer guard: a request goes to the app mounted under ``/legacy`` first, and
+    on its 404 to the same path under ``/v2``, in the same request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        statuses: list[int] = []
+
+        async def unless_missing(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+            if statuses != [404]:
+                await send(message)
+
+        await self.app(scope, receive, unless_missing)
+        if statuses == [404]:
+            scope["path"] = "/v2" + scope["path"].removeprefix("/legacy")
+            await self.app(scope, receive, send)
+
+
+async def test_a_guard_inside_that_ends_leaves_the_request_of_the_guard_outside() -> None:
+    """The inner guard put its run on the scope both guards share and ended it: the endpoint
+    the request reached next took its context for an ended request's, and was refused."""
+    legacy = FastAPI()
+    app = FastAPI()
+
+    @app.get("/v2/items")
+    @idempotent()
+    async def items() -> dict[str, int]:  # decorated, served for a GET it passes on
+        return {"items": 1}
+
+    app.router.routes.append(Mount("/legacy", IdempotencyMiddleware(legacy, store=MemoryStore())))
+    app.add_middleware(TryMountedFirst)
+    client = make_client(IdempotencyMiddleware(app, store=MemoryStore()))
+    answer = await client.get("/legacy/items")
+    assert (answer.status_code, answer.json()) == (200, {"items": 1})
+
+
 def login_required(
     endpoint: Callable[[Request], Awaitable[Response]],
 ) -> Callable[[Request], Awaitable[Response]]:
