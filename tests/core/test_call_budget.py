@@ -91,21 +91,27 @@ def package_calls() -> Iterator[Counter[tuple[str, str]]]:
 
 async def warm_post(app: FastAPI, *, replay: bool) -> tuple[int, int, str]:
     """Calls and files of one warm guarded POST (a replay of the one before, or a new key),
-    and the calls as a listing for the failure message."""
+    and the calls as a listing for the failure message: the fewest of three, since a POST
+    that meets a whole second its record's times were not yet formatted in makes a call or
+    two more (``_record._FormattedSeconds``), a cost of once a second, not of a request."""
     client = make_client(app)
     for _ in range(3):  # warm: routes resolved, media types and header verdicts known
         await client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": uuid.uuid4().hex})
-    headers = {"Idempotency-Key": uuid.uuid4().hex}
-    if replay:
-        await client.post("/payments", json=PAYMENT, headers=headers)
-    with package_calls() as counted:
-        answer = await client.post("/payments", json=PAYMENT, headers=headers)
-    assert answer.status_code == 201
-    assert (answer.headers.get("x-idempotent-replay") == "true") is replay
+    measured = []
+    for _ in range(3):
+        headers = {"Idempotency-Key": uuid.uuid4().hex}
+        if replay:
+            await client.post("/payments", json=PAYMENT, headers=headers)
+        with package_calls() as counted:
+            answer = await client.post("/payments", json=PAYMENT, headers=headers)
+        assert answer.status_code == 201
+        assert (answer.headers.get("x-idempotent-replay") == "true") is replay
+        measured.append(counted)
+    fewest = min(measured, key=lambda counted: sum(counted.values()))
     shown = "\n".join(
-        f"{n:3d} {Path(file).relative_to(PACKAGE)}:{name}" for (file, name), n in counted.items()
+        f"{n:3d} {Path(file).relative_to(PACKAGE)}:{name}" for (file, name), n in fewest.items()
     )
-    return sum(counted.values()), len({file for file, _ in counted}), shown
+    return sum(fewest.values()), len({file for file, _ in fewest}), shown
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["new key", "replay"])
