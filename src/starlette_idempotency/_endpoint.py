@@ -73,9 +73,11 @@ RUN_SCOPE_KEY = "starlette_idempotency.run"
 class GuardRun:
     """One pass of a request through a guard: what tells its scope, and a copy a middleware
     made of it, from another request's (whose context a task that request started carries
-    into calls made for others), and whether it has ended."""
+    into calls made for others), and whether it has ended. Slotted, set by the guard: no dict
+    per request, and no ``__init__`` call on the request path."""
 
-    ended = False
+    __slots__ = ("ended",)
+    ended: bool
 
 
 #: The run of the request whose scope :data:`GUARDED_SCOPE` holds. Apart from the scope, whose

@@ -403,6 +403,7 @@ class IdempotencyMiddleware(metaclass=_CheckedFirst):
         # the context variable, how to find it (the endpoint's own arguments need not hold it).
         token = GUARDED_SCOPE.set(scope)
         scope[RUN_SCOPE_KEY] = run = GuardRun()  # anew: the same scope may come again
+        run.ended = False
         run_token = GUARD_RUN.set(run)
         try:
             method = scope["method"]
